@@ -1,0 +1,127 @@
+"""FlexAttention over the paged KV pool: the default backend.
+
+Layout: the pool is one long KV sequence, `[1, Hkv, pages * page_size, D]`, and a KV block is a
+page. Queries are laid out per request, `[B, Hq, Lq, D]` (Lq = 1 for decode), and broadcast
+against that single KV sequence. The BlockMask is built on the device straight from the page
+table: for each (request, query block) the pages wholly before its first query row are *full*
+blocks (no mask_mod call), and the pages that reach the block's causal frontier are *partial*
+blocks where the mask_mod runs. Mask memory is B x query blocks x pages per request (on
+the CPU, compiled, x pool pages: Inductor's CPU kernel wants full-width index rows).
+
+The mask_mod is correct on its own over the whole pool (eager flex evaluates it everywhere):
+a KV slot is visible to request b's query row iff its page is b's page at the logical index
+`page_pos[page]`, and its position is not after the query's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from flexsgl.attention.base import ForwardBatch
+from flexsgl.cache.pool import KVPool
+
+Q_BLOCK = 128
+
+# Eager flex (CPU, tests) is a deliberate choice here, not a missed torch.compile.
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+
+
+@dataclass
+class FlexMeta:
+    block_mask: BlockMask
+    q_len: int  # padded query length per request
+    scatter_index: torch.Tensor | None  # packed token -> row of [B * q_len]; None for decode
+
+
+class FlexAttentionBackend:
+    name = "flex"
+
+    def __init__(self, pool: KVPool, pad_q_to_block: bool = False):
+        self.pool = pool
+        # Compiled kernels see fewer distinct shapes when query lengths are padded to a block.
+        self.pad_q_to_block = pad_q_to_block
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        if fb.mode == "decode":
+            q_len, scatter = 1, None
+        else:
+            q_len = fb.max_q_len
+            if self.pad_q_to_block:
+                q_len = -(-q_len // Q_BLOCK) * Q_BLOCK
+            scatter = _scatter_index(fb, q_len)
+        fb.attn = FlexMeta(self.block_mask(fb, q_len), q_len, scatter)
+
+    def block_mask(self, fb: ForwardBatch, q_len: int) -> BlockMask:
+        ps = self.pool.page_size
+        page_table, q_lens = fb.page_table, fb.q_lens
+        b, w = page_table.shape
+        prefix = (fb.seq_lens - q_lens).long()  # tokens already in the cache before this step
+        starts = torch.arange(0, q_len, Q_BLOCK, device=page_table.device)  # [nqb] first row of each block
+        valid = starts[None, :] < q_lens[:, None]
+        first_pos = prefix[:, None] + starts[None, :]
+        last_pos = prefix[:, None] + torch.minimum(starts[None, :] + Q_BLOCK, q_lens[:, None].long()) - 1
+        n_visible = torch.where(valid, last_pos // ps + 1, 0)
+        n_full = torch.where(valid, (first_pos + 1) // ps, 0)
+        cols = torch.arange(w, device=page_table.device)
+        partial_cols = (n_full[..., None] + cols).clamp_(max=w - 1)  # [B, nqb, W]
+        partial_idx = torch.gather(page_table[:, None, :].expand(b, len(starts), w), 2, partial_cols)
+        full_idx = page_table[:, None, :].expand(b, len(starts), w)
+        if page_table.device.type == "cpu" and w < fb.num_kv_pages:
+            # Inductor's CPU flex kernel wants an index row as wide as the KV sequence has blocks.
+            pad = (0, fb.num_kv_pages - w)
+            partial_idx, full_idx = F.pad(partial_idx, pad), F.pad(full_idx, pad)
+        return BlockMask.from_kv_blocks(
+            (n_visible - n_full).to(torch.int32)[:, None],
+            partial_idx[:, None].contiguous(),
+            n_full.to(torch.int32)[:, None],
+            full_idx[:, None].contiguous(),
+            BLOCK_SIZE=(Q_BLOCK, ps),
+            mask_mod=self.mask_mod(fb.page_table, prefix),
+            seq_lengths=(q_len, fb.num_kv_pages * ps),
+            compute_q_blocks=False,
+        )
+
+    def mask_mod(self, page_table: torch.Tensor, prefix: torch.Tensor):
+        ps, page_pos, w = self.pool.page_size, self.pool.page_pos, page_table.shape[1]
+
+        def paged_causal(b, h, q_idx, kv_idx):
+            page = kv_idx // ps
+            logical = page_pos[page]
+            owned = page_table[b, logical.clamp(0, w - 1)] == page
+            return owned & (logical * ps + kv_idx % ps <= prefix[b] + q_idx)
+
+        return paged_causal
+
+    def forward(self, q, k, v, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        self.pool.store(layer, k, v, fb.out_slots)
+        meta: FlexMeta = fb.attn
+        t, hq, d = q.shape
+        b = fb.batch_size
+        if meta.scatter_index is None:
+            qb = q.view(b, 1, hq, d)
+        else:
+            qb = q.new_zeros(b * meta.q_len, hq, d).index_copy_(0, meta.scatter_index, q)
+            qb = qb.view(b, meta.q_len, hq, d)
+        n = fb.num_kv_pages * self.pool.page_size
+        kc, vc = self.pool.k[layer], self.pool.v[layer]
+        kb = kc.view(1, -1, *kc.shape[2:])[:, :n].transpose(1, 2)
+        vb = vc.view(1, -1, *vc.shape[2:])[:, :n].transpose(1, 2)
+        out = flex_attention(qb.transpose(1, 2), kb, vb, block_mask=meta.block_mask, enable_gqa=hq != kb.shape[1])
+        out = out.transpose(1, 2)  # [B, Lq, Hq, D]
+        if meta.scatter_index is None:
+            return out.reshape(t, hq, d)
+        return out.reshape(b * meta.q_len, hq, d).index_select(0, meta.scatter_index)
+
+
+def _scatter_index(fb: ForwardBatch, q_len: int) -> torch.Tensor:
+    """Row of each packed token in the per-request padded layout `[B * q_len]`."""
+    b = fb.batch_size
+    req = torch.repeat_interleave(torch.arange(b, device=fb.q_lens.device), fb.q_lens.long(),
+                                  output_size=fb.num_tokens)
+    within = torch.arange(fb.num_tokens, device=req.device) - fb.q_offsets.long()[req]
+    return req * q_len + within

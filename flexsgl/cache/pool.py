@@ -1,0 +1,80 @@
+"""The paged KV pool and its page allocator: one layout for every attention backend.
+
+Per layer, K and V are `[num_pages, page_size, num_kv_heads, head_dim]` (NHD). A token's slot is
+`page * page_size + offset`. Page 0 is reserved as the dummy page: padded batch rows write there
+and read only there, so real pages are never touched by padding.
+
+`page_pos[p]` is the logical page index that page p holds in the requests using it (a page shared
+through a prefix is at the same index in each of them). FlexAttention's mask reads it to turn a
+physical KV index back into a position.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+DUMMY_PAGE = 0
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool has fewer free pages than asked for."""
+
+
+class PageAllocator:
+    """Free-page bookkeeping on the host. Hands out the lowest free pages first (or shuffled, for tests)."""
+
+    def __init__(self, num_pages: int, shuffle_seed: int | None = None):
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, DUMMY_PAGE, -1))  # a stack: pop() gives the lowest page
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(self._free)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Pages a request may ever use (all but the dummy page)."""
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPagesError(f"asked for {n} KV pages, {len(self._free)} free")
+        out = self._free[len(self._free) - n :][::-1]
+        del self._free[len(self._free) - n :]
+        return out
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        # Zeroed, not empty: masked slots still enter P @ V as p=0 times v, and 0 * NaN is NaN.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.page_pos = torch.zeros(num_pages, dtype=torch.int32, device=device)
+
+    def set_page_positions(self, pages: list[int], first_index: int) -> None:
+        """Record that `pages` hold logical page indices first_index, first_index + 1, ... (host -> device copy)."""
+        if pages:
+            idx = torch.tensor(pages, dtype=torch.long).to(self.page_pos.device, non_blocking=True)
+            vals = torch.arange(first_index, first_index + len(pages), dtype=torch.int32)
+            self.page_pos.index_copy_(0, idx, vals.to(self.page_pos.device, non_blocking=True))
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write k, v `[tokens, Hkv, D]` into their slots."""
+        kc, vc = self.k[layer], self.v[layer]
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v.to(vc.dtype))
+
+    @staticmethod
+    def num_pages_for(tokens: int, page_size: int) -> int:
+        return -(-tokens // page_size)

@@ -1,0 +1,92 @@
+"""Qwen3 (and, with q/k norm off, Llama 3): a dense GQA decoder in plain PyTorch.
+
+Parameter names follow HF's except that q/k/v and gate/up projections are fused; the loader maps
+HF tensors into slices of the fused weights. Tokens arrive packed, `[tokens]`; attention goes
+through the backend that the ForwardBatch carries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flexsgl.config import ModelConfig
+from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, positions, rope: RotaryEmbedding, fb):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = fb.backend.forward(q, k, v, self.layer_id, fb)
+        return self.o_proj(o.reshape(t, self.hq * self.d))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, rope, fb):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, fb)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # HF checkpoint name fragment -> (our fused parameter fragment, shard index)
+    packed_weights = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        c = self.cfg
+        if fused == "qkv_proj":
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
+        """Returns float32 logits of the tokens at `fb.logits_index` (each request's last token)."""
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        for layer in m.layers:
+            x = layer(x, positions, m.rotary, fb)
+        x = m.norm(x[fb.logits_index])
+        return self.lm_head(x).float()
+

@@ -1,0 +1,135 @@
+"""Runs one scheduled batch: builds the ForwardBatch, runs the (compiled) model, samples on the device.
+
+A step copies its host metadata to the device in three packed transfers (from pinned memory on
+CUDA) and copies the sampled tokens back asynchronously; nothing in it waits for the device. The
+host reads a step's tokens only after it has launched the next one (see scheduler.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from flexsgl.attention.base import ForwardBatch
+from flexsgl.cache.pool import DUMMY_PAGE, KVPool
+from flexsgl.sampling import SamplingTensors, sample
+from flexsgl.scheduler import ScheduledBatch
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512)
+
+
+@dataclass
+class StepOutput:
+    batch: ScheduledBatch
+    host_tokens: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def tokens(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_tokens.tolist()
+
+
+class ModelRunner:
+    def __init__(self, model, pool: KVPool, backend, device: torch.device, max_running: int,
+                 max_len: int, compile: bool):
+        self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        self.compiled = compile
+        self.token_buf = torch.zeros(max_running, dtype=torch.long, device=device)  # last token per slot
+        # Compiled steps keep shapes few: decode batches padded to buckets, page tables full width.
+        self.table_width = KVPool.num_pages_for(max_len, pool.page_size) if compile else None
+        self.buckets = [b for b in DECODE_BUCKETS if b < max_running] + [max_running]
+        if compile:
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self._prefill = torch.compile(self._prefill_forward, dynamic=True)
+            self._decode = torch.compile(self._decode_forward, dynamic=False)
+        else:
+            self._prefill, self._decode = self._prefill_forward, self._decode_forward
+
+    def _prefill_forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    def _decode_forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        fb, st, write_slots, n_sampled = self.build(batch)
+        fb.backend = self.backend
+        self.backend.prepare(fb)
+        logits = (self._decode if fb.mode == "decode" else self._prefill)(fb)
+        tokens = sample(logits[:n_sampled], st)
+        self.token_buf.index_copy_(0, write_slots, tokens)
+        if self.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            return StepOutput(batch, host, ready)
+        return StepOutput(batch, tokens, None)
+
+    def build(self, batch: ScheduledBatch):
+        ps = self.pool.page_size
+        reqs, decode = batch.requests, batch.mode == "decode"
+        n_real = len(reqs)
+        pad = 0
+        if decode and self.compiled:
+            pad = next(b for b in self.buckets if b >= n_real) - n_real
+        ids, positions, slots, offsets = [], [], [], []
+        for r, start, n in zip(reqs, batch.starts, batch.num_new):
+            offsets.append(len(positions))
+            if not decode:
+                ids.extend(r.prompt_ids[start:start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(r.pages[p // ps] * ps + p % ps for p in pos)
+        tables = [r.pages for r in reqs] + [[DUMMY_PAGE]] * pad
+        seq_lens = [s + n for s, n in zip(batch.starts, batch.num_new)] + [1] * pad
+        q_lens = list(batch.num_new) + [1] * pad
+        offsets += range(len(positions), len(positions) + pad)
+        positions += [0] * pad
+        slots += [DUMMY_PAGE * ps] * pad
+        width = self.table_width or max(len(t) for t in tables)
+        table = list(chain.from_iterable(t + [DUMMY_PAGE] * (width - len(t)) for t in tables))
+        sampled = [r for r, s in zip(reqs, batch.samples) if s]
+        logits_index = [o + n - 1 for o, n, s in zip(offsets, q_lens, batch.samples) if s]
+        if decode:
+            logits_index = list(range(n_real + pad))  # pad rows too: static shapes; sampled rows come first
+        sp = [r.sampling for r in sampled]
+
+        i32 = self._upload(torch.int32, page_table=table, seq_lens=seq_lens, q_lens=q_lens, q_offsets=offsets)
+        i64 = self._upload(
+            torch.int64, input_ids=ids, positions=positions, out_slots=slots, logits_index=logits_index,
+            decode_slots=[r.slot for r in reqs] + [0] * pad, write_slots=[r.slot for r in sampled],
+            top_k=[p.top_k for p in sp], seed=[r.rng_seed for r in sampled],
+            step=[r.num_scheduled_outputs - 1 for r in sampled])
+        f32 = self._upload(torch.float32, temperature=[p.temperature for p in sp],
+                           top_p=[p.top_p for p in sp], min_p=[p.min_p for p in sp])
+        input_ids = self.token_buf[i64["decode_slots"]] if decode else i64["input_ids"]
+        fb = ForwardBatch(
+            mode=batch.mode, input_ids=input_ids, positions=i64["positions"], out_slots=i64["out_slots"],
+            page_table=i32["page_table"].view(len(tables), width), seq_lens=i32["seq_lens"],
+            q_lens=i32["q_lens"], q_offsets=i32["q_offsets"], logits_index=i64["logits_index"],
+            max_q_len=max(q_lens),
+            num_kv_pages=self.pool.num_pages if self.compiled else max(chain.from_iterable(tables)) + 1,
+        )
+        st = SamplingTensors(
+            temperature=f32["temperature"], top_k=i64["top_k"], top_p=f32["top_p"], min_p=f32["min_p"],
+            seed=i64["seed"], step=i64["step"],
+            all_greedy=all(p.greedy for p in sp),
+            any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sp if not p.greedy),
+        )
+        return fb, st, i64["write_slots"], len(sampled)
+
+    def _upload(self, dtype: torch.dtype, **parts: list) -> dict[str, torch.Tensor]:
+        """One host -> device copy for all `parts`, from pinned memory on CUDA; returns views by name."""
+        flat = list(chain.from_iterable(parts.values()))
+        host = torch.tensor(flat, dtype=dtype, pin_memory=self.device.type == "cuda")
+        dev = host.to(self.device, non_blocking=True)
+        out, at = {}, 0
+        for name, vals in parts.items():
+            out[name] = dev[at:at + len(vals)]
+            at += len(vals)
+        return out

@@ -1,0 +1,71 @@
+"""Token sampling on the device, with no host sync: greedy, temperature, top-k, top-p, min-p.
+
+Randomness is counter-based: the noise for (request seed, output index, vocab id) comes from an
+integer hash, so a request samples the same tokens whatever batch it shares and whichever device
+runs it, and no generator state lives on the host. Sampling is the exponential race: the token is
+argmax(p_i / E_i) with E_i ~ Exp(1), which draws i with probability p_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the device, plus host flags that pick the cheapest path."""
+
+    temperature: torch.Tensor  # [S] float32, 0 = greedy
+    top_k: torch.Tensor  # [S] int64, 0 = off
+    top_p: torch.Tensor  # [S] float32
+    min_p: torch.Tensor  # [S] float32
+    seed: torch.Tensor  # [S] int64
+    step: torch.Tensor  # [S] int64, index of the output token being sampled
+    all_greedy: bool
+    any_filter: bool  # some row uses top-k, top-p or min-p
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche, computed in int64 so every product fits."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def exponential_noise(seed: torch.Tensor, step: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise of shape [S, V] keyed by (seed, step, vocab id). vocab_ids: [V] or [S, V]."""
+    h = _mix32(seed & _MASK32)
+    h = _mix32(h ^ (seed >> 32))
+    h = _mix32(h ^ (step & _MASK32))
+    ids = vocab_ids if vocab_ids.dim() == 2 else vocab_ids[None, :]
+    bits = _mix32(h[:, None] ^ ids) >> 8  # 24 uniform bits
+    u = (bits.float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits [S, V] float32 -> token ids [S] int64."""
+    greedy = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy
+    temp = torch.where(st.temperature > 0, st.temperature, 1.0)
+    probs = torch.softmax(logits / temp[:, None], dim=-1)
+    vocab = logits.shape[-1]
+    if st.any_filter:
+        probs, ids = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=logits.device)
+        k = torch.where(st.top_k > 0, st.top_k, vocab)
+        drop = rank[None, :] >= k[:, None]
+        drop |= (probs.cumsum(dim=-1) - probs) > st.top_p[:, None]  # keep the smallest prefix reaching top_p
+        drop |= probs < st.min_p[:, None] * probs[:, :1]
+        probs = probs.masked_fill(drop, 0.0)
+        choice = (probs / exponential_noise(st.seed, st.step, ids)).argmax(dim=-1)
+        token = ids.gather(1, choice[:, None]).squeeze(1)
+    else:
+        ids = torch.arange(vocab, device=logits.device)
+        token = (probs / exponential_noise(st.seed, st.step, ids)).argmax(dim=-1)
+    return torch.where(st.temperature > 0, token, greedy)

@@ -1,0 +1,29 @@
+"""Tokenizers: the model directory's own through transformers, or raw bytes for presets that ship none."""
+
+from __future__ import annotations
+
+from flexsgl.model.loader import ModelSource
+
+
+class ByteTokenizer:
+    """Token id = byte value (0..255). Used by random-weight presets so text prompts work offline."""
+
+    eos_token_id = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(src: ModelSource):
+    """The model directory's tokenizer, or a byte tokenizer for a dummy preset, or None."""
+    if src.path is not None and any((src.path / f).is_file() for f in
+                                    ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(src.path))
+    if src.path is None and src.config.vocab_size >= 256:
+        return ByteTokenizer()
+    return None

@@ -1,0 +1,1 @@
+"""Kernel overrides for the attention hot spots (imported as flexsgl.overrides)."""
