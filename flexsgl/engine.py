@@ -43,7 +43,7 @@ class LLM:
         self.src = resolve(model or DEFAULT_MODEL, load_format)
         self.config = cfg = self.src.config
         self.dtype = self._pick_dtype(dtype)
-        backend_factory = create_backend(override, cfg, self.device)  # refuses before the model loads
+        backend_factory = create_backend(override, cfg, self.device, page_size)  # refuses before the model loads
         say(f"loading {self.src.name} ({self.src.load_format}, {cfg.num_params() / 1e6:.1f}M params, "
             f"{str(self.dtype).removeprefix('torch.')}, {self.device})")
         self.model = build_model(self.src, self.device, self.dtype, seed, progress=lambda f: say(f"loaded {f}"))

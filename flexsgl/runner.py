@@ -43,7 +43,9 @@ class ModelRunner:
         self.buckets = [b for b in DECODE_BUCKETS if b < max_running] + [max_running]
         if compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self._prefill = torch.compile(self._prefill_forward, dynamic=True)
+            # Prefill shapes vary every step: dynamic on CUDA. Inductor's CPU flex kernel miscompiles
+            # some dynamic shapes (duplicate size symbols), so the CPU recompiles per shape instead.
+            self._prefill = torch.compile(self._prefill_forward, dynamic=device.type == "cuda")
             self._decode = torch.compile(self._decode_forward, dynamic=False)
         else:
             self._prefill, self._decode = self._prefill_forward, self._decode_forward

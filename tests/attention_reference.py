@@ -21,8 +21,9 @@ def random_paged_batch(pool: KVPool, alloc: PageAllocator, specs, hq: int, devic
         total = prefix + new
         pages = alloc.alloc(KVPool.num_pages_for(total, ps))
         pool.set_page_positions(pages, 0)
-        kfull = torch.randn(total, hkv, d, dtype=torch.float64)
-        vfull = torch.randn(total, hkv, d, dtype=torch.float64)
+        # Rounded to the pool's dtype, so the reference sees exactly what the kernel reads.
+        kfull = torch.randn(total, hkv, d, dtype=torch.float64).to(dtype).double()
+        vfull = torch.randn(total, hkv, d, dtype=torch.float64).to(dtype).double()
         s = torch.tensor([pages[p // ps] * ps + p % ps for p in range(total)])
         for layer in range(len(pool.k)):  # the cached prefix, already in the pool
             pool.store(layer, kfull[:prefix].to(device, dtype), vfull[:prefix].to(device, dtype), s[:prefix].to(device))
@@ -38,7 +39,7 @@ def random_paged_batch(pool: KVPool, alloc: PageAllocator, specs, hq: int, devic
     t_total = len(pos)
     knew = torch.cat([dk[p:] for (dk, _), (p, _) in zip(dense, specs)])
     vnew = torch.cat([dv[p:] for (_, dv), (p, _) in zip(dense, specs)])
-    q = torch.randn(t_total, hq, d, dtype=torch.float64)
+    q = torch.randn(t_total, hq, d, dtype=torch.float64).to(dtype).double()
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
     fb = ForwardBatch(
         mode="decode" if all(n == 1 for _, n in specs) else "prefill",

@@ -1,8 +1,10 @@
-"""Tiny random HF checkpoints, saved with save_pretrained so flexsgl's real loading path runs."""
+"""Tiny random HF checkpoints (saved with save_pretrained, so the real loading path runs) and helpers to compare against them."""
 
 from __future__ import annotations
 
 import torch
+
+import flexsgl.runner
 
 
 def make_checkpoint(arch: str, path, seed: int, tie: bool = False, vocab: int = 320):
@@ -28,3 +30,32 @@ def make_checkpoint(arch: str, path, seed: int, tie: bool = False, vocab: int = 
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model
+
+
+def capture_logits(llm, monkeypatch) -> dict[int, list[torch.Tensor]]:
+    """Record, per request id, the logits the sampler saw for it, in step order."""
+    per_req: dict[int, list[torch.Tensor]] = {}
+    step_reqs = []
+    real_sample, real_run = flexsgl.runner.sample, llm.runner.run
+
+    def run(batch):
+        step_reqs.append([r.request_id for r, s in zip(batch.requests, batch.samples) if s])
+        return real_run(batch)
+
+    def sample(logits, st):
+        for row, rid in enumerate(step_reqs[-1]):
+            per_req.setdefault(rid, []).append(logits[row].detach().clone())
+        return real_sample(logits, st)
+
+    monkeypatch.setattr(llm.runner, "run", run)
+    monkeypatch.setattr(flexsgl.runner, "sample", sample)
+    return per_req
+
+
+def hf_reference(hf, prompt, steps):
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # an explicit mask: generate would take token 0 for padding
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                          min_new_tokens=steps, pad_token_id=0)[0, len(prompt):].tolist()
+        logits = hf(torch.tensor([prompt + gen])).logits[0, len(prompt) - 1:-1]
+    return gen, logits

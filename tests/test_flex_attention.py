@@ -21,20 +21,32 @@ CASES = {
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("eager_extent", [False, True])
 def test_flex_matches_float64_reference(case, page_size, eager_extent):
-    specs = CASES[case]
-    rng = random.Random()
-    hq, hkv, d = 4, 2, 16
+    run_backend_case(CASES[case], page_size, FlexAttentionBackend.forward, "cpu", torch.float32,
+                     rtol=1e-4, atol=1e-5, eager_extent=eager_extent)
+
+
+def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, hq=4, hkv=2, d=16):
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
-    pool = KVPool(1, pages, page_size, hkv, d, torch.float32, "cpu")
+    pool = KVPool(1, pages, page_size, hkv, d, dtype, device)
     # Pre-fill the whole pool with noise, so stale slots would show up if the mask let them through.
     pool.k[0].normal_(), pool.v[0].normal_()
-    alloc = PageAllocator(pages, shuffle_seed=rng.randrange(1 << 30))
-    fb, q, k, v, dense = random_paged_batch(pool, alloc, specs, hq, "cpu", torch.float32, rng)
+    alloc = PageAllocator(pages, shuffle_seed=seed)
+    fb, q, k, v, dense = random_paged_batch(pool, alloc, specs, hq, device, dtype, rng)
     if eager_extent:
         fb.num_kv_pages = int(fb.page_table.max()) + 1
-    backend = FlexAttentionBackend(pool)
-    fb.backend = backend
+    backend = FlexAttentionBackend(pool, pad_q_to_block=device != "cpu")
     backend.prepare(fb)
-    out = backend.forward(q.float(), k.float(), v.float(), 0, fb)
+    cast = lambda x: x.to(device, dtype)
+    out = forward(backend, cast(q), cast(k), cast(v), 0, fb)
     ref = dense_attention(q, dense, specs)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("case", ["prefix-extend", "decode"])
+def test_compiled_flex_on_cpu_matches_float64_reference(case):
+    """Compiled flex skips blocks the BlockMask leaves out (eager evaluates the mask everywhere),
+    so this is what checks the full/partial block lists built from the page table."""
+    run_backend_case(CASES[case], 16, torch.compile(FlexAttentionBackend.forward, dynamic=False), "cpu",
+                     torch.float32, rtol=1e-4, atol=1e-5)

@@ -10,45 +10,24 @@ import random
 import pytest
 import torch
 
-import flexsgl.runner
 from flexsgl import LLM, SamplingParams
-from tests.hf_models import make_checkpoint
+from tests.hf_models import capture_logits, hf_reference, make_checkpoint
 
 STEPS = 40
-
-
-def capture_logits(llm, monkeypatch) -> dict[int, list[torch.Tensor]]:
-    """Record, per request id, the logits the sampler saw for it, in step order."""
-    per_req: dict[int, list[torch.Tensor]] = {}
-    step_reqs = []
-    real_sample, real_run = flexsgl.runner.sample, llm.runner.run
-
-    def run(batch):
-        step_reqs.append([r.request_id for r, s in zip(batch.requests, batch.samples) if s])
-        return real_run(batch)
-
-    def sample(logits, st):
-        for row, rid in enumerate(step_reqs[-1]):
-            per_req.setdefault(rid, []).append(logits[row].detach().clone())
-        return real_sample(logits, st)
-
-    monkeypatch.setattr(llm.runner, "run", run)
-    monkeypatch.setattr(flexsgl.runner, "sample", sample)
-    return per_req
-
-
-def hf_reference(hf, prompt, steps):
-    with torch.no_grad():
-        ids = torch.tensor([prompt])  # an explicit mask: generate would take token 0 for padding
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
-                          min_new_tokens=steps, pad_token_id=0)[0, len(prompt):].tolist()
-        logits = hf(torch.tensor([prompt + gen])).logits[0, len(prompt) - 1:-1]
-    return gen, logits
 
 
 @pytest.mark.parametrize("arch,tie", [("qwen3", False), ("qwen3", True), ("llama", False)])
 @pytest.mark.parametrize("page_size,max_batch_tokens", [(16, 8192), (64, 8192), (7, 48)])
 def test_greedy_and_logits_match_hf(tmp_path, monkeypatch, arch, tie, page_size, max_batch_tokens):
+    check_against_hf(tmp_path, monkeypatch, arch, tie, page_size, max_batch_tokens, compile=False, steps=STEPS)
+
+
+def test_compiled_engine_on_cpu_matches_hf(tmp_path, monkeypatch):
+    """torch.compile on the CPU: the block-sparse kernel, so the page-table BlockMasks really count."""
+    check_against_hf(tmp_path, monkeypatch, "qwen3", False, 16, 8192, compile=True, steps=12)
+
+
+def check_against_hf(tmp_path, monkeypatch, arch, tie, page_size, max_batch_tokens, compile, steps):
     seed = random.randrange(1 << 30)
     hf = make_checkpoint(arch, tmp_path, seed, tie=tie)
     hf.config._attn_implementation = "eager"
@@ -57,11 +36,11 @@ def test_greedy_and_logits_match_hf(tmp_path, monkeypatch, arch, tie, page_size,
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in lengths]
 
     llm = LLM(str(tmp_path), device="cpu", page_size=page_size, max_batch_tokens=max_batch_tokens,
-              shuffle_pages=seed)
+              shuffle_pages=seed, compile=compile)
     seen = capture_logits(llm, monkeypatch)
-    outs = llm.generate(prompts, SamplingParams(max_new_tokens=STEPS, temperature=0.0))
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))
     for i, prompt in enumerate(prompts):
-        ref_tokens, ref_logits = hf_reference(hf, prompt, STEPS)
+        ref_tokens, ref_logits = hf_reference(hf, prompt, steps)
         assert outs[i].finish_reason == "length", f"seed={seed}"
         assert outs[i].token_ids == ref_tokens, f"prompt {i} (len {len(prompt)}), seed={seed}"
         ours = torch.stack(seen[outs[i].request_id])

@@ -15,6 +15,7 @@ a KV slot is visible to request b's query row iff its page is b's page at the lo
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -35,7 +36,8 @@ warnings.filterwarnings("ignore", message="flex_attention called without torch.c
 class FlexMeta:
     block_mask: BlockMask
     q_len: int  # padded query length per request
-    scatter_index: torch.Tensor | None  # packed token -> row of [B * q_len]; None for decode
+    # (request, row) of each packed token in the padded `[B, q_len]` layout; None: a plain view does.
+    q_index: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class FlexAttentionBackend:
@@ -45,16 +47,30 @@ class FlexAttentionBackend:
         self.pool = pool
         # Compiled kernels see fewer distinct shapes when query lengths are padded to a block.
         self.pad_q_to_block = pad_q_to_block
+        ps = pool.page_size
+        self.kernel_options = None
+        if pool.page_pos.device.type == "cuda" and ps % 64:  # the kernel's KV tile must divide a page
+            self.kernel_options = {"BLOCK_N": math.gcd(ps, 64)}
+
+    @staticmethod
+    def unsupported(page_size: int, device: torch.device) -> str | None:
+        """Why this backend cannot run with these settings, or None."""
+        if device.type == "cuda" and page_size % 16:
+            return (f"on a GPU, FlexAttention's kernels read a page as one KV block of at least 16 "
+                    f"tokens, so page_size must be a multiple of 16 (got {page_size})")
+        return None
 
     def prepare(self, fb: ForwardBatch) -> None:
         if fb.mode == "decode":
-            q_len, scatter = 1, None
+            q_len = 1
+            # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
+            q_index = _query_index(fb) if fb.input_ids.device.type == "cpu" else None
         else:
             q_len = fb.max_q_len
             if self.pad_q_to_block:
                 q_len = -(-q_len // Q_BLOCK) * Q_BLOCK
-            scatter = _scatter_index(fb, q_len)
-        fb.attn = FlexMeta(self.block_mask(fb, q_len), q_len, scatter)
+            q_index = _query_index(fb)
+        fb.attn = FlexMeta(self.block_mask(fb, q_len), q_len, q_index)
 
     def block_mask(self, fb: ForwardBatch, q_len: int) -> BlockMask:
         ps = self.pool.page_size
@@ -102,26 +118,24 @@ class FlexAttentionBackend:
         meta: FlexMeta = fb.attn
         t, hq, d = q.shape
         b = fb.batch_size
-        if meta.scatter_index is None:
+        if meta.q_index is None:
             qb = q.view(b, 1, hq, d)
         else:
-            qb = q.new_zeros(b * meta.q_len, hq, d).index_copy_(0, meta.scatter_index, q)
-            qb = qb.view(b, meta.q_len, hq, d)
+            qb = q.new_zeros(b, meta.q_len, hq, d).index_put_(meta.q_index, q)
         n = fb.num_kv_pages * self.pool.page_size
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         kb = kc.view(1, -1, *kc.shape[2:])[:, :n].transpose(1, 2)
         vb = vc.view(1, -1, *vc.shape[2:])[:, :n].transpose(1, 2)
-        out = flex_attention(qb.transpose(1, 2), kb, vb, block_mask=meta.block_mask, enable_gqa=hq != kb.shape[1])
+        out = flex_attention(qb.transpose(1, 2), kb, vb, block_mask=meta.block_mask,
+                             enable_gqa=hq != kb.shape[1], kernel_options=self.kernel_options)
         out = out.transpose(1, 2)  # [B, Lq, Hq, D]
-        if meta.scatter_index is None:
+        if meta.q_index is None:
             return out.reshape(t, hq, d)
-        return out.reshape(b * meta.q_len, hq, d).index_select(0, meta.scatter_index)
+        return out[meta.q_index]
 
 
-def _scatter_index(fb: ForwardBatch, q_len: int) -> torch.Tensor:
-    """Row of each packed token in the per-request padded layout `[B * q_len]`."""
-    b = fb.batch_size
-    req = torch.repeat_interleave(torch.arange(b, device=fb.q_lens.device), fb.q_lens.long(),
+def _query_index(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request, row within its padded query block) of each packed token."""
+    req = torch.repeat_interleave(torch.arange(fb.batch_size, device=fb.q_lens.device), fb.q_lens.long(),
                                   output_size=fb.num_tokens)
-    within = torch.arange(fb.num_tokens, device=req.device) - fb.q_offsets.long()[req]
-    return req * q_len + within
+    return req, torch.arange(fb.num_tokens, device=req.device) - fb.q_offsets.long()[req]

@@ -9,14 +9,16 @@ import torch
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.config import ModelConfig
 
-BACKENDS: dict[str, Callable] = {
-    "flex": lambda pool, compiled: FlexAttentionBackend(pool, pad_q_to_block=compiled),
-}
+BACKENDS = {"flex": FlexAttentionBackend}
 
 
-def create_backend(override: str, cfg: ModelConfig, device: torch.device) -> Callable:
+def create_backend(override: str, cfg: ModelConfig, device: torch.device, page_size: int) -> Callable:
     """Check `override` before any weights load; return a factory taking (pool, compiled)."""
     name = "flex" if override == "auto" else override
     if name not in BACKENDS:
         raise ValueError(f"Unknown attention override {override!r}; available: auto, {', '.join(BACKENDS)}.")
-    return BACKENDS[name]
+    cls = BACKENDS[name]
+    reason = cls.unsupported(page_size, device)
+    if reason:
+        raise ValueError(f"Override {override!r} cannot run here: {reason}.")
+    return lambda pool, compiled: cls(pool, pad_q_to_block=compiled)

@@ -1,0 +1,100 @@
+"""The `flexsgl` command line (typer)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="flexsgl: LLM inference on torch.compile + FlexAttention over a paged KV cache.")
+
+
+@app.callback()
+def main() -> None:
+    """Keeps `generate` a subcommand while it is the only one."""
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+class TokenPrinter:
+    """Streams one request's prompt and text to stdout as tokens arrive."""
+
+    def __init__(self, llm, prompt: str):
+        self.llm, self.prompt, self.shown = llm, prompt, ""
+
+    def __call__(self, req) -> None:
+        if self.prompt is not None:
+            sys.stdout.write(self.prompt)
+            self.prompt = None
+        text = self.llm.decode_text(req.output_ids)
+        if text is None:
+            sys.stdout.write(f" {req.output_ids[-1]}")
+        elif not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(self.shown):])
+            self.shown = text
+        sys.stdout.flush()
+
+
+@app.command()
+def generate(
+    prompts: list[str] = typer.Argument(None, help="One or more prompts."),
+    model: str = typer.Option(None, help="Preset, local HF model directory or hub id (default: the embedded model)."),
+    max_new_tokens: int = typer.Option(32, help="Most tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, help="0 for greedy."),
+    top_k: int = typer.Option(0, help="0 turns top-k off."),
+    top_p: float = typer.Option(1.0),
+    min_p: float = typer.Option(0.0),
+    seed: int = typer.Option(None, help="Sampling seed (per request)."),
+    ignore_eos: bool = typer.Option(False, help="Keep generating past EOS."),
+    device: str = typer.Option(None, help="cuda or cpu (default: cuda when there is one)."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    load_format: str = typer.Option("auto", help="auto, safetensors or dummy (random weights)."),
+    override: str = typer.Option("auto", help="Attention backend(s): auto or flex."),
+    page_size: int = typer.Option(64, help="Tokens per KV page."),
+    kv_cache_tokens: int = typer.Option(None, help="KV cache size in tokens (default: sized from free memory)."),
+    compile: bool = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: on CUDA)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the outputs as JSON instead of streaming text."),
+) -> None:
+    """Generate continuations of PROMPTS; one prompt streams its tokens as they come."""
+    from flexsgl import LLM, SamplingParams
+
+    if not prompts:
+        fail("Give at least one prompt, e.g. flexsgl generate \"Return the\".")
+    say = (lambda msg: None) if json_out else (lambda msg: typer.echo(f"[flexsgl] {msg}", err=True))
+    try:
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos)
+        t0 = time.perf_counter()
+        llm = LLM(model, device=device, dtype=dtype, override=override, load_format=load_format,
+                  page_size=page_size, kv_cache_tokens=kv_cache_tokens, compile=compile, progress=say)
+        say(f"ready in {time.perf_counter() - t0:.1f}s")
+        stream = len(prompts) == 1 and not json_out
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, sampling, on_token=TokenPrinter(llm, prompts[0]) if stream else None)
+        elapsed = time.perf_counter() - t1
+    except ValueError as e:
+        fail(str(e))
+    if json_out:
+        typer.echo(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
+                                "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
+                                "finish_reason": o.finish_reason} for p, o in zip(prompts, outs)], indent=2))
+        return
+    if stream:
+        typer.echo("")
+    else:
+        for p, o in zip(prompts, outs):
+            typer.echo(f"{p}{o.text if o.text is not None else ' ' + ' '.join(map(str, o.token_ids))}")
+            typer.echo("---")
+    n = sum(len(o.token_ids) for o in outs)
+    say(f"{n} tokens in {elapsed:.2f}s ({n / max(elapsed, 1e-9):.1f} tok/s); finish: "
+        + ", ".join(sorted({o.finish_reason for o in outs})))
+
+
+if __name__ == "__main__":
+    app()

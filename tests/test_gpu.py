@@ -1,0 +1,70 @@
+"""GPU checks (run on the device machine with `pytest -m gpu`; skipped without CUDA).
+
+bf16 bounds, and why:
+- Attention kernel: inputs are rounded to bf16 before the float64 reference sees them, so the
+  only error is the kernel's own: probabilities rounded to bf16 before P @ V (relative 2^-8 per
+  term, averaging down over the keys) and the output rounded to bf16 (2^-9). Outputs are O(1),
+  so 1e-2 absolute + 1e-2 relative holds with margin and still catches any masking mistake
+  (a wrong visible set moves outputs by O(0.1-1)).
+- Whole model: bf16 logits differ from float32 by the rounding of every activation. The yardstick
+  is transformers' own bf16 run over the same tokens: ours may be off float32 by at most twice
+  what transformers' bf16 is (or 2% of the logit scale, whichever is larger). Greedy tokens must
+  equal float32's argmax at every step where float32's top-2 margin is larger than twice our
+  measured error there; below that margin bf16 noise may legitimately flip the choice.
+"""
+
+import random
+
+import pytest
+import torch
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.attention.flex import FlexAttentionBackend
+from tests.hf_models import capture_logits, make_checkpoint
+from tests.test_flex_attention import CASES, run_backend_case
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_compiled_flex_bf16_matches_float64(case, page_size):
+    forward = torch.compile(FlexAttentionBackend.forward, dynamic=False)
+    run_backend_case(CASES[case], page_size, forward, "cuda", torch.bfloat16, rtol=1e-2, atol=1e-2,
+                     hq=8, hkv=2, d=64)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_bf16_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size):
+    seed = random.randrange(1 << 30)
+    hf = make_checkpoint(arch, tmp_path, seed)
+    hf.config._attn_implementation = "eager"
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 9, 64, 65, 200, 333)]
+    steps = 32
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", page_size=page_size, shuffle_pages=seed)
+    assert llm.compile
+    seen = capture_logits(llm, monkeypatch)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))
+    hf32 = hf.cuda().float()
+    hf16 = make_checkpoint(arch, tmp_path / "copy", seed).cuda().to(torch.bfloat16)
+    hf16.config._attn_implementation = "eager"
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert len(out.token_ids) == steps
+        ids = torch.tensor([prompt + out.token_ids], device="cuda")
+        with torch.no_grad():
+            ref = hf32(ids).logits[0, len(prompt) - 1:-1].float()
+            theirs = hf16(ids).logits[0, len(prompt) - 1:-1].float()
+        ours = torch.stack(seen[out.request_id]).float()
+        scale = ref.abs().max()
+        err = (ours - ref).abs().max(-1).values
+        their_err = (theirs - ref).abs().max()
+        bound = max(2 * their_err.item(), 0.02 * scale.item())
+        assert err.max().item() <= bound, f"prompt {i}: error {err.max():.3g} > {bound:.3g} (seed={seed})"
+        top2 = ref.topk(2, dim=-1).values
+        decisive = (top2[:, 0] - top2[:, 1]) > 2 * err
+        chosen = torch.tensor(out.token_ids, device="cuda")
+        agree = chosen == ref.argmax(-1)
+        assert agree[decisive].all(), f"prompt {i}: greedy token differs where the margin is decisive (seed={seed})"
+        assert decisive.float().mean() > 0.5, f"prompt {i}: too few decisive steps to mean anything (seed={seed})"
