@@ -40,6 +40,13 @@ class TokenPrinter:
             self.shown = text
         sys.stdout.flush()
 
+    def finish(self, token_ids: list[int]) -> None:
+        """Write what was held back (a character cut short by the end of generation)."""
+        text = self.llm.decode_text(token_ids)
+        if text is not None:
+            sys.stdout.write(text[len(self.shown):])
+        sys.stdout.write("\n")
+
 
 @app.command()
 def generate(
@@ -76,7 +83,8 @@ def generate(
         say(f"ready in {time.perf_counter() - t0:.1f}s")
         stream = len(prompts) == 1 and not json_out
         t1 = time.perf_counter()
-        outs = llm.generate(prompts, sampling, on_token=TokenPrinter(llm, prompts[0]) if stream else None)
+        printer = TokenPrinter(llm, prompts[0]) if stream else None
+        outs = llm.generate(prompts, sampling, on_token=printer)
         elapsed = time.perf_counter() - t1
     except ValueError as e:
         fail(str(e))
@@ -86,7 +94,7 @@ def generate(
                                 "finish_reason": o.finish_reason} for p, o in zip(prompts, outs)], indent=2))
         return
     if stream:
-        typer.echo("")
+        printer.finish(outs[0].token_ids)
     else:
         for p, o in zip(prompts, outs):
             typer.echo(f"{p}{o.text if o.text is not None else ' ' + ' '.join(map(str, o.token_ids))}")

@@ -14,7 +14,7 @@ def random_paged_batch(pool: KVPool, alloc: PageAllocator, specs, hq: int, devic
     """specs: list of (prefix_len, new_len). Fills the prefixes' K/V with random values, returns
     (fb, q, k, v, dense) where dense[i] = (K_i, V_i) float64 of the whole sequence of request i."""
     ps = pool.page_size
-    hkv, d = pool.k[0].shape[2], pool.k[0].shape[3]
+    hkv, d = pool.k[0].shape[1], pool.k[0].shape[2]
     tables, dense, ids, pos, slots = [], [], [], [], []
     q_lens, seq_lens, offsets = [], [], []
     for prefix, new in specs:

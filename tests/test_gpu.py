@@ -43,7 +43,8 @@ def test_bf16_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size):
     rng = random.Random(seed)
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 9, 64, 65, 200, 333)]
     steps = 32
-    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", page_size=page_size, shuffle_pages=seed)
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", page_size=page_size, shuffle_pages=seed,
+              kv_cache_tokens=32768)
     assert llm.compile
     seen = capture_logits(llm, monkeypatch)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))

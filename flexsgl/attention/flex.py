@@ -49,7 +49,7 @@ class FlexAttentionBackend:
         self.pad_q_to_block = pad_q_to_block
         ps = pool.page_size
         self.kernel_options = None
-        if pool.page_pos.device.type == "cuda" and ps % 64:  # the kernel's KV tile must divide a page
+        if pool.page_pos.device.type == "cuda" and ps % 128:  # the kernel's KV tile (up to 128) must divide a page
             self.kernel_options = {"BLOCK_N": math.gcd(ps, 64)}
 
     @staticmethod
@@ -123,9 +123,8 @@ class FlexAttentionBackend:
         else:
             qb = q.new_zeros(b, meta.q_len, hq, d).index_put_(meta.q_index, q)
         n = fb.num_kv_pages * self.pool.page_size
-        kc, vc = self.pool.k[layer], self.pool.v[layer]
-        kb = kc.view(1, -1, *kc.shape[2:])[:, :n].transpose(1, 2)
-        vb = vc.view(1, -1, *vc.shape[2:])[:, :n].transpose(1, 2)
+        kb = self.pool.k[layer][None, :n].transpose(1, 2)
+        vb = self.pool.v[layer][None, :n].transpose(1, 2)
         out = flex_attention(qb.transpose(1, 2), kb, vb, block_mask=meta.block_mask,
                              enable_gqa=hq != kb.shape[1], kernel_options=self.kernel_options)
         out = out.transpose(1, 2)  # [B, Lq, Hq, D]

@@ -36,14 +36,14 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
             return ModelSource(model, cfg, None, "dummy")
         if preset["hub"] is None:
             raise ValueError(f"Preset {model!r} has no published weights; use --load-format dummy.")
-        path = _fetch_from_hub(preset["hub"], hint=f"or run the preset with --load-format dummy")
+        path = _fetch_from_hub(preset["hub"], hint="run the preset with --load-format dummy for random weights")
         return ModelSource(model, ModelConfig.from_dir(path), path, "safetensors")
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"Model directory {str(path)!r} has no config.json.")
     elif model.count("/") == 1 and not path.exists() and not model.startswith((".", "/", "~")):
-        path = _fetch_from_hub(model, hint="or pass a local model directory")
+        path = _fetch_from_hub(model, hint="pass a local model directory instead")
     else:
         raise ValueError(
             f"Unknown model {model!r}: not a preset ({', '.join(PRESETS)}), "
@@ -66,7 +66,8 @@ def _fetch_from_hub(repo_id: str, hint: str) -> Path:
         except Exception:
             return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # no network, no such repo, gated repo: all end the same way for the user
-        raise ValueError(f"Could not fetch {repo_id!r} from the hub ({type(e).__name__}); {hint}.") from None
+        raise ValueError(f"Could not fetch {repo_id!r} from the hub (no network, or no such repository: "
+                         f"{type(e).__name__}); {hint}.") from None
 
 
 def _weight_files(path: Path) -> list[Path]:
