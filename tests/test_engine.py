@@ -1,0 +1,124 @@
+"""The engine end to end on tiny HF checkpoints: batching, stopping, loading, tokenizers."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from flexsgl import LLM, SamplingParams
+from tests.hf_models import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    seed = random.randrange(1 << 30)
+    return path, make_checkpoint("qwen3", path, seed), seed
+
+
+def greedy(n):
+    return SamplingParams(max_new_tokens=n, temperature=0.0)
+
+
+def test_continuous_batching_matches_each_request_alone(checkpoint):
+    """Few running slots and a cache too small for all at once: requests wait for pages and slots,
+    join as others finish, and each output equals the same request run by itself."""
+    path, _, seed = checkpoint
+    rng = random.Random(seed)
+    n = 14
+    prompts = [[rng.randrange(300) for _ in range(rng.randrange(1, 60))] for _ in range(n)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 0.9]),
+                             top_p=rng.choice([1.0, 0.8]), seed=rng.randrange(1 << 20)) for _ in range(n)]
+    llm = LLM(str(path), device="cpu", page_size=16, kv_cache_tokens=16 * 12, max_running=3,
+              max_batch_tokens=64, shuffle_pages=seed)
+    together = llm.generate(prompts, params)
+    assert llm.allocator.num_free == llm.allocator.capacity, "pages leaked"
+    for p, sp, out in zip(prompts, params, together):
+        alone = llm.generate([p], sp)[0]
+        assert out.token_ids == alone.token_ids, f"seed={seed}"
+        assert len(out.token_ids) == sp.max_new_tokens and out.finish_reason == "length"
+        assert out.prompt_token_ids == p and out.cached_tokens == 0
+
+
+def test_stop_token_ids_and_eos(checkpoint, tmp_path):
+    path, hf, seed = checkpoint
+    llm = LLM(str(path), device="cpu")
+    for _ in range(20):  # a prompt whose continuation has a token not seen before it, after two
+        prompt = [random.randrange(300) for _ in range(7)]
+        ref = llm.generate([prompt], greedy(12))[0].token_ids
+        stop_at = next((i for i in range(2, 12) if ref[i] not in ref[:i]), None)
+        if stop_at is not None:
+            break
+    assert stop_at is not None, "the model repeats itself on every prompt tried"
+    out = llm.generate([prompt], SamplingParams(
+        max_new_tokens=12, temperature=0.0, stop_token_ids=(ref[stop_at],)))[0]
+    assert out.token_ids == ref[:stop_at + 1] and out.finish_reason == "stop"
+
+    # The same token as the model's EOS (config.json), then with ignore_eos.
+    hf.config.eos_token_id = ref[stop_at]
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu")
+    out = llm.generate([prompt], greedy(12))[0]
+    assert out.token_ids == ref[:stop_at + 1] and out.finish_reason == "stop"
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == ref and out.finish_reason == "length"
+
+
+def test_generation_stops_at_the_context(tmp_path):
+    hf = make_checkpoint("llama", tmp_path, random.randrange(1 << 30))
+    ctx = hf.config.max_position_embeddings
+    prompt = [random.randrange(300) for _ in range(ctx - 3)]
+    out = LLM(str(tmp_path), device="cpu", page_size=64).generate([prompt], greedy(50))[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+def test_sharded_checkpoint_loads_the_same_weights(checkpoint, tmp_path):
+    path, hf, seed = checkpoint
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    prompt = [random.randrange(300) for _ in range(20)]
+    a = LLM(str(path), device="cpu").generate([prompt], greedy(8))[0]
+    b = LLM(str(tmp_path), device="cpu").generate([prompt], greedy(8))[0]
+    assert a.token_ids == b.token_ids
+
+
+def test_missing_weight_is_refused(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, hf, _ = checkpoint
+    hf.config.save_pretrained(tmp_path)
+    weights = load_file(path / "model.safetensors")
+    dropped = "model.layers.1.self_attn.k_proj.weight"
+    del weights[dropped]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks 1 weights"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_text_prompts_use_the_model_directorys_tokenizer(checkpoint, tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path, hf, _ = checkpoint
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = "the quick brown fox jumps over the lazy dog while the cat sleeps in the sun " * 20
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    hf.save_pretrained(tmp_path)
+    hf_tok.save_pretrained(tmp_path)
+
+    prompt = "the lazy cat jumps"
+    out = LLM(str(tmp_path), device="cpu").generate([prompt], greedy(10))[0]
+    ids = hf_tok.encode(prompt)
+    assert out.prompt_token_ids == ids
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        ref = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=10, do_sample=False,
+                          eos_token_id=hf_tok.eos_token_id, pad_token_id=0)[0, len(ids):].tolist()
+    assert out.token_ids == ref
+    assert out.text == hf_tok.decode(ref, skip_special_tokens=True)
