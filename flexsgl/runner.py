@@ -44,9 +44,12 @@ class ModelRunner:
         if compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             # Prefill shapes vary every step: dynamic on CUDA. Inductor's CPU flex kernel miscompiles
-            # some dynamic shapes (duplicate size symbols), so the CPU recompiles per shape instead.
-            self._prefill = torch.compile(self._prefill_forward, dynamic=device.type == "cuda")
-            self._decode = torch.compile(self._decode_forward, dynamic=False)
+            # some dynamic shapes (duplicate size symbols) and cannot take fused epilogues (batch 1),
+            # so on the CPU it recompiles per shape and fuses nothing after attention.
+            cpu = device.type == "cpu"
+            opts = {"epilogue_fusion": False} if cpu else None
+            self._prefill = torch.compile(self._prefill_forward, dynamic=not cpu, options=opts)
+            self._decode = torch.compile(self._decode_forward, dynamic=False, options=opts)
         else:
             self._prefill, self._decode = self._prefill_forward, self._decode_forward
 
