@@ -116,4 +116,7 @@ PRESETS: dict[str, dict] = {
     "tiny": {"hub": None, "config": {**_qwen3(128, 2, 4, 2, 256, True, vocab=512, max_pos=4096, head_dim=32),
                                      "eos_token_id": None, "torch_dtype": "float32"}},
 }
-DEFAULT_MODEL = "tiny"
+# Models shipped inside the package, by name. tiny-docs: a 3.4M-parameter Qwen3 trained by
+# tools/train_tiny.py on the standard library's docstrings (see its training.json).
+EMBEDDED = {"tiny-docs": Path(__file__).parent / "data" / "tiny-docs"}
+DEFAULT_MODEL = "tiny-docs"

@@ -20,7 +20,7 @@ def one_sentence(e: pytest.ExceptionInfo) -> str:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(device="cpu")
+    return LLM("tiny", device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def tiny_config_dir(path):
 ], ids=["model", "dtype", "load-format", "override"])
 def test_bad_llm_arguments(kwargs, words):
     with pytest.raises(ValueError) as e:
-        LLM(device="cpu", **kwargs)
+        LLM(**{"model": "tiny", "device": "cpu", **kwargs})
     assert words.lower() in one_sentence(e).lower()
 
 
@@ -93,7 +93,7 @@ def test_bad_prompts_then_engine_still_works(llm, reference, prompts, words):
 
 
 def test_request_larger_than_the_kv_cache():
-    llm = LLM(device="cpu", kv_cache_tokens=128, page_size=64)
+    llm = LLM("tiny", device="cpu", kv_cache_tokens=128, page_size=64)
     with pytest.raises(ValueError) as e:
         llm.generate(["Hello"], SamplingParams(max_new_tokens=1000))
     assert "cache" in one_sentence(e)

@@ -12,7 +12,7 @@ import pytest
 
 from flexsgl import LLM, SamplingParams
 
-BASE = ["generate", "--device", "cpu"]
+BASE = ["generate", "--device", "cpu", "--model", "tiny"]
 BAD = {
     "unknown-model": ["Hello", "--model", "no-such-model"],
     "empty-prompt": [""],
@@ -49,7 +49,7 @@ def test_json_output(runs):
     assert len(out["token_ids"]) == 4, out
     assert out["prompt_tokens"] == 5 and out["finish_reason"] == "length", out
     # The same greedy run through the Python API gives the same tokens.
-    api = LLM(device="cpu").generate(["Hello"], SamplingParams(max_new_tokens=4, temperature=0))[0]
+    api = LLM("tiny", device="cpu").generate(["Hello"], SamplingParams(max_new_tokens=4, temperature=0))[0]
     assert api.token_ids == out["token_ids"]
     assert api.text == out["text"]
 

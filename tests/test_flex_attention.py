@@ -25,7 +25,8 @@ def test_flex_matches_float64_reference(case, page_size, eager_extent):
                      rtol=1e-4, atol=1e-5, eager_extent=eager_extent)
 
 
-def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, hq=4, hkv=2, d=16):
+def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, compiled=False,
+                     hq=4, hkv=2, d=16):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
@@ -36,7 +37,7 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
     fb, q, k, v, dense = random_paged_batch(pool, alloc, specs, hq, device, dtype, rng)
     if eager_extent:
         fb.num_kv_pages = int(fb.page_table.max()) + 1
-    backend = FlexAttentionBackend(pool, pad_q_to_block=device != "cpu")
+    backend = FlexAttentionBackend(pool, compiled=compiled)
     backend.prepare(fb)
     cast = lambda x: x.to(device, dtype)
     out = forward(backend, cast(q), cast(k), cast(v), 0, fb)
@@ -49,4 +50,4 @@ def test_compiled_flex_on_cpu_matches_float64_reference(case):
     """Compiled flex skips blocks the BlockMask leaves out (eager evaluates the mask everywhere),
     so this is what checks the full/partial block lists built from the page table."""
     run_backend_case(CASES[case], 16, torch.compile(FlexAttentionBackend.forward, dynamic=False), "cpu",
-                     torch.float32, rtol=1e-4, atol=1e-5)
+                     torch.float32, rtol=1e-4, atol=1e-5, compiled=True)

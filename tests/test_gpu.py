@@ -31,7 +31,7 @@ pytestmark = pytest.mark.gpu
 def test_compiled_flex_bf16_matches_float64(case, page_size):
     forward = torch.compile(FlexAttentionBackend.forward, dynamic=False)
     run_backend_case(CASES[case], page_size, forward, "cuda", torch.bfloat16, rtol=1e-2, atol=1e-2,
-                     hq=8, hkv=2, d=64)
+                     compiled=True, hq=8, hkv=2, d=64)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

@@ -43,10 +43,11 @@ class FlexMeta:
 class FlexAttentionBackend:
     name = "flex"
 
-    def __init__(self, pool: KVPool, pad_q_to_block: bool = False):
+    def __init__(self, pool: KVPool, compiled: bool = False):
+        """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
+        fewer shapes); otherwise flex runs eagerly and the mask is evaluated once per step."""
         self.pool = pool
-        # Compiled kernels see fewer distinct shapes when query lengths are padded to a block.
-        self.pad_q_to_block = pad_q_to_block
+        self.compiled = compiled
         ps = pool.page_size
         self.kernel_options = None
         if pool.page_pos.device.type == "cuda" and ps % 128:  # the kernel's KV tile (up to 128) must divide a page
@@ -67,7 +68,7 @@ class FlexAttentionBackend:
             q_index = _query_index(fb) if fb.input_ids.device.type == "cpu" else None
         else:
             q_len = fb.max_q_len
-            if self.pad_q_to_block:
+            if self.compiled:
                 q_len = -(-q_len // Q_BLOCK) * Q_BLOCK
             q_index = _query_index(fb)
         fb.attn = FlexMeta(self.block_mask(fb, q_len), q_len, q_index)
@@ -87,6 +88,15 @@ class FlexAttentionBackend:
         partial_cols = (n_full[..., None] + cols).clamp_(max=w - 1)  # [B, nqb, W]
         partial_idx = torch.gather(page_table[:, None, :].expand(b, len(starts), w), 2, partial_cols)
         full_idx = page_table[:, None, :].expand(b, len(starts), w)
+        mask_mod = self.mask_mod(page_table, prefix)
+        if not self.compiled:
+            # Eager flex evaluates mask_mod over every (query, key) pair in every layer, under four
+            # vmaps whose per-index cost dominates a small model's step: evaluate it once per step.
+            dev = page_table.device
+            visible = mask_mod(torch.arange(b, device=dev)[:, None, None], None,
+                               torch.arange(q_len, device=dev)[None, :, None],
+                               torch.arange(fb.num_kv_pages * ps, device=dev)[None, None, :])
+            mask_mod = lambda b, h, q_idx, kv_idx: visible[b, q_idx, kv_idx]  # noqa: E731
         if page_table.device.type == "cpu" and w < fb.num_kv_pages:
             # Inductor's CPU flex kernel wants an index row as wide as the KV sequence has blocks.
             pad = (0, fb.num_kv_pages - w)
@@ -97,7 +107,7 @@ class FlexAttentionBackend:
             n_full.to(torch.int32)[:, None],
             full_idx[:, None].contiguous(),
             BLOCK_SIZE=(Q_BLOCK, ps),
-            mask_mod=self.mask_mod(fb.page_table, prefix),
+            mask_mod=mask_mod,
             seq_lengths=(q_len, fb.num_kv_pages * ps),
             compute_q_blocks=False,
         )

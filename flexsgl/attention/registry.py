@@ -21,4 +21,4 @@ def create_backend(override: str, cfg: ModelConfig, device: torch.device, page_s
     reason = cls.unsupported(page_size, device)
     if reason:
         raise ValueError(f"Override {override!r} cannot run here: {reason}.")
-    return lambda pool, compiled: cls(pool, pad_q_to_block=compiled)
+    return lambda pool, compiled: cls(pool, compiled=compiled)

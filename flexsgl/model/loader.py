@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flexsgl.config import PRESETS, ModelConfig
+from flexsgl.config import EMBEDDED, PRESETS, ModelConfig
 from flexsgl.model import MODELS
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -38,7 +38,7 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
             raise ValueError(f"Preset {model!r} has no published weights; use --load-format dummy.")
         path = _fetch_from_hub(preset["hub"], hint="run the preset with --load-format dummy for random weights")
         return ModelSource(model, ModelConfig.from_dir(path), path, "safetensors")
-    path = Path(model).expanduser()
+    path = EMBEDDED.get(model) or Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"Model directory {str(path)!r} has no config.json.")
@@ -46,7 +46,7 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
         path = _fetch_from_hub(model, hint="pass a local model directory instead")
     else:
         raise ValueError(
-            f"Unknown model {model!r}: not a preset ({', '.join(PRESETS)}), "
+            f"Unknown model {model!r}: not a preset ({', '.join([*EMBEDDED, *PRESETS])}), "
             "not a local model directory, and not a hub id (org/name)."
         )
     cfg = ModelConfig.from_dir(path)
