@@ -11,13 +11,12 @@ from flexsgl.attention.registry import create_backend
 from flexsgl.cache.pool import KVPool, PageAllocator
 from flexsgl.config import DEFAULT_MODEL
 from flexsgl.model.loader import DTYPES, build_model, resolve
-from flexsgl.request import Request, RequestOutput, SamplingParams
+from flexsgl.request import FinishReason, Request, RequestOutput, SamplingParams
 from flexsgl.runner import ModelRunner
 from flexsgl.scheduler import Scheduler
 from flexsgl.tokenizer import load_tokenizer
 
 CPU_DEFAULT_KV_TOKENS = 16384
-GPU_MEMORY_FRACTION = 0.85
 
 
 class LLM:
@@ -25,9 +24,12 @@ class LLM:
                  override: str = "auto", load_format: str = "auto", page_size: int = 64,
                  kv_cache_tokens: int | None = None, max_batch_tokens: int = 8192, *,
                  max_running: int = 256, compile: bool | None = None, seed: int = 0,
+                 gpu_memory_fraction: float = 0.85,
                  shuffle_pages: int | None = None, progress: Callable[[str], None] | None = None):
         """Load `model` (a preset, a local HF directory or a hub id; None for the embedded default).
 
+        kv_cache_tokens: KV cache size; None sizes it from free memory after the weights load
+            (gpu_memory_fraction of it on CUDA, less room for one step's activations; 16k on CPU).
         compile: torch.compile the model (default: on CUDA, not on CPU).
         shuffle_pages: hand out KV pages in an order shuffled with this seed (tests).
         progress: called with a short message at each loading stage.
@@ -48,7 +50,7 @@ class LLM:
             f"{str(self.dtype).removeprefix('torch.')}, {self.device})")
         self.model = build_model(self.src, self.device, self.dtype, seed, progress=lambda f: say(f"loaded {f}"))
         self.tokenizer = load_tokenizer(self.src)
-        num_pages = self._num_pages(kv_cache_tokens, page_size, max_batch_tokens, max_running)
+        num_pages = self._num_pages(kv_cache_tokens, page_size, max_batch_tokens, max_running, gpu_memory_fraction)
         self.pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                            self.dtype, self.device)
         self.allocator = PageAllocator(num_pages, shuffle_seed=shuffle_pages)
@@ -59,6 +61,9 @@ class LLM:
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device, max_running,
                                   cfg.max_position, self.compile)
         self._ids = itertools.count()
+        self._live: dict[int, Request] = {}  # added and not yet returned by step()
+        self._done: list[Request] = []  # finished, to be returned by the next step()
+        self._pending = None  # the launched step not yet read back
 
     def _pick_dtype(self, dtype: str | None) -> torch.dtype:
         if dtype in (None, "auto"):
@@ -69,7 +74,8 @@ class LLM:
             raise ValueError(f"Unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}.")
         return DTYPES[dtype]
 
-    def _num_pages(self, kv_tokens: int | None, page_size: int, max_batch_tokens: int, max_running: int) -> int:
+    def _num_pages(self, kv_tokens: int | None, page_size: int, max_batch_tokens: int, max_running: int,
+                   fraction: float) -> int:
         cfg = self.config
         if kv_tokens is None:
             if self.device.type == "cuda":
@@ -78,7 +84,7 @@ class LLM:
                 # Room for one step's activations: the widest layer over the token budget, and logits.
                 act = max_batch_tokens * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * itemsize * 2
                 act += max_running * cfg.vocab_size * 4 * 4 + (1 << 30)
-                kv_tokens = int((free * GPU_MEMORY_FRACTION - act) // cfg.kv_bytes_per_token(itemsize))
+                kv_tokens = int((free * fraction - act) // cfg.kv_bytes_per_token(itemsize))
             else:
                 kv_tokens = CPU_DEFAULT_KV_TOKENS
         pages = KVPool.num_pages_for(kv_tokens, page_size) + 1  # + the dummy page
@@ -109,13 +115,54 @@ class LLM:
         eos = self.config.eos_token_ids
         if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos = (self.tokenizer.eos_token_id,)
-        req = Request(next(self._ids), ids, sampling, eos, ctx)
-        need, have = self.scheduler.pages_needed(req), self.allocator.capacity
-        if need > have:
-            raise ValueError(f"Prompt {index} needs {need * self.pool.page_size} KV slots (prompt plus "
-                             f"max_new_tokens), more than the whole cache holds ({have * self.pool.page_size}); "
-                             "raise kv_cache_tokens or lower max_new_tokens.")
-        return req
+        return Request(next(self._ids), ids, sampling, eos, ctx)
+
+    def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
+                    on_token: Callable[[Request], None] | None = None) -> int:
+        """Queue one request; returns its id. Malformed input raises ValueError; a request that can
+        never run here (longer than the context or the whole cache) finishes at once as "refused",
+        with the reason in its output's `error`."""
+        return self._add(self.make_request(prompt, sampling or SamplingParams()), on_token)
+
+    def _add(self, req: Request, on_token) -> int:
+        req.on_token = on_token
+        self._live[req.request_id] = req
+        reason = self.scheduler.refusal(req)
+        if reason is None:
+            self.scheduler.add(req)
+        else:
+            self.scheduler.finish(req, FinishReason.REFUSED, f"Request refused: {reason}.")
+            self._done.append(req)
+        return req.request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request; it finishes with reason "abort" and keeps the tokens it has."""
+        req = self._live.get(request_id)
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, FinishReason.ABORT)
+            self._done.append(req)
+
+    def step(self) -> list[RequestOutput]:
+        """Launch one step and read back the previous one; returns the requests that finished."""
+        batch = self.scheduler.schedule()
+        launched = self.runner.run(batch) if batch is not None else None
+        if self._pending is not None:  # read the previous step while this one runs
+            self._done += self.scheduler.process(self._pending.batch, self._pending.tokens())
+        elif launched is None and self.scheduler.has_unfinished:
+            raise RuntimeError("The scheduler has unfinished requests but nothing it can run.")
+        self._pending = launched
+        done, self._done = self._done, []
+        for r in done:
+            del self._live[r.request_id]
+        return [self._output(r) for r in done]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or self._pending is not None or bool(self._done)
+
+    def stats(self) -> dict:
+        """Counters: prefix-cache hit tokens, preemptions, evicted pages, steps, pages free/cached/running."""
+        return self.scheduler.stats()
 
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_token: Callable[[Request], None] | None = None) -> list[RequestOutput]:
@@ -130,22 +177,11 @@ class LLM:
         if len(sampling) != len(prompts):
             raise ValueError(f"Got {len(sampling)} SamplingParams for {len(prompts)} prompts.")
         reqs = [self.make_request(p, s, i) for i, (p, s) in enumerate(zip(prompts, sampling))]
-        for r in reqs:
-            r.on_token = on_token
-            self.scheduler.add(r)
-        self._run_until_done()
-        return [self._output(r) for r in reqs]
-
-    def _run_until_done(self) -> None:
-        pending = None
-        while self.scheduler.has_unfinished or pending is not None:
-            batch = self.scheduler.schedule()
-            launched = self.runner.run(batch) if batch is not None else None
-            if pending is not None:  # read the previous step while this one runs
-                self.scheduler.process(pending.batch, pending.tokens())
-            elif launched is None:
-                raise RuntimeError("The scheduler has unfinished requests but nothing it can run.")
-            pending = launched
+        ids = [self._add(r, on_token) for r in reqs]
+        outs = {}
+        while len(outs) < len(ids) or self.has_unfinished:
+            outs.update((o.request_id, o) for o in self.step())
+        return [outs[i] for i in ids]
 
     def _output(self, req: Request) -> RequestOutput:
         out = req.output()

@@ -47,7 +47,9 @@ def _is_int(x) -> bool:
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token id
-    LENGTH = "length"  # max_new_tokens or the model's context
+    LENGTH = "length"  # max_new_tokens
+    ABORT = "abort"  # aborted by the caller
+    REFUSED = "refused"  # can never run here (see RequestOutput.error)
 
 
 class State(enum.Enum):
@@ -64,6 +66,7 @@ class RequestOutput:
     finish_reason: str | None
     cached_tokens: int = 0
     text: str | None = None
+    error: str | None = None  # why a refused request was refused
 
     @property
     def prompt_tokens(self) -> int:
@@ -74,9 +77,10 @@ class RequestOutput:
 class Request:
     """One prompt's life in the engine. All fields are host-side bookkeeping.
 
-    `num_computed` counts tokens whose K/V have been scheduled into the pool (prompt chunks and
-    decode inputs); `num_scheduled_outputs` counts tokens the device has been asked to sample, which
-    runs one step ahead of `output_ids` (tokens the host has read back).
+    `fill_ids` are the tokens to prefill when (re)admitted: the prompt, or after a preemption the
+    prompt plus every output so far. `num_computed` counts tokens whose K/V have been scheduled
+    into the pool (fill chunks and decode inputs); `num_scheduled_outputs` counts tokens the device
+    has been asked to sample, which runs one step ahead of `output_ids` (tokens read back).
     """
 
     request_id: int
@@ -92,12 +96,20 @@ class Request:
     num_scheduled_outputs: int = 0
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
+    error: str | None = None
     slot: int = -1  # row in the runner's per-request device state while running
+    prefix_node: object = None  # the radix-cache node this request holds locked
+    fill_ids: list[int] = field(default_factory=list)
     on_token: object = None  # optional callback(request) after each new token
 
     def __post_init__(self):
         if self.sampling.seed is not None:
             self.rng_seed = self.sampling.seed
+        self.fill_ids = self.prompt_ids
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
     def prompt_len(self) -> int:
@@ -106,11 +118,11 @@ class Request:
     @property
     def target_len(self) -> int:
         """The most tokens this request can hold: prompt plus every output it may produce."""
-        return min(self.prompt_len + self.sampling.max_new_tokens, self.max_len)
+        return self.prompt_len + self.sampling.max_new_tokens
 
     @property
     def prefilled(self) -> bool:
-        return self.num_computed >= self.prompt_len
+        return self.num_computed >= len(self.fill_ids)
 
     @property
     def finished(self) -> bool:
@@ -122,7 +134,7 @@ class Request:
         stops = self.sampling.stop_token_ids + (() if self.sampling.ignore_eos else self.eos_ids)
         if token in stops:
             self.finish_reason = FinishReason.STOP
-        elif self.prompt_len + len(self.output_ids) >= self.target_len:
+        elif len(self.output_ids) >= self.sampling.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
         if self.on_token is not None:
             self.on_token(self)
@@ -134,4 +146,5 @@ class Request:
             token_ids=list(self.output_ids),
             finish_reason=self.finish_reason.value if self.finish_reason else None,
             cached_tokens=self.cached_tokens,
+            error=self.error,
         )

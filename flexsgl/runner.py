@@ -86,7 +86,7 @@ class ModelRunner:
         for r, start, n in zip(reqs, batch.starts, batch.num_new):
             offsets.append(len(positions))
             if not decode:
-                ids.extend(r.prompt_ids[start:start + n])
+                ids.extend(r.fill_ids[start:start + n])
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(r.pages[p // ps] * ps + p % ps for p in pos)

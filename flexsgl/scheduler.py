@@ -1,22 +1,31 @@
-"""Continuous batching: each step is a prefill batch (chunked to the token budget) or a decode batch.
+"""Continuous batching over a paged KV pool with a radix prefix cache.
 
-Admission is first come, first served, while the per-step token budget, the running-batch limit
-and free KV pages allow. A request reserves the pages for its whole life (prompt plus every token
-it may produce) when admitted, so a running request never waits for memory.
+Each step is a prefill batch or a decode batch. While requests are decoding and prompts wait,
+the two alternate, so a long prompt (prefilled in chunks of at most `max_batch_tokens`) never
+stalls the running requests for more than one step at a time.
+
+Admission is first come, first served: a request reuses the whole pages of its longest cached
+prefix and is admitted while the per-step budget, the running-batch limit and pages allow (free
+pages plus unreferenced cached ones, less one page of headroom per running request). Pages are
+taken as tokens need them. When a decode step needs a page and none is free even after evicting
+the cache, the most recently admitted running request is preempted: its computed pages go to the
+cache, and it is recomputed later from its prompt plus the tokens it already produced.
 
 The host runs one step ahead of what it has read back: `schedule()` may decode a request whose
-last token the host has not seen yet (the device has it), and `process()` of a step happens after
-the next step is launched. A request that finished in the step being processed may therefore sit
-in the step already launched; its result there is ignored.
+last token the host has not seen yet (the device has it), and a step is `process()`ed after the
+next one is launched. So a request that finished in the step being processed may sit in the step
+already launched (its result there is ignored), and a preempted request still receives the token
+of the step it was in before it is readmitted (readmission happens one schedule() later).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from flexsgl.cache.pool import KVPool, PageAllocator
-from flexsgl.request import Request, State
+from flexsgl.cache.radix import RadixCache
+from flexsgl.request import FinishReason, Request, State
 
 
 @dataclass
@@ -30,16 +39,30 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pool: KVPool, allocator: PageAllocator, max_batch_tokens: int, max_running: int):
-        self.pool = pool
-        self.allocator = allocator
+        self.pool, self.allocator = pool, allocator
+        self.ps = pool.page_size
+        self.cache = RadixCache(self.ps)
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(max_running - 1, -1, -1))
+        self._last_was_prefill = False
+        self.counters = Counter()
 
-    def pages_needed(self, req: Request) -> int:
-        return KVPool.num_pages_for(req.target_len, self.pool.page_size)
+    # ---- bookkeeping the engine reads
+
+    def refusal(self, req: Request) -> str | None:
+        """Why `req` can never run here, or None."""
+        ctx = req.max_len
+        if req.target_len > ctx:
+            return (f"the prompt ({req.prompt_len} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
+                    f"exceeds the model's context of {ctx} tokens")
+        need = KVPool.num_pages_for(req.target_len, self.ps)
+        if need > self.allocator.capacity:
+            return (f"the prompt plus max_new_tokens needs {need * self.ps} KV slots, more than the whole "
+                    f"cache holds ({self.allocator.capacity * self.ps})")
+        return None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -48,43 +71,128 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def stats(self) -> dict:
+        used = sum(len(r.pages) for r in self.running)
+        return {**self.counters, "pages_free": self.allocator.num_free, "pages_cached": self.cache.num_pages,
+                "pages_running": used, "running": len(self.running), "waiting": len(self.waiting)}
+
+    # ---- pages
+
+    def _available(self) -> int:
+        return self.allocator.num_free + self.cache.num_evictable
+
+    def _take_pages(self, n: int) -> list[int] | None:
+        if n > self.allocator.num_free:
+            evicted = self.cache.evict(n - self.allocator.num_free)
+            self.counters["evicted_pages"] += len(evicted)
+            self.allocator.free(evicted)
+        return self.allocator.alloc(n) if n <= self.allocator.num_free else None
+
+    def _grow(self, r: Request, tokens: int) -> bool:
+        """Give r pages for its first `tokens` tokens; False if the pool cannot."""
+        n = KVPool.num_pages_for(tokens, self.ps) - len(r.pages)
+        if n <= 0:
+            return True
+        pages = self._take_pages(n)
+        if pages is None:
+            return False
+        self.pool.set_page_positions(pages, len(r.pages))
+        r.pages += pages
+        return True
+
+    def _grow_or_preempt(self, r: Request, tokens: int) -> bool:
+        """Like _grow, preempting the most recently admitted requests (r itself last) for pages."""
+        while not self._grow(r, tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is r:
+                return False
+        return True
+
+    def _release(self, r: Request) -> None:
+        """Hand r's computed whole pages to the cache, free the rest, drop its lock and slot."""
+        computed = r.all_ids[: r.num_computed]
+        n_full = min(len(computed) // self.ps, len(r.pages))
+        self.allocator.free(self.cache.insert(computed, r.pages[:n_full]) + r.pages[n_full:])
+        if r.prefix_node is not None:
+            self.cache.unlock(r.prefix_node)
+        r.pages, r.prefix_node = [], None
+        self._free_slots.append(r.slot)
+        r.slot = -1
+        self.running.remove(r)
+
+    # ---- scheduling
+
     def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        decode_ready = any(self._decodable(r) for r in self.running)
+        if decode_ready and self._last_was_prefill:
+            batch = self._schedule_decode() or self._schedule_prefill()
+        else:
+            batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is not None:
+            self._last_was_prefill = batch.mode == "prefill"
+            self.counters[f"{batch.mode}_steps"] += 1
+        return batch
+
+    def _decodable(self, r: Request) -> bool:
+        return r.prefilled and r.finish_reason is None and r.prompt_len + r.num_scheduled_outputs < r.target_len
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_batch_tokens
-        reqs, num_new = [], []
-        for r in self.running:  # prompts already admitted and partly prefilled go first
-            if not r.prefilled and budget > 0:
-                n = min(r.prompt_len - r.num_computed, budget)
-                reqs.append(r), num_new.append(n)
+        reqs, starts, num_new = [], [], []
+
+        def take(r: Request) -> None:
+            nonlocal budget
+            n = min(len(r.fill_ids) - r.num_computed, budget)
+            if self._grow_or_preempt(r, r.num_computed + n):
+                reqs.append(r), starts.append(r.num_computed), num_new.append(n)
                 budget -= n
+
+        for r in list(self.running):  # admitted requests still filling go first
+            if r.state is State.RUNNING and not r.prefilled and budget > 0:
+                take(r)
+        reqs_ok = lambda: [i for i, r in enumerate(reqs) if r.state is State.RUNNING]  # noqa: E731
         while self.waiting and budget > 0 and self._free_slots:
             r = self.waiting[0]
-            need = self.pages_needed(r)
-            if need > self.allocator.num_free:
+            if r.num_scheduled_outputs > len(r.output_ids):
+                break  # preempted with a token still in flight: readmit once it is read back
+            r.fill_ids = r.all_ids
+            pages, node = self.cache.match(r.fill_ids[: len(r.fill_ids) - 1])  # compute at least one token
+            first_chunk = min(len(r.fill_ids) - len(pages) * self.ps, budget)
+            need = KVPool.num_pages_for(len(pages) * self.ps + first_chunk, self.ps) - len(pages)
+            headroom = len(self.running) if self.running else 0
+            matched_evictable = sum(len(n.pages) for n in _path(node) if n.ref == 0)
+            if need + headroom > self._available() - matched_evictable:
                 break
             self.waiting.popleft()
-            r.pages = self.allocator.alloc(need)
-            self.pool.set_page_positions(r.pages, 0)
+            self.cache.lock(node)
+            r.prefix_node, r.pages = node, list(pages)
+            r.num_computed = len(pages) * self.ps
+            r.num_scheduled_outputs = len(r.output_ids)
+            if not r.output_ids:  # a first admission, not a readmission after preemption
+                r.cached_tokens = r.num_computed
             r.slot = self._free_slots.pop()
             r.state = State.RUNNING
             self.running.append(r)
-            n = min(r.prompt_len, budget)
-            reqs.append(r), num_new.append(n)
-            budget -= n
+            take(r)
+            if r.state is not State.RUNNING:
+                break  # it could not get its pages after all (it is back at the head of the queue)
+        keep = reqs_ok()  # a request preempted after it was taken leaves this batch
+        reqs, starts, num_new = [reqs[i] for i in keep], [starts[i] for i in keep], [num_new[i] for i in keep]
         if not reqs:
             return None
-        starts = [r.num_computed for r in reqs]
-        samples = [r.num_computed + n == r.prompt_len for r, n in zip(reqs, num_new)]
+        samples = [s + n == len(r.fill_ids) for r, s, n in zip(reqs, starts, num_new)]
         for r, n, s in zip(reqs, num_new, samples):
             r.num_computed += n
             r.num_scheduled_outputs += s
         return ScheduledBatch("prefill", reqs, starts, num_new, samples)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        reqs = [r for r in self.running if r.prefilled and r.finish_reason is None
-                and r.prompt_len + r.num_scheduled_outputs < r.target_len]
+        reqs = []
+        for r in list(self.running):
+            if r.state is State.RUNNING and self._decodable(r) and self._grow_or_preempt(r, r.num_computed + 1):
+                reqs.append(r)
+        reqs = [r for r in reqs if r.state is State.RUNNING]  # some were preempted for later ones
         if not reqs:
             return None
         starts = [r.num_computed for r in reqs]
@@ -94,6 +202,15 @@ class Scheduler:
         n = len(reqs)
         return ScheduledBatch("decode", reqs, starts, [1] * n, [True] * n)
 
+    def _preempt(self, r: Request) -> None:
+        self._release(r)
+        r.state = State.WAITING
+        r.num_computed = 0
+        self.waiting.appendleft(r)
+        self.counters["preemptions"] += 1
+
+    # ---- results and endings
+
     def process(self, batch: ScheduledBatch, tokens: list[int]) -> list[Request]:
         """Hand a step's sampled tokens to their requests; returns the requests that finished."""
         done = []
@@ -102,15 +219,24 @@ class Scheduler:
             if r.finished:
                 continue  # it finished in an earlier step; this token was computed one step ahead
             r.append(tok)
+            if len(r.output_ids) == 1:
+                self.counters["prompt_tokens"] += r.prompt_len
+                self.counters["prefix_hit_tokens"] += r.cached_tokens
             if r.finish_reason is not None:
-                self._finish(r)
+                self.finish(r, r.finish_reason)
                 done.append(r)
         return done
 
-    def _finish(self, r: Request) -> None:
-        r.state = State.FINISHED
-        self.running.remove(r)
-        self.allocator.free(r.pages)
-        r.pages = []
-        self._free_slots.append(r.slot)
-        r.slot = -1
+    def finish(self, r: Request, reason: FinishReason, error: str | None = None) -> None:
+        if r.state is State.RUNNING:
+            self._release(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        r.finish_reason, r.error, r.state = reason, error, State.FINISHED
+        self.counters[f"finished_{reason.value}"] += 1
+
+
+def _path(node):
+    while node is not None and node.parent is not None:
+        yield node
+        node = node.parent

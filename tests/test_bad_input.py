@@ -92,10 +92,9 @@ def test_bad_prompts_then_engine_still_works(llm, reference, prompts, words):
     assert llm.generate([prompt], GREEDY)[0].token_ids == tokens, f"prompt={prompt}"
 
 
-def test_request_larger_than_the_kv_cache():
+def test_request_larger_than_the_kv_cache_is_refused_with_a_reason():
     llm = LLM("tiny", device="cpu", kv_cache_tokens=128, page_size=64)
-    with pytest.raises(ValueError) as e:
-        llm.generate(["Hello"], SamplingParams(max_new_tokens=1000))
-    assert "cache" in one_sentence(e)
-    out = llm.generate(["Hello"], SamplingParams(max_new_tokens=8))[0]
-    assert len(out.token_ids) == 8 and out.finish_reason == "length"
+    refused, ok = llm.generate(["Hello", "Hello"], [SamplingParams(max_new_tokens=1000), SamplingParams(max_new_tokens=8)])
+    assert refused.finish_reason == "refused" and not refused.token_ids
+    assert "cache" in refused.error and "\n" not in refused.error and refused.error.endswith(".")
+    assert len(ok.token_ids) == 8 and ok.finish_reason == "length"

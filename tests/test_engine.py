@@ -33,12 +33,20 @@ def test_continuous_batching_matches_each_request_alone(checkpoint):
     llm = LLM(str(path), device="cpu", page_size=16, kv_cache_tokens=16 * 12, max_running=3,
               max_batch_tokens=64, shuffle_pages=seed)
     together = llm.generate(prompts, params)
-    assert llm.allocator.num_free == llm.allocator.capacity, "pages leaked"
+    assert_no_page_leak(llm)
     for p, sp, out in zip(prompts, params, together):
         alone = llm.generate([p], sp)[0]
         assert out.token_ids == alone.token_ids, f"seed={seed}"
         assert len(out.token_ids) == sp.max_new_tokens and out.finish_reason == "length"
         assert out.prompt_token_ids == p and out.cached_tokens == 0
+
+
+def assert_no_page_leak(llm):
+    """At rest every page is free or in the prefix cache, unreferenced."""
+    cache = llm.scheduler.cache
+    cache.check()
+    assert llm.allocator.num_free + cache.num_pages == llm.allocator.capacity, "pages leaked"
+    assert cache.num_evictable == cache.num_pages, "a finished request still holds a cache lock"
 
 
 def test_stop_token_ids_and_eos(checkpoint, tmp_path):
@@ -65,12 +73,16 @@ def test_stop_token_ids_and_eos(checkpoint, tmp_path):
     assert out.token_ids == ref and out.finish_reason == "length"
 
 
-def test_generation_stops_at_the_context(tmp_path):
+def test_requests_that_cannot_fit_are_refused_while_the_rest_run(tmp_path):
     hf = make_checkpoint("llama", tmp_path, random.randrange(1 << 30))
     ctx = hf.config.max_position_embeddings
-    prompt = [random.randrange(300) for _ in range(ctx - 3)]
-    out = LLM(str(tmp_path), device="cpu", page_size=64).generate([prompt], greedy(50))[0]
-    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    llm = LLM(str(tmp_path), device="cpu", page_size=64, kv_cache_tokens=ctx // 2)
+    short = [random.randrange(300) for _ in range(5)]
+    long = [random.randrange(300) for _ in range(ctx * 3 // 4)]
+    over_ctx, over_cache, fits = llm.generate([short, long, short], [greedy(ctx), greedy(3), greedy(3)])
+    assert over_ctx.finish_reason == "refused" and "context" in over_ctx.error and not over_ctx.token_ids
+    assert over_cache.finish_reason == "refused" and "whole cache" in over_cache.error
+    assert fits.finish_reason == "length" and len(fits.token_ids) == 3
 
 
 def test_sharded_checkpoint_loads_the_same_weights(checkpoint, tmp_path):
