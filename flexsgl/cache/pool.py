@@ -68,9 +68,12 @@ class KVPool:
     def set_page_positions(self, pages: list[int], first_index: int) -> None:
         """Record that `pages` hold logical page indices first_index, first_index + 1, ... (host -> device copy)."""
         if pages:
-            idx = torch.tensor(pages, dtype=torch.long).to(self.page_pos.device, non_blocking=True)
-            vals = torch.arange(first_index, first_index + len(pages), dtype=torch.int32)
-            self.page_pos.index_copy_(0, idx, vals.to(self.page_pos.device, non_blocking=True))
+            # From pinned memory: a copy from pageable memory would wait for the device to drain.
+            pin = self.page_pos.device.type == "cuda"
+            idx = torch.tensor(pages, dtype=torch.long, pin_memory=pin)
+            vals = torch.arange(first_index, first_index + len(pages), dtype=torch.int32, pin_memory=pin)
+            dev = self.page_pos.device
+            self.page_pos.index_copy_(0, idx.to(dev, non_blocking=True), vals.to(dev, non_blocking=True))
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write k, v `[tokens, Hkv, D]` into their slots."""
