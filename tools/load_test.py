@@ -40,9 +40,10 @@ def main():
     ap.add_argument("--check-alone", type=int, default=0, metavar="N",
                     help="compare the first N requests' outputs with lone runs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
-              page_size=args.page_size, max_running=args.max_running, progress=print)
+              page_size=args.page_size, max_running=args.max_running, compile=args.compile, progress=print)
     prompts, params = workload(random.Random(args.seed), args.requests, llm.config.vocab_size,
                                args.max_prompt, args.max_new)
     t = time.perf_counter()
@@ -60,6 +61,7 @@ def main():
     print("stats:", json.dumps(stats))
     if args.check_alone:
         alone = LLM(args.model, load_format="dummy", dtype=args.dtype, page_size=args.page_size, max_running=1,
+                    compile=args.compile,
                     kv_cache_tokens=args.max_prompt + args.max_new + args.page_size)
         n = min(args.check_alone, len(outs))
         diff = [i for i, (p, sp, o) in enumerate(zip(prompts[:n], params[:n], outs[:n]))
