@@ -39,13 +39,15 @@ class LLM:
             raise ValueError(f"page_size must be at least 1, got {page_size}.")
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be at least 1.")
+        if not 0.0 < gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}.")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("Device 'cuda' was asked for, but this machine has no CUDA GPU.")
         self.src = resolve(model or DEFAULT_MODEL, load_format)
         self.config = cfg = self.src.config
         self.dtype = self._pick_dtype(dtype)
-        backend_factory = create_backend(override, cfg, self.device, page_size)  # refuses before the model loads
+        backend_factory = create_backend(override, self.device, page_size)  # refuses before the model loads
         say(f"loading {self.src.name} ({self.src.load_format}, {cfg.num_params() / 1e6:.1f}M params, "
             f"{str(self.dtype).removeprefix('torch.')}, {self.device})")
         self.model = build_model(self.src, self.device, self.dtype, seed, progress=lambda f: say(f"loaded {f}"))
@@ -87,10 +89,10 @@ class LLM:
                 kv_tokens = int((free * fraction - act) // cfg.kv_bytes_per_token(itemsize))
             else:
                 kv_tokens = CPU_DEFAULT_KV_TOKENS
-        pages = KVPool.num_pages_for(kv_tokens, page_size) + 1  # + the dummy page
         if kv_tokens < page_size:
-            raise ValueError(f"The KV cache must hold at least one page ({page_size} tokens); it would hold {kv_tokens}.")
-        return pages
+            raise ValueError(f"The KV cache must hold at least one page ({page_size} tokens); it would hold "
+                             f"{max(kv_tokens, 0)}.")
+        return KVPool.num_pages_for(kv_tokens, page_size) + 1  # + the dummy page
 
     # ---- requests
 

@@ -151,7 +151,6 @@ class Scheduler:
         for r in list(self.running):  # admitted requests still filling go first
             if r.state is State.RUNNING and not r.prefilled and budget > 0:
                 take(r)
-        reqs_ok = lambda: [i for i, r in enumerate(reqs) if r.state is State.RUNNING]  # noqa: E731
         while self.waiting and budget > 0 and self._free_slots:
             r = self.waiting[0]
             if r.num_scheduled_outputs > len(r.output_ids):
@@ -160,9 +159,8 @@ class Scheduler:
             pages, node = self.cache.match(r.fill_ids[: len(r.fill_ids) - 1])  # compute at least one token
             first_chunk = min(len(r.fill_ids) - len(pages) * self.ps, budget)
             need = KVPool.num_pages_for(len(pages) * self.ps + first_chunk, self.ps) - len(pages)
-            headroom = len(self.running) if self.running else 0
-            matched_evictable = sum(len(n.pages) for n in _path(node) if n.ref == 0)
-            if need + headroom > self._available() - matched_evictable:
+            matched_evictable = sum(len(n.pages) for n in _path(node) if n.ref == 0)  # locked once admitted
+            if need + len(self.running) > self._available() - matched_evictable:  # a page of headroom each
                 break
             self.waiting.popleft()
             self.cache.lock(node)
@@ -177,7 +175,7 @@ class Scheduler:
             take(r)
             if r.state is not State.RUNNING:
                 break  # it could not get its pages after all (it is back at the head of the queue)
-        keep = reqs_ok()  # a request preempted after it was taken leaves this batch
+        keep = [i for i, r in enumerate(reqs) if r.state is State.RUNNING]  # preempted after being taken: out
         reqs, starts, num_new = [reqs[i] for i in keep], [starts[i] for i in keep], [num_new[i] for i in keep]
         if not reqs:
             return None

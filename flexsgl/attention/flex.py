@@ -97,7 +97,7 @@ class FlexAttentionBackend:
                                torch.arange(q_len, device=dev)[None, :, None],
                                torch.arange(fb.num_kv_pages * ps, device=dev)[None, None, :])
             mask_mod = lambda b, h, q_idx, kv_idx: visible[b, q_idx, kv_idx]  # noqa: E731
-        if page_table.device.type == "cpu" and w < fb.num_kv_pages:
+        if self.compiled and page_table.device.type == "cpu" and w < fb.num_kv_pages:
             # Inductor's CPU flex kernel wants an index row as wide as the KV sequence has blocks.
             pad = (0, fb.num_kv_pages - w)
             partial_idx, full_idx = F.pad(partial_idx, pad), F.pad(full_idx, pad)

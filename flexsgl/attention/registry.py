@@ -7,12 +7,11 @@ from typing import Callable
 import torch
 
 from flexsgl.attention.flex import FlexAttentionBackend
-from flexsgl.config import ModelConfig
 
 BACKENDS = {"flex": FlexAttentionBackend}
 
 
-def create_backend(override: str, cfg: ModelConfig, device: torch.device, page_size: int) -> Callable:
+def create_backend(override: str, device: torch.device, page_size: int) -> Callable:
     """Check `override` before any weights load; return a factory taking (pool, compiled)."""
     name = "flex" if override == "auto" else override
     if name not in BACKENDS:
