@@ -58,6 +58,9 @@ class LLM:
         self.allocator = PageAllocator(num_pages, shuffle_seed=shuffle_pages)
         say(f"KV cache: {num_pages - 1} pages of {page_size} tokens")
         self.compile = self.device.type == "cuda" if compile is None else compile
+        if self.compile:
+            say("torch.compile on: the first step of each new batch shape compiles kernels first "
+                "(tens of seconds for a large model)")
         self.backend = backend_factory(self.pool, self.compile)
         self.scheduler = Scheduler(self.pool, self.allocator, max_batch_tokens, max_running)
         self.runner = ModelRunner(self.model, self.pool, self.backend, self.device, max_running,
