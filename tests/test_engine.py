@@ -64,8 +64,9 @@ def test_stop_token_ids_and_eos(checkpoint, tmp_path):
     assert out.token_ids == ref[:stop_at + 1] and out.finish_reason == "stop"
 
     # The same token as the model's EOS (config.json), then with ignore_eos.
-    hf.config.eos_token_id = ref[stop_at]
     hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": ref[stop_at]}))
     llm = LLM(str(tmp_path), device="cpu")
     out = llm.generate([prompt], greedy(12))[0]
     assert out.token_ids == ref[:stop_at + 1] and out.finish_reason == "stop"
