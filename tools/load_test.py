@@ -3,6 +3,11 @@ preemption. Checks every request finishes, no page leaks, and (with --check-alon
 outputs equal the same requests run one at a time; prints the scheduler's counters.
 
     python tools/load_test.py --model qwen3-0.6b --requests 500 --kv-cache-tokens 8192 --check-alone 100
+
+Preemption needs requests that grow by several pages while running (max-new well above the page
+size): with --max-new 32 and 64-token pages the admission headroom absorbs all growth and the
+cache is only evicted. On the CPU, `--model tiny --requests 40 --max-prompt 64 --max-new 64
+--kv-cache-tokens 256 --page-size 16 --max-running 8 --check-alone 10` preempts 5 times.
 """
 
 from __future__ import annotations
