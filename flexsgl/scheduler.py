@@ -135,7 +135,7 @@ class Scheduler:
         return batch
 
     def _decodable(self, r: Request) -> bool:
-        return r.prefilled and r.finish_reason is None and r.prompt_len + r.num_scheduled_outputs < r.target_len
+        return r.prefilled and r.finish_reason is None and r.num_scheduled_outputs < r.sampling.max_new_tokens
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_batch_tokens

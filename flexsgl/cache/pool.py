@@ -1,11 +1,11 @@
 """The paged KV pool and its page allocator: one layout for every attention backend.
 
 Per layer, K and V are `[num_pages, page_size, num_kv_heads, head_dim]` (NHD). A token's slot is
-`page * page_size + offset`. The pool holds them flat, `[slots, Hkv, D]`, the one tensor per layer
-that compiled graphs see: a scatter into that tensor is done in place, where a scatter through a
-view of it is functionalised into a copy of the whole cache per layer and step (seen on an H200:
-2 ms per layer at 1M slots). `paged_k/paged_v` give the 4-D view for kernels that want it. Page 0 is reserved as the dummy page: padded batch rows write there
-and read only there, so real pages are never touched by padding.
+`page * page_size + offset`. The pool holds them flat, `[slots, Hkv, D]` (same memory), the one
+tensor per layer that compiled graphs see: a scatter into that tensor is done in place, where a
+scatter through a view of it is functionalised into a copy of the whole cache per layer and step
+(seen on an H200: 2 ms per layer at 1M slots). Page 0 is reserved as the dummy page: padded batch
+rows write there and read only there, so real pages are never touched by padding.
 
 `page_pos[p]` is the logical page index that page p holds in the requests using it (a page shared
 through a prefix is at the same index in each of them). FlexAttention's mask reads it to turn a
@@ -80,12 +80,6 @@ class KVPool:
         kc, vc = self.k[layer], self.v[layer]
         kc[slots] = k.to(kc.dtype)
         vc[slots] = v.to(vc.dtype)
-
-    def paged_k(self, layer: int) -> torch.Tensor:
-        return self.k[layer].view(self.num_pages, self.page_size, *self.k[layer].shape[1:])
-
-    def paged_v(self, layer: int) -> torch.Tensor:
-        return self.v[layer].view(self.num_pages, self.page_size, *self.v[layer].shape[1:])
 
     @staticmethod
     def num_pages_for(tokens: int, page_size: int) -> int:
