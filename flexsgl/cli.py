@@ -88,16 +88,20 @@ def generate(
         elapsed = time.perf_counter() - t1
     except ValueError as e:
         fail(str(e))
+    if all(o.error for o in outs):  # nothing ran: say why, as for any other bad input
+        fail(outs[0].error)
     if json_out:
         typer.echo(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
                                 "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
-                                "finish_reason": o.finish_reason} for p, o in zip(prompts, outs)], indent=2))
+                                "finish_reason": o.finish_reason, "error": o.error}
+                               for p, o in zip(prompts, outs)], indent=2))
         return
     if stream:
         printer.finish(outs[0].token_ids)
     else:
         for p, o in zip(prompts, outs):
-            typer.echo(f"{p}{o.text if o.text is not None else ' ' + ' '.join(map(str, o.token_ids))}")
+            shown = o.text if o.text is not None else " " + " ".join(map(str, o.token_ids))
+            typer.echo(f"{p} [{o.error}]" if o.error else f"{p}{shown}")
             typer.echo("---")
     n = sum(len(o.token_ids) for o in outs)
     say(f"{n} tokens in {elapsed:.2f}s ({n / max(elapsed, 1e-9):.1f} tok/s); finish: "

@@ -21,6 +21,7 @@ BAD = {
     "max-new-tokens-0": ["Hello", "--max-new-tokens", "0"],
     "unknown-override": ["Hello", "--override", "nope"],
     "prompt-too-long": ["x" * 5000],
+    "prompt-plus-output-too-long": ["Hello", "--max-new-tokens", "5000"],
     "no-prompt": [],
 }
 GOOD = {
