@@ -7,7 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from flexsgl.attention.registry import create_backend
+from flexsgl.attention.registry import resolve_override
+from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import KVPool, PageAllocator
 from flexsgl.config import DEFAULT_MODEL
 from flexsgl.model.loader import DTYPES, build_model, resolve
@@ -23,14 +24,18 @@ class LLM:
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str | None = None,
                  override: str = "auto", load_format: str = "auto", page_size: int = 64,
                  kv_cache_tokens: int | None = None, max_batch_tokens: int = 8192, *,
-                 max_running: int = 256, compile: bool | None = None, seed: int = 0,
+                 max_running: int = 256, compile: bool | None = None, cuda_graphs: bool | None = None,
+                 graph_batch_sizes: Sequence[int] | None = None, seed: int = 0,
                  gpu_memory_fraction: float = 0.85,
                  shuffle_pages: int | None = None, progress: Callable[[str], None] | None = None):
         """Load `model` (a preset, a local HF directory or a hub id; None for the embedded default).
 
         kv_cache_tokens: KV cache size; None sizes it from free memory after the weights load
             (gpu_memory_fraction of it on CUDA, less room for one step's activations; 16k on CPU).
+        override: attention backend(s): a name, `auto`, or `PREFILL,DECODE` (see `flexsgl backends`).
         compile: torch.compile the model (default: on CUDA, not on CPU).
+        cuda_graphs: capture decode steps as CUDA graphs (default: on CUDA); graph_batch_sizes: the
+            batch sizes to capture (default: the decode buckets up to max_running).
         shuffle_pages: hand out KV pages in an order shuffled with this seed (tests).
         progress: called with a short message at each loading stage.
         """
@@ -47,7 +52,10 @@ class LLM:
         self.src = resolve(model or DEFAULT_MODEL, load_format)
         self.config = cfg = self.src.config
         self.dtype = self._pick_dtype(dtype)
-        backend_factory = create_backend(override, self.device, page_size)  # refuses before the model loads
+        choice = resolve_override(override, self.device, "gqa", page_size)  # refuses before the model loads
+        graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, and this engine runs on {self.device.type}.")
         say(f"loading {self.src.name} ({self.src.load_format}, {cfg.num_params() / 1e6:.1f}M params, "
             f"{str(self.dtype).removeprefix('torch.')}, {self.device})")
         self.model = build_model(self.src, self.device, self.dtype, seed, progress=lambda f: say(f"loaded {f}"))
@@ -61,10 +69,13 @@ class LLM:
         if self.compile:
             say("torch.compile on: the first step of each new batch shape compiles kernels first "
                 "(tens of seconds for a large model)")
-        self.backend = backend_factory(self.pool, self.compile)
+        self.backends = PhaseRouter(choice, self.pool, cfg.num_heads, self.compile)
+        say(f"attention: {choice.label}")
         self.scheduler = Scheduler(self.pool, self.allocator, max_batch_tokens, max_running)
-        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device, max_running,
+        self.runner = ModelRunner(self.model, self.pool, self.backends, self.device, max_running,
                                   cfg.max_position, self.compile)
+        if graphs:
+            self.runner.capture_graphs(graph_batch_sizes, say)
         self._ids = itertools.count()
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._done: list[Request] = []  # finished, to be returned by the next step()

@@ -13,11 +13,14 @@ from itertools import chain
 import torch
 
 from flexsgl.attention.base import ForwardBatch
+from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
+from flexsgl.graphs import GraphManager
 from flexsgl.sampling import SamplingTensors, sample
 from flexsgl.scheduler import ScheduledBatch
 
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512)
+# Decode batch sizes that compiled steps pad to and that CUDA graphs are captured for.
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 @dataclass
@@ -33,14 +36,16 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, backend, device: torch.device, max_running: int,
+    def __init__(self, model, pool: KVPool, backends: PhaseRouter, device: torch.device, max_running: int,
                  max_len: int, compile: bool):
-        self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        self.model, self.pool, self.backends, self.device = model, pool, backends, device
         self.compiled = compile
+        self.max_len = max_len
         self.token_buf = torch.zeros(max_running, dtype=torch.long, device=device)  # last token per slot
         # Compiled steps keep shapes few: decode batches padded to buckets, page tables full width.
         self.table_width = KVPool.num_pages_for(max_len, pool.page_size) if compile else None
         self.buckets = [b for b in DECODE_BUCKETS if b < max_running] + [max_running]
+        self.graphs: GraphManager | None = None
         if compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             # Prefill shapes vary every step: dynamic on CUDA. Inductor's CPU flex kernel miscompiles
@@ -49,9 +54,31 @@ class ModelRunner:
             cpu = device.type == "cpu"
             opts = {"epilogue_fusion": False} if cpu else None
             self._prefill = torch.compile(self._prefill_forward, dynamic=not cpu, options=opts)
-            self._decode = torch.compile(self._decode_forward, dynamic=False, options=opts)
+            # Flex decode compiles per batch bucket (its split-KV decode kernel wants a static batch);
+            # a kernel override is one opaque op, so one compile with a symbolic batch serves all.
+            dynamic = not cpu and backends.decode.name != "flex"
+            self._decode = torch.compile(self._decode_forward, dynamic=dynamic, options=opts)
         else:
             self._prefill, self._decode = self._prefill_forward, self._decode_forward
+
+    def capture_graphs(self, sizes=None, progress=None, emulate: bool = False) -> None:
+        """Capture decode steps as CUDA graphs for `sizes` (default: the decode buckets).
+        emulate: run the static-buffer path without recording (CPU tests)."""
+        say = progress or (lambda msg: None)
+        backend = self.backends.decode
+        if not backend.graphable:
+            say(f"CUDA graphs off: the {backend.name} decode backend cannot be captured; decode runs without them")
+            return
+        sizes = sorted(set(sizes or self.buckets))
+        if sizes[-1] > self.buckets[-1]:
+            raise ValueError(f"Graph batch sizes go up to max_running ({self.buckets[-1]}), got {sizes[-1]}.")
+        self.table_width = self.table_width or KVPool.num_pages_for(self.max_len, self.pool.page_size)
+        self.graphs = GraphManager(self._decode, backend, self.device, sizes, self.table_width,
+                                   self.pool.num_pages, self.pool.page_size, emulate=emulate)
+        with torch.inference_mode():
+            self.graphs.capture(say)
+        # Decode batches pad to a captured size; larger ones to the compile buckets above it.
+        self.buckets = sizes + [b for b in self.buckets if b > sizes[-1]]
 
     def _prefill_forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb.input_ids, fb.positions, fb)
@@ -62,9 +89,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
         fb, st, write_slots, n_sampled = self.build(batch)
-        fb.backend = self.backend
-        self.backend.prepare(fb)
-        logits = (self._decode if fb.mode == "decode" else self._prefill)(fb)
+        if fb.mode == "decode" and self.graphs is not None and fb.batch_size in self.graphs.batches:
+            logits = self.graphs.replay(fb)
+        else:
+            fb.backend = self.backends.for_batch(fb)
+            fb.backend.prepare(fb)
+            logits = (self._decode if fb.mode == "decode" else self._prefill)(fb)
         tokens = sample(logits[:n_sampled], st)
         self.token_buf.index_copy_(0, write_slots, tokens)
         if self.device.type == "cuda":
@@ -80,7 +110,7 @@ class ModelRunner:
         reqs, decode = batch.requests, batch.mode == "decode"
         n_real = len(reqs)
         pad = 0
-        if decode and self.compiled:
+        if decode and (self.compiled or self.graphs is not None):
             pad = next(b for b in self.buckets if b >= n_real) - n_real
         ids, positions, slots, offsets = [], [], [], []
         for r, start, n in zip(reqs, batch.starts, batch.num_new):
@@ -118,7 +148,8 @@ class ModelRunner:
             page_table=i32["page_table"].view(len(tables), width), seq_lens=i32["seq_lens"],
             q_lens=i32["q_lens"], q_offsets=i32["q_offsets"], logits_index=i64["logits_index"],
             max_q_len=max(q_lens),
-            num_kv_pages=self.pool.num_pages if self.compiled else max(chain.from_iterable(tables)) + 1,
+            num_kv_pages=self.pool.num_pages if self.table_width else max(chain.from_iterable(tables)) + 1,
+            host_seq_lens=seq_lens, host_q_lens=q_lens, host_pages=tables,
         )
         st = SamplingTensors(
             temperature=f32["temperature"], top_k=i64["top_k"], top_p=f32["top_p"], min_p=f32["min_p"],

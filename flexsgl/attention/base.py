@@ -18,8 +18,10 @@ class ForwardBatch:
       seq_lens: [B] int32                   KV length of each request once this step's tokens are in
       q_lens, q_offsets: [B] int32          each request's token count in this step and its start in [T]
       logits_index: [S] long                packed index of the tokens to sample from
-    Host values: `mode` ("prefill" or "decode": one token per request), `max_q_len`, and
-    `num_kv_pages`, how many pool pages attention may see (all of them when compiled).
+    Host values: `mode` ("prefill" or "decode": one token per request), `max_q_len`,
+    `num_kv_pages`, how many pool pages attention may see (all of them when compiled), and host
+    copies of the per-request lengths and pages for backends that plan on the host (FlashInfer):
+    `host_seq_lens`, `host_q_lens`, `host_pages` (each request's pages, padding rows included).
     """
 
     mode: str
@@ -33,6 +35,9 @@ class ForwardBatch:
     logits_index: torch.Tensor
     max_q_len: int
     num_kv_pages: int
+    host_seq_lens: list[int] | None = None
+    host_q_lens: list[int] | None = None
+    host_pages: list[list[int]] | None = None
     backend: Any = None
     attn: Any = None  # the backend's own per-step metadata, set by backend.prepare
 
@@ -46,10 +51,30 @@ class ForwardBatch:
 
 
 class AttentionBackend(Protocol):
+    """What every backend implements. Constructed as `Backend(pool, num_heads=..., compiled=...)`.
+
+    Decode steps replayed from CUDA graphs use the three graph hooks: capture is
+    `bind_graph(bs, static_fb)` then `fill_graph(bs, dummy_fb)` then record; replay is
+    `fill_graph(bs, fb)` then replay. `fill_graph` is the one routine that writes a step's values
+    into the buffers the graph reads, so capture and replay cannot drift apart.
+    """
+
+    name: str
+    graphable: bool  # False: say so, and decode runs without graphs
+
     def prepare(self, fb: ForwardBatch) -> None:
         """Build this step's metadata into fb.attn (eager path)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 fb: ForwardBatch) -> torch.Tensor:
         """Store k, v `[T, Hkv, D]` at fb.out_slots, attend with q `[T, Hq, D]` over the paged KV, return `[T, Hq, D]`."""
+
+    def init_graph_state(self, max_bs: int, max_pages: int) -> None:
+        """Allocate the static buffers every captured batch size shares (max_pages: per request)."""
+
+    def bind_graph(self, bs: int, fb: ForwardBatch) -> None:
+        """At capture: set fb.attn (fb holds the static input buffers) to metadata over static buffers."""
+
+    def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
+        """At capture and replay: write this step's metadata (from fb) into the buffers bound for bs."""
 

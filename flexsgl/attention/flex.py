@@ -38,12 +38,19 @@ class FlexMeta:
     q_len: int  # padded query length per request
     # (request, row) of each packed token in the padded `[B, q_len]` layout; None: a plain view does.
     q_index: tuple[torch.Tensor, torch.Tensor] | None
+    mask_state: list[torch.Tensor]  # tensors the mask_mod reads besides the batch's page table
+
+    def step_tensors(self) -> list[torch.Tensor]:
+        """Every tensor whose values change from step to step (what fill_graph rewrites)."""
+        bm = self.block_mask
+        return [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, *self.mask_state]
 
 
 class FlexAttentionBackend:
     name = "flex"
+    graphable = True
 
-    def __init__(self, pool: KVPool, compiled: bool = False):
+    def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
         """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
         fewer shapes); otherwise flex runs eagerly and the mask is evaluated once per step."""
         self.pool = pool
@@ -71,9 +78,24 @@ class FlexAttentionBackend:
             if self.compiled:
                 q_len = -(-q_len // Q_BLOCK) * Q_BLOCK
             q_index = _query_index(fb)
-        fb.attn = FlexMeta(self.block_mask(fb, q_len), q_len, q_index)
+        block_mask, mask_state = self.block_mask(fb, q_len)
+        fb.attn = FlexMeta(block_mask, q_len, q_index, mask_state)
 
-    def block_mask(self, fb: ForwardBatch, q_len: int) -> BlockMask:
+    # CUDA graphs: the BlockMask of a captured size lives in tensors the graph reads; a step's
+    # mask is built as usual and copied into them.
+    def init_graph_state(self, max_bs: int, max_pages: int) -> None:
+        self.graph_meta: dict[int, FlexMeta] = {}
+
+    def bind_graph(self, bs: int, fb: ForwardBatch) -> None:
+        self.prepare(fb)
+        self.graph_meta[bs] = fb.attn
+
+    def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
+        self.prepare(fb)
+        for dst, src in zip(self.graph_meta[bs].step_tensors(), fb.attn.step_tensors()):
+            dst.copy_(src)
+
+    def block_mask(self, fb: ForwardBatch, q_len: int) -> tuple[BlockMask, list[torch.Tensor]]:
         ps = self.pool.page_size
         page_table, q_lens = fb.page_table, fb.q_lens
         b, w = page_table.shape
@@ -89,6 +111,7 @@ class FlexAttentionBackend:
         partial_idx = torch.gather(page_table[:, None, :].expand(b, len(starts), w), 2, partial_cols)
         full_idx = page_table[:, None, :].expand(b, len(starts), w)
         mask_mod = self.mask_mod(page_table, prefix)
+        mask_state = [prefix]
         if not self.compiled:
             # Eager flex evaluates mask_mod over every (query, key) pair in every layer, under four
             # vmaps whose per-index cost dominates a small model's step: evaluate it once per step.
@@ -97,6 +120,7 @@ class FlexAttentionBackend:
                                torch.arange(q_len, device=dev)[None, :, None],
                                torch.arange(fb.num_kv_pages * ps, device=dev)[None, None, :])
             mask_mod = lambda b, h, q_idx, kv_idx: visible[b, q_idx, kv_idx]  # noqa: E731
+            mask_state = [visible]
         if self.compiled and page_table.device.type == "cpu" and w < fb.num_kv_pages:
             # Inductor's CPU flex kernel wants an index row as wide as the KV sequence has blocks.
             pad = (0, fb.num_kv_pages - w)
@@ -110,7 +134,7 @@ class FlexAttentionBackend:
             mask_mod=mask_mod,
             seq_lengths=(q_len, fb.num_kv_pages * ps),
             compute_q_blocks=False,
-        )
+        ), mask_state
 
     def mask_mod(self, page_table: torch.Tensor, prefix: torch.Tensor):
         ps, page_pos, w = self.pool.page_size, self.pool.page_pos, page_table.shape[1]

@@ -1,23 +1,140 @@
-"""Attention backends by name. `auto` picks the best one this machine runs; today that is flex."""
+"""Attention backends by name, what each needs, and how an `--override` string picks them.
+
+A backend is named once here with its phases, the SM architectures and packages it needs and the
+attention kinds (GQA or MLA) it serves; its class is imported only when it is built, so a missing
+package costs nothing until it is asked for. An override is a name, `auto`, or `PREFILL,DECODE`.
+Everything is checked before any weights load, and a backend that cannot run says why in one
+sentence.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+import importlib.util
+from dataclasses import dataclass
 
 import torch
 
-from flexsgl.attention.flex import FlexAttentionBackend
 
-BACKENDS = {"flex": FlexAttentionBackend}
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    target: str  # "module:Class", imported lazily
+    phases: tuple[str, ...]  # subset of ("prefill", "decode")
+    sm: tuple[int, ...] | None  # SM versions (major*10+minor) it runs on; None: any, CPU included
+    package: str | None  # importable module it needs
+    attention: tuple[str, ...] = ("gqa",)  # model attention kinds it serves: "gqa" (MHA/GQA), "mla"
+    doc: str = ""
 
 
-def create_backend(override: str, device: torch.device, page_size: int) -> Callable:
-    """Check `override` before any weights load; return a factory taking (pool, compiled)."""
-    name = "flex" if override == "auto" else override
-    if name not in BACKENDS:
-        raise ValueError(f"Unknown attention override {override!r}; available: auto, {', '.join(BACKENDS)}.")
-    cls = BACKENDS[name]
-    reason = cls.unsupported(page_size, device)
-    if reason:
-        raise ValueError(f"Override {override!r} cannot run here: {reason}.")
-    return lambda pool, compiled: cls(pool, compiled=compiled)
+SPECS = {s.name: s for s in (
+    BackendSpec("flex", "flexsgl.attention.flex:FlexAttentionBackend", ("prefill", "decode"), None, None,
+                doc="torch.compile + FlexAttention block masks over the paged KV (default path)"),
+    BackendSpec("fa3", "flexsgl.overrides.fa3:FA3Backend", ("prefill", "decode"), (90,), "sgl_kernel",
+                doc="sgl_kernel FlashAttention-3 flash_attn_with_kvcache"),
+    BackendSpec("fa3-prefill", "flexsgl.overrides.fa3:FA3Backend", ("prefill",), (90,), "sgl_kernel",
+                doc="FA3 for prefill only (pair with a decode backend)"),
+    BackendSpec("fi-decode", "flexsgl.overrides.flashinfer:FlashInferDecodeBackend", ("decode",), (80, 86, 89, 90, 100, 120),
+                "flashinfer", doc="FlashInfer BatchDecodeWithPagedKVCacheWrapper, tensor cores for GQA"),
+    BackendSpec("fi", "flexsgl.overrides.flashinfer:FlashInferBackend", ("prefill", "decode"), (80, 86, 89, 90, 100, 120),
+                "flashinfer", doc="FlashInfer paged prefill and decode"),
+    BackendSpec("trtllm-mla", "flexsgl.overrides.trtllm_mla:TrtllmMLABackend", ("decode",), (100,), "flashinfer",
+                attention=("mla",), doc="FlashInfer TRT-LLM MLA decode (Blackwell, MLA models)"),
+)}
+
+# What `auto` means per (SM version, attention kind) when those backends can run; otherwise flex.
+AUTO = {(90, "gqa"): "fa3-prefill,fi-decode", (100, "gqa"): "fi"}
+
+
+def sm_version(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa") -> str | None:
+    """Why `spec` cannot run on `device` for a model with this attention kind, or None."""
+    if attention not in spec.attention:
+        return f"it serves {'/'.join(a.upper() for a in spec.attention)} models, and this model is {attention.upper()}"
+    if spec.sm is not None:
+        sm = sm_version(device)
+        if sm is None:
+            return f"it needs a CUDA GPU (SM {'/'.join(map(str, spec.sm))}), and the device is {device.type}"
+        if sm not in spec.sm:
+            return f"it runs on SM {'/'.join(map(str, spec.sm))}, and this GPU is SM {sm}"
+    if spec.package and importlib.util.find_spec(spec.package) is None:
+        return f"the package {spec.package!r} is not installed"
+    return None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend each phase runs."""
+
+    prefill: BackendSpec
+    decode: BackendSpec
+
+    @property
+    def label(self) -> str:
+        same = self.prefill.name == self.decode.name
+        return self.prefill.name if same else f"{self.prefill.name},{self.decode.name}"
+
+
+def resolve_override(override: str, device: torch.device, attention: str = "gqa", page_size: int | None = None) -> Choice:
+    """Pick the backends `override` names, or raise ValueError saying in one sentence why not."""
+    names = auto_choice(device, attention) if override == "auto" else override
+    parts = [p.strip() for p in names.split(",")]
+    if len(parts) > 2 or not all(parts):
+        raise ValueError(f"Override {override!r} should be one backend or PREFILL,DECODE; "
+                         f"available: auto, {', '.join(SPECS)}.")
+    for p in parts:
+        if p not in SPECS:
+            raise ValueError(f"Unknown attention override {p!r}; available: auto, {', '.join(SPECS)}.")
+    if len(parts) == 1:
+        prefill = decode = SPECS[parts[0]]
+        if prefill.phases != ("prefill", "decode"):
+            only = prefill.phases[0]
+            raise ValueError(f"Override {p!r} runs {only} only; pair it with a backend for the other phase, "
+                             f"e.g. {'fa3-prefill,fi-decode' if only == 'prefill' else 'flex,' + p}.")
+    else:
+        prefill, decode = SPECS[parts[0]], SPECS[parts[1]]
+        for spec, phase in ((prefill, "prefill"), (decode, "decode")):
+            if phase not in spec.phases:
+                raise ValueError(f"Override {spec.name!r} does not run {phase}; it runs {', '.join(spec.phases)}.")
+    for spec in {prefill.name: prefill, decode.name: decode}.values():
+        reason = why_not(spec, device, attention)
+        if reason is None and page_size is not None:
+            reason = backend_class(spec).unsupported(page_size, device)
+        if reason:
+            raise ValueError(f"Override {spec.name!r} cannot run here: {reason}.")
+    return Choice(prefill, decode)
+
+
+def auto_choice(device: torch.device, attention: str = "gqa") -> str:
+    names = AUTO.get((sm_version(device), attention), "flex")
+    runnable = all(why_not(SPECS[n], device, attention) is None for n in names.split(","))
+    return names if runnable else "flex"
+
+
+def check_override(override: str, device: torch.device | str, attention: str = "gqa") -> str:
+    """Raise ValueError if `override` cannot run on `device`; return the backends it resolves to."""
+    return resolve_override(override, torch.device(device), attention).label
+
+
+def backend_class(spec: BackendSpec):
+    module, cls = spec.target.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def table(device: torch.device, attention: str = "gqa") -> list[dict]:
+    """One row per backend: its phases, whether it runs here and why not."""
+    rows = []
+    for spec in SPECS.values():
+        reason = why_not(spec, device, attention)
+        rows.append({"name": spec.name, "phases": ",".join(spec.phases), "runs_here": reason is None,
+                     "why_not": reason or "", "about": spec.doc})
+    rows.append({"name": "auto", "phases": "prefill,decode", "runs_here": True, "why_not": "",
+                 "about": f"here: {auto_choice(device, attention)} (SM90: fa3-prefill,fi-decode; SM100: fi; "
+                          "otherwise, or when those cannot run: flex)"})
+    return rows

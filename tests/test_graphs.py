@@ -1,0 +1,70 @@
+"""The graph manager's static-buffer path on the CPU: bind once, fill per step, replay.
+
+CUDA graphs need a GPU (tests/test_gpu_overrides.py records real ones); here the manager runs in
+`emulate` mode, which skips only the recording. Everything a graph would read comes from the
+static buffers written by `fill`, so stale rows from larger batches, padding to captured sizes
+and the per-size BlockMask buffers are all exercised. Reference: HF transformers' greedy tokens.
+"""
+
+import random
+
+import pytest
+import torch
+
+from flexsgl import LLM, SamplingParams
+from tests.hf_models import hf_reference, make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-graphs")
+    seed = random.randrange(1 << 30)
+    return str(path), make_checkpoint("qwen3", path, seed), seed
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_decode_through_graph_buffers_matches_hf(checkpoint, compiled):
+    path, hf, seed = checkpoint
+    rng = random.Random(seed)
+    n = 6
+    prompts = [[rng.randrange(320) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+    steps = [rng.randrange(2, 14) for _ in range(n)]  # requests finish at different steps: batches shrink
+    llm = LLM(path, device="cpu", page_size=4, kv_cache_tokens=400, max_running=8, shuffle_pages=seed,
+              compile=compiled)
+    llm.runner.capture_graphs([1, 2, 4, 8] if not compiled else [2, 8], emulate=True)
+    assert sorted(llm.runner.graphs.batches) == ([1, 2, 4, 8] if not compiled else [2, 8])
+    replays = 0
+    real_replay = llm.runner.graphs.replay
+
+    def counting_replay(fb):
+        nonlocal replays
+        replays += 1
+        return real_replay(fb)
+
+    llm.runner.graphs.replay = counting_replay
+    outs = llm.generate(prompts, [SamplingParams(max_new_tokens=s, temperature=0.0) for s in steps])
+    assert replays >= max(steps) - 1  # every decode step went through the static buffers
+    for p, s, o in zip(prompts, steps, outs):
+        want, _ = hf_reference(hf, p, s)
+        assert o.token_ids == want
+
+
+def test_graph_sizes_beyond_max_running_are_refused(checkpoint):
+    path, _, _ = checkpoint
+    llm = LLM(path, device="cpu", page_size=4, kv_cache_tokens=64, max_running=4)
+    with pytest.raises(ValueError, match="max_running"):
+        llm.runner.capture_graphs([2, 8], emulate=True)
+
+
+def test_cuda_graphs_on_cpu_are_refused_before_loading(monkeypatch):
+    import flexsgl.engine
+
+    monkeypatch.setattr(flexsgl.engine, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        LLM("tiny", load_format="dummy", device="cpu", cuda_graphs=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
+def test_graphs_default_off_on_cpu(checkpoint):
+    llm = LLM(checkpoint[0], device="cpu", kv_cache_tokens=64)
+    assert llm.runner.graphs is None
