@@ -2,7 +2,8 @@
 
 A backend is named once here with its phases, the SM architectures and packages it needs and the
 attention kinds (GQA or MLA) it serves; its class is imported only when it is built, so a missing
-package costs nothing until it is asked for. An override is a name, `auto`, or `PREFILL,DECODE`.
+package costs nothing until it is asked for. An override is a name, `auto`, or `PREFILL,DECODE`; a name that serves one phase
+only (`fi-decode`, `fa3-prefill`) leaves the other to flex.
 Everything is checked before any weights load, and a backend that cannot run says why in one
 sentence.
 """
@@ -55,14 +56,14 @@ def sm_version(device: torch.device) -> int | None:
 
 def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa") -> str | None:
     """Why `spec` cannot run on `device` for a model with this attention kind, or None."""
-    if attention not in spec.attention:
-        return f"it serves {'/'.join(a.upper() for a in spec.attention)} models, and this model is {attention.upper()}"
     if spec.sm is not None:
         sm = sm_version(device)
         if sm is None:
             return f"it needs a CUDA GPU (SM {'/'.join(map(str, spec.sm))}), and the device is {device.type}"
         if sm not in spec.sm:
             return f"it runs on SM {'/'.join(map(str, spec.sm))}, and this GPU is SM {sm}"
+    if attention not in spec.attention:
+        return f"it serves {'/'.join(a.upper() for a in spec.attention)} models, and this model is {attention.upper()}"
     if spec.package and importlib.util.find_spec(spec.package) is None:
         return f"the package {spec.package!r} is not installed"
     return None
@@ -91,12 +92,10 @@ def resolve_override(override: str, device: torch.device, attention: str = "gqa"
     for p in parts:
         if p not in SPECS:
             raise ValueError(f"Unknown attention override {p!r}; available: auto, {', '.join(SPECS)}.")
-    if len(parts) == 1:
-        prefill = decode = SPECS[parts[0]]
-        if prefill.phases != ("prefill", "decode"):
-            only = prefill.phases[0]
-            raise ValueError(f"Override {p!r} runs {only} only; pair it with a backend for the other phase, "
-                             f"e.g. {'fa3-prefill,fi-decode' if only == 'prefill' else 'flex,' + p}.")
+    if len(parts) == 1:  # a one-phase backend leaves the other phase to the default path
+        spec = SPECS[parts[0]]
+        prefill = spec if "prefill" in spec.phases else SPECS["flex"]
+        decode = spec if "decode" in spec.phases else SPECS["flex"]
     else:
         prefill, decode = SPECS[parts[0]], SPECS[parts[1]]
         for spec, phase in ((prefill, "prefill"), (decode, "decode")):

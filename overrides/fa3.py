@@ -1,0 +1,77 @@
+"""sgl_kernel FlashAttention-3 over the paged pool (SM90): prefill with prefixes, and decode.
+
+FA3's `flash_attn_with_kvcache` reads the pool as it is, `[pages, page_size, Hkv, D]`, through the
+batch's page table and KV lengths, with the queries packed (`cu_seqlens_q`). Causal masking is
+aligned to the end of each request's KV, which is where this step's tokens are. The call is a
+`torch.library` custom op with a fake implementation, so the model compiles around it.
+
+Under CUDA graphs the kernel reads the graph manager's static page table and lengths directly;
+the only metadata of its own, the query offsets, is fixed for decode (one token per request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flexsgl.attention.base import ForwardBatch
+from flexsgl.cache.pool import KVPool
+
+
+@torch.library.custom_op("flexsgl::fa3_paged_attention", mutates_args=())
+def fa3_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                        cache_seqlens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                        page_size: int) -> torch.Tensor:
+    from sgl_kernel.flash_attn import flash_attn_with_kvcache
+
+    hkv, d = k_cache.shape[-2:]
+    return flash_attn_with_kvcache(
+        q.contiguous(), k_cache.view(-1, page_size, hkv, d), v_cache.view(-1, page_size, hkv, d),
+        cache_seqlens=cache_seqlens, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q, causal=True)
+
+
+@fa3_paged_attention.register_fake
+def _(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, page_size):
+    return torch.empty_like(q)
+
+
+@dataclass
+class FA3Meta:
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    max_seqlen_q: int
+
+
+class FA3Backend:
+    name = "fa3"
+    graphable = True
+
+    def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
+        self.pool = pool
+
+    @staticmethod
+    def unsupported(page_size: int, device: torch.device) -> str | None:
+        return None
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        cu = F.pad(torch.cumsum(fb.q_lens, 0, dtype=torch.int32), (1, 0))
+        fb.attn = FA3Meta(cu, fb.max_q_len)
+
+    def forward(self, q, k, v, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        self.pool.store(layer, k, v, fb.out_slots)
+        meta: FA3Meta = fb.attn
+        return torch.ops.flexsgl.fa3_paged_attention(
+            q, self.pool.k[layer], self.pool.v[layer], fb.page_table, fb.seq_lens, meta.cu_seqlens_q,
+            meta.max_seqlen_q, self.pool.page_size)
+
+    def init_graph_state(self, max_bs: int, max_pages: int) -> None:
+        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.pool.page_pos.device)
+
+    def bind_graph(self, bs: int, fb: ForwardBatch) -> None:
+        fb.attn = FA3Meta(self.cu_seqlens_q[:bs + 1], 1)
+
+    def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
+        """Nothing to write: FA3 reads the manager's page table and lengths, and decode's query
+        offsets never change."""

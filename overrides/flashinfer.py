@@ -1,0 +1,158 @@
+"""FlashInfer over the paged pool: batch decode (`fi-decode`) and paged prefill plus decode (`fi`).
+
+FlashInfer reads the pool as it is, `(k, v)` each `[pages, page_size, Hkv, D]` (NHD), through a
+CSR page list (indptr, page indices, last-page lengths). Its wrappers are *planned* on the host
+before they run; the plan takes the host copies of the lengths and pages the runner already has
+(ForwardBatch.host_*), so nothing waits on the device. Decode uses the tensor-core kernels when
+the model has grouped KV heads.
+
+Kernel calls go through one `torch.library` custom op with a fake implementation; the op finds the
+planned wrapper through its backend's `active` slot, so compiled code never sees the wrapper.
+
+CUDA graphs: each captured batch size gets a wrapper built with `use_cuda_graph=True` over slices
+of static indptr/indices/last-page buffers; `fill_graph` plans it for the step, which writes those
+buffers, and replay runs the kernels recorded against them.
+
+Planning copies FlashInfer's schedule from a pinned host buffer to the device asynchronously.
+The engine plans step N+1 while step N may still wait to run, so two pinned buffers alternate:
+the one a plan fills was last used two steps ago, which has finished (its tokens were read).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flexsgl.attention.base import ForwardBatch
+from flexsgl.cache.pool import KVPool
+
+FLOAT_WORKSPACE_BYTES = 256 << 20
+_BACKENDS: list = []  # custom-op handle -> backend
+_WORKSPACES: dict = {}  # device -> float workspace shared by every wrapper (one kernel runs at a time)
+
+
+@torch.library.custom_op("flexsgl::flashinfer_attention", mutates_args=())
+def flashinfer_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, handle: int,
+                         page_size: int) -> torch.Tensor:
+    hkv, d = k_cache.shape[-2:]
+    wrapper = _BACKENDS[handle].active
+    return wrapper.run(q.contiguous(), (k_cache.view(-1, page_size, hkv, d), v_cache.view(-1, page_size, hkv, d)))
+
+
+@flashinfer_attention.register_fake
+def _(q, k_cache, v_cache, handle, page_size):
+    return torch.empty_like(q)
+
+
+def float_workspace(device: torch.device) -> torch.Tensor:
+    if device not in _WORKSPACES:
+        _WORKSPACES[device] = torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _WORKSPACES[device]
+
+
+class FlashInferDecodeBackend:
+    """FlashInfer decode; prefill is left to another backend (`fa3-prefill,fi-decode`)."""
+
+    name = "fi-decode"
+    graphable = True
+
+    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
+        import flashinfer
+
+        self.flashinfer = flashinfer
+        self.pool, self.device = pool, pool.page_pos.device
+        self.hq, self.hkv, self.d = num_heads, pool.k[0].shape[1], pool.k[0].shape[2]
+        self.dtype = pool.k[0].dtype
+        self.tensor_cores = self.hq != self.hkv
+        self.workspace = float_workspace(self.device)
+        size = 8 << 20  # FlashInfer's int workspace size
+        self.pinned = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.flip = 0
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.tensor_cores)
+        self.active = None
+        self.handle = len(_BACKENDS)
+        _BACKENDS.append(self)
+
+    @staticmethod
+    def unsupported(page_size: int, device: torch.device) -> str | None:
+        return None
+
+    # ---- planning (host)
+
+    def page_lists(self, fb: ForwardBatch):
+        """(indptr, last page lengths) as pinned host tensors and the page indices on the device."""
+        ps = self.pool.page_size
+        counts = [math.ceil(s / ps) for s in fb.host_seq_lens]
+        indptr = [0]
+        for c in counts:
+            indptr.append(indptr[-1] + c)
+        last = [s - (c - 1) * ps for s, c in zip(fb.host_seq_lens, counts)]
+        indices = [p for pages, c in zip(fb.host_pages, counts) for p in pages[:c]]
+        host = torch.tensor(indptr + last + indices, dtype=torch.int32, pin_memory=True)
+        b = len(counts)
+        return host[:b + 1], host[b + 1:2 * b + 1], host[2 * b + 1:].to(self.device, non_blocking=True)
+
+    def plan_decode(self, wrapper, fb: ForwardBatch) -> None:
+        indptr, last, indices = self.page_lists(fb)
+        self.use_next_pinned(wrapper)
+        wrapper.plan(indptr, indices, last, self.hq, self.hkv, self.d, self.pool.page_size,
+                     q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
+        self.active = wrapper
+
+    def use_next_pinned(self, wrapper) -> None:
+        wrapper._pin_memory_int_workspace_buffer = self.pinned[self.flip]  # see the module docstring
+        self.flip ^= 1
+
+    # ---- the protocol
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        if fb.mode != "decode":
+            raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
+        self.plan_decode(self.decode_wrapper, fb)
+
+    def forward(self, q, k, v, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        self.pool.store(layer, k, v, fb.out_slots)
+        return torch.ops.flexsgl.flashinfer_attention(q, self.pool.k[layer], self.pool.v[layer], self.handle,
+                                                      self.pool.page_size)
+
+    def init_graph_state(self, max_bs: int, max_pages: int) -> None:
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.g_indptr = torch.zeros(max_bs + 1, **i32)
+        self.g_indices = torch.zeros(max_bs * max_pages, **i32)
+        self.g_last = torch.ones(max_bs, **i32)
+        self.graph_wrappers = {}
+
+    def bind_graph(self, bs: int, fb: ForwardBatch) -> None:
+        self.graph_wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
+            paged_kv_indptr_buffer=self.g_indptr[:bs + 1], paged_kv_indices_buffer=self.g_indices,
+            paged_kv_last_page_len_buffer=self.g_last[:bs])
+
+    def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
+        self.plan_decode(self.graph_wrappers[bs], fb)
+
+
+class FlashInferBackend(FlashInferDecodeBackend):
+    """FlashInfer for both phases: paged prefill (ragged, with prefixes) and decode."""
+
+    name = "fi"
+
+    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
+        super().__init__(pool, num_heads, compiled)
+        self.prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        if fb.mode == "decode":
+            return self.plan_decode(self.decode_wrapper, fb)
+        indptr, last, indices = self.page_lists(fb)
+        qo = [0]
+        for n in fb.host_q_lens:
+            qo.append(qo[-1] + n)
+        qo_indptr = torch.tensor(qo, dtype=torch.int32, pin_memory=True)
+        self.use_next_pinned(self.prefill_wrapper)
+        self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.hq, self.hkv, self.d,
+                                  self.pool.page_size, causal=True, q_data_type=self.dtype,
+                                  kv_data_type=self.dtype, non_blocking=True)
+        self.active = self.prefill_wrapper
