@@ -48,6 +48,7 @@ def random_paged_batch(pool: KVPool, alloc: PageAllocator, specs, hq: int, devic
         page_table=table.to(device), seq_lens=i32(seq_lens), q_lens=i32(q_lens), q_offsets=i32(offsets),
         logits_index=torch.tensor([o + n - 1 for o, n in zip(offsets, q_lens)], device=device),
         max_q_len=max(q_lens), num_kv_pages=pool.num_pages,
+        host_seq_lens=seq_lens, host_q_lens=q_lens, host_pages=tables,
     )
     return fb, q, knew, vnew, dense
 

@@ -26,9 +26,12 @@ def test_flex_matches_float64_reference(case, page_size, eager_extent):
 
 
 def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, compiled=False,
-                     hq=4, hkv=2, d=16):
-    seed = random.randrange(1 << 30)
+                     hq=4, hkv=2, d=16, backend_cls=FlexAttentionBackend, seed=None):
+    """Run `backend_cls` (through `forward`, or its own when None) on a random paged batch and
+    check it against float64 attention; returns its output. The same seed gives the same batch."""
+    seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
+    torch.manual_seed(seed)
     pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
     pool = KVPool(1, pages, page_size, hkv, d, dtype, device)
     # Pre-fill the whole pool with noise, so stale slots would show up if the mask let them through.
@@ -37,12 +40,13 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
     fb, q, k, v, dense = random_paged_batch(pool, alloc, specs, hq, device, dtype, rng)
     if eager_extent:
         fb.num_kv_pages = int(fb.page_table.max()) + 1
-    backend = FlexAttentionBackend(pool, compiled=compiled)
+    backend = backend_cls(pool, num_heads=hq, compiled=compiled)
     backend.prepare(fb)
     cast = lambda x: x.to(device, dtype)
-    out = forward(backend, cast(q), cast(k), cast(v), 0, fb)
+    out = (forward or type(backend).forward)(backend, cast(q), cast(k), cast(v), 0, fb)
     ref = dense_attention(q, dense, specs)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol, msg=lambda m: f"seed={seed}: {m}")
+    return out
 
 
 @pytest.mark.parametrize("case", ["prefix-extend", "decode"])

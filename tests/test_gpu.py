@@ -37,19 +37,24 @@ def test_compiled_flex_bf16_matches_float64(case, page_size):
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_bf16_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size):
+    check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, override="flex")
+
+
+def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, **llm_kw):
+    """The compiled bf16 engine, decode replayed from CUDA graphs, against HF float32 and bf16."""
     seed = random.randrange(1 << 30)
-    hf = make_checkpoint(arch, tmp_path, seed)
+    hf = make_checkpoint(arch, tmp_path, seed, head_dim=head_dim)
     hf.config._attn_implementation = "eager"
     rng = random.Random(seed)
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 9, 64, 65, 200, 333)]
     steps = 32
     llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", page_size=page_size, shuffle_pages=seed,
-              kv_cache_tokens=32768)
-    assert llm.compile
+              kv_cache_tokens=32768, graph_batch_sizes=[2, 8], **llm_kw)
+    assert llm.compile and sorted(llm.runner.graphs.graphs) == [2, 8]
     seen = capture_logits(llm, monkeypatch)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))
     hf32 = hf.cuda().float()
-    hf16 = make_checkpoint(arch, tmp_path / "copy", seed).cuda().to(torch.bfloat16)
+    hf16 = make_checkpoint(arch, tmp_path / "copy", seed, head_dim=head_dim).cuda().to(torch.bfloat16)
     hf16.config._attn_implementation = "eager"
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         assert len(out.token_ids) == steps

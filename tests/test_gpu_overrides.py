@@ -1,0 +1,99 @@
+"""Kernel overrides on the GPU (device machine, `pytest -m gpu`; skipped without CUDA or the package).
+
+1. Each override, flex and float64 attention on the same random paged batches (prefill with
+   prefixes, decode, ragged lengths, mixed): bf16-level error against float64, the bound of
+   tests/test_gpu.py (1e-2 absolute + relative), and against flex within twice that.
+2. Each override inside the compiled bf16 engine, decode replayed from CUDA graphs, against HF
+   transformers (the check of tests/test_gpu.py, on a head_dim-128 checkpoint the kernels take).
+3. Greedy tokens on a Qwen3-8B-shaped dummy model, flex against each override. Rule: per request,
+   walk the steps while the two runs have produced the same tokens so far; at each step the noise
+   is the largest logit difference between the runs at that step, and the tokens must agree
+   wherever flex's top-2 margin exceeds twice it. A disagreement below that margin is legitimate
+   bf16 noise and ends the comparison for that request (the contexts differ from there). At least
+   half of all steps must be decisive, so the check cannot pass vacuously.
+"""
+
+import gc
+import random
+
+import pytest
+import torch
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.registry import SPECS, backend_class, why_not
+from tests.hf_models import capture_logits
+from tests.test_flex_attention import CASES, run_backend_case
+from tests.test_gpu import check_engine_tracks_hf
+
+pytestmark = pytest.mark.gpu
+
+KERNEL_CASES = [("fa3", c) for c in CASES] + [("fi", c) for c in CASES] + [("fi-decode", "decode")]
+
+
+def skip_unless_runs(name: str) -> None:
+    reason = why_not(SPECS[name], torch.device("cuda"))
+    if reason:
+        pytest.skip(f"{name}: {reason}")
+
+
+@pytest.mark.parametrize("name,case", KERNEL_CASES)
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_override_matches_float64_and_flex(name, case, page_size):
+    skip_unless_runs(name)
+    seed = random.randrange(1 << 30)
+    shape = dict(hq=16, hkv=4, d=128, seed=seed)
+    ours = run_backend_case(CASES[case], page_size, None, "cuda", torch.bfloat16, rtol=1e-2, atol=1e-2,
+                            backend_cls=backend_class(SPECS[name]), **shape)
+    flex = run_backend_case(CASES[case], page_size, torch.compile(FlexAttentionBackend.forward, dynamic=False),
+                            "cuda", torch.bfloat16, rtol=1e-2, atol=1e-2, compiled=True, **shape)
+    torch.testing.assert_close(ours.float(), flex.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("override", ["fa3", "fi", "fa3-prefill,fi-decode"])
+def test_override_engine_tracks_hf(tmp_path, monkeypatch, override):
+    for name in override.split(","):
+        skip_unless_runs(name)
+    check_engine_tracks_hf(tmp_path, monkeypatch, "qwen3", 64, head_dim=128, override=override)
+
+
+def run_8b(override: str, prompts, steps: int, monkeypatch):
+    llm = LLM("qwen3-8b", load_format="dummy", device="cuda", dtype="bfloat16", override=override,
+              kv_cache_tokens=16384, page_size=64, compile=False, cuda_graphs=False, max_running=16)
+    with monkeypatch.context() as m:
+        seen = capture_logits(llm, m)
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))
+        logits = [torch.stack(seen[o.request_id]).float() for o in outs]
+    tokens = [o.token_ids for o in outs]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens, logits
+
+
+@pytest.mark.parametrize("override", ["fa3", "fi", "fa3-prefill,fi-decode"])
+def test_qwen3_8b_greedy_agrees_with_flex(monkeypatch, override):
+    for name in override.split(","):
+        skip_unless_runs(name)
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(151000) for _ in range(n)] for n in (7, 130, 300, 513)]
+    steps = 24
+    ref_tokens, ref_logits = run_8b("flex", prompts, steps, monkeypatch)
+    tokens, logits = run_8b(override, prompts, steps, monkeypatch)
+    decisive_steps = compared = 0
+    for i in range(len(prompts)):
+        for t in range(steps):
+            noise = (logits[i][t] - ref_logits[i][t]).abs().max().item()
+            top2 = ref_logits[i][t].topk(2).values
+            decisive = (top2[0] - top2[1]).item() > 2 * noise
+            compared += 1
+            if decisive:
+                decisive_steps += 1
+                assert tokens[i][t] == ref_tokens[i][t], (
+                    f"prompt {i} step {t}: {override} chose {tokens[i][t]}, flex {ref_tokens[i][t]} with "
+                    f"margin {(top2[0] - top2[1]).item():.3g} > 2 x noise {noise:.3g} (seed={seed})")
+            elif tokens[i][t] != ref_tokens[i][t]:
+                break
+    assert decisive_steps >= 0.5 * len(prompts) * steps, (
+        f"only {decisive_steps} of {compared} compared steps were decisive (seed={seed})")
