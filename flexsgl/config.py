@@ -81,7 +81,7 @@ class ModelConfig:
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * h * i + 2 * h
+        layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * layer + self.vocab_size * h + head + h
 
