@@ -1,0 +1,116 @@
+"""What `flexsgl bench` measures about the machine: what it is, and how fast it moves bytes.
+
+The decode floor: a decode step is memory-bound, so it cannot take less than the bytes it must
+read over the device's memory bandwidth. Bytes per step = the weights read (every parameter once;
+a tied embedding/lm_head matrix once; an *untied* input embedding table is left out, since a step
+gathers only one row of it per request, and reported apart as `embedding_bytes`) + the KV cache
+read by the batch at its mean context. The bandwidth is measured here with a large device-to-device
+copy, which reads and writes every byte: bandwidth = 2 * bytes / time.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int | None = None) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), best of three timings."""
+    cuda = device.type == "cuda"
+    if nbytes is None:
+        nbytes = 1 << 30 if cuda else 1 << 26  # 1 GiB: far past any cache
+        if cuda:
+            nbytes = min(nbytes, torch.cuda.mem_get_info(device)[0] // 4)
+    iters = iters or (20 if cuda else 5)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first touch of the pages, kernel load
+    best = float("inf")
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    if cuda:
+        torch.cuda.empty_cache()  # hand the buffers back before an LLM sizes its KV cache from free memory
+    return 2 * nbytes * iters / best
+
+
+def weight_bytes(model) -> dict:
+    """Parameter bytes: all of them (shared tensors once), and those a decode step reads."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() yields shared ones once
+    embed = model.model.embed_tokens.weight
+    tied = embed.data_ptr() == model.lm_head.weight.data_ptr()
+    embed_bytes = 0 if tied else embed.numel() * embed.element_size()
+    return {"weight_bytes": total, "embedding_bytes": embed_bytes, "weight_bytes_read": total - embed_bytes,
+            "tied_embeddings": tied}
+
+
+def decode_floor(llm, batch_size: int, mean_context: float, bandwidth: float) -> dict:
+    """The fastest a decode step can be on this device: bytes it reads over the copy bandwidth."""
+    w = weight_bytes(llm.model)
+    itemsize = llm.pool.k[0].element_size()
+    kv = batch_size * mean_context * llm.config.kv_bytes_per_token(itemsize)
+    step = w["weight_bytes_read"] + kv
+    return {**w, "kv_bytes_read": kv, "mean_context": mean_context, "bytes_per_step": step,
+            "floor_tpot_s": step / bandwidth}
+
+
+def environment(device: torch.device) -> dict:
+    """The machine, the software and the commit the figures came from."""
+    cuda = device.type == "cuda"
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {
+        "hostname": socket.gethostname(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": tf_version,
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+        "gpu_capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
+        "commit": commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    """FLEXSGL_COMMIT if set (trees copied without .git), else git's HEAD (+ "-dirty"), else "unknown"."""
+    if os.environ.get("FLEXSGL_COMMIT"):
+        return os.environ["FLEXSGL_COMMIT"]
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "") if head else "unknown"

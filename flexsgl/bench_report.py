@@ -1,0 +1,82 @@
+"""What `flexsgl bench` prints and writes: one table with a column per backend, and the JSON report."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict
+from pathlib import Path
+
+
+def command_line(args) -> str:
+    """The `flexsgl bench` command that gives these arguments (options left at their default omitted)."""
+    words, default = ["flexsgl", "bench"], type(args)()
+    for name, value in asdict(args).items():
+        if value == getattr(default, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "overrides":
+            words += [w for o in value for w in ("--override", o)]
+        elif isinstance(value, bool):
+            words.append(flag if value else flag.replace("--", "--no-", 1))
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def resolved(p) -> dict:
+    """The workload's sizes after defaults were applied."""
+    if p.args.workload == "throughput":
+        return {"num_prompts": p.num_prompts, "input_len": list(p.input_range), "output_len": list(p.output_range)}
+    if p.args.workload == "latency":
+        return {"batch_size": p.batch_size, "input_len": p.input_range[0], "output_len": p.output_range[0],
+                "repeats": p.repeats}
+    return {"input_len": p.prefill_lens, "repeats": p.repeats}
+
+
+def table_rows(workload: str, res: dict) -> list[tuple[str, float]]:
+    """(label, value) rows of one backend's result, in display units."""
+    if workload == "throughput":
+        keys = [("output tok/s", "output_tokens_per_s", 1), ("total tok/s", "total_tokens_per_s", 1),
+                ("requests/s", "requests_per_s", 1), ("wall s", "wall_s", 1), ("output tokens", "output_tokens", 1),
+                ("prefix-cache hit tokens", "cached_tokens", 1)]
+    elif workload == "latency":
+        keys = [("TTFT ms", "ttft_s", 1e3), ("TPOT ms", "tpot_s", 1e3), ("tok/s", "tokens_per_s", 1),
+                ("decode tok/s", "decode_tokens_per_s", 1), ("floor TPOT ms", "floor_tpot_s", 1e3),
+                ("% of decode floor", "pct_of_floor", 1)]
+    else:
+        return [row for r in res["prefill"] for row in ((f"TTFT ms @ {r['input_len']}", r["ttft_s"] * 1e3),
+                                                        (f"prefill tok/s @ {r['input_len']}", r["tokens_per_s"]))]
+    return [(label, res[key] * scale) for label, key, scale in keys]
+
+
+def format_table(report: dict) -> str:
+    """One column per backend; from the second on, each value also shows its ratio to the first's."""
+    w, results = report["workload"], report["results"]
+    names, seen = [], {}
+    for r in results:
+        seen[r["backends"]] = seen.get(r["backends"], 0) + 1
+        names.append(r["backends"] + (f" #{seen[r['backends']]}" if seen[r["backends"]] > 1 else ""))
+    per = [table_rows(w, r) for r in results]
+    lines = [[""] + names]
+    for i, (label, base) in enumerate(per[0]):
+        cells = [label, _num(base)]
+        for rows in per[1:]:
+            v = rows[i][1]
+            cells.append(_num(v) + (f" ({v / base:.2f}x)" if base else ""))
+        lines.append(cells)
+    widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
+    out = [f"{w}: {report['model']} ({report['load_format']}) on {report['device']}"
+           f" ({report['environment']['gpu'] or report['environment']['cpu']}), "
+           f"copy bandwidth {report['copy_bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s"]
+    for line in lines:
+        out.append("  ".join([line[0].ljust(widths[0])] + [c.rjust(wd) for c, wd in zip(line[1:], widths[1:])]))
+    return "\n".join(out)
+
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 or float(v).is_integer() else f"{v:,.3g}" if abs(v) < 1 else f"{v:,.2f}"
+
+
+def write_json(report: dict, path: str) -> None:
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")

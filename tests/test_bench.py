@@ -1,0 +1,146 @@
+"""`flexsgl bench` on the tiny preset (CPU) through typer's CliRunner.
+
+Checks that every figure is in the JSON, positive, and consistent with the others (EOS is ignored,
+so the output tokens are exactly the requested ones); never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from flexsgl.bench_env import commit
+from flexsgl.cli import app
+from flexsgl.config import PRESETS, ModelConfig
+
+BASE = ["bench", "--device", "cpu", "--model", "tiny"]
+TOP = {"workload", "model", "load_format", "device", "copy_bandwidth_bytes_per_s", "command", "args", "resolved",
+       "environment", "results"}
+ENV = {"hostname", "cpu", "cpu_count", "platform", "python", "torch", "cuda", "transformers", "gpu",
+       "gpu_memory_bytes", "gpu_capability", "commit", "date"}
+COMMON = {"override", "backends", "load_s", "kv_cache_tokens", "compile", "dtype", "cached_tokens"}
+FIELDS = {
+    "throughput": {"requests", "input_tokens", "output_tokens", "requested_output_tokens", "wall_s", "warmup_s",
+                   "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "prefill_steps",
+                   "decode_steps", "preemptions"},
+    "latency": {"batch_size", "input_len", "output_len", "repeats", "output_tokens", "ttft_s", "tpot_s", "wall_s",
+                "tokens_per_s", "decode_tokens_per_s", "weight_bytes", "embedding_bytes", "weight_bytes_read",
+                "tied_embeddings", "kv_bytes_read", "mean_context", "bytes_per_step", "floor_tpot_s",
+                "pct_of_floor", "ttft_s_per_pass", "tpot_s_per_pass", "preemptions"},
+    "prefill": {"repeats", "prefill"},
+}
+TINY = ModelConfig.from_hf(PRESETS["tiny"]["config"])
+
+
+def run_bench(tmp_path, *args):
+    path = tmp_path / "bench.json"
+    r = CliRunner().invoke(app, [*BASE, *args, "--json", str(path)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    report = json.loads(path.read_text())
+    assert set(report) == TOP and set(report["environment"]) == ENV, report.keys()
+    w = report["workload"]
+    for res in report["results"]:
+        assert set(res) == COMMON | FIELDS[w], set(res) ^ (COMMON | FIELDS[w])
+        assert res["backends"] == "flex" and res["cached_tokens"] == 0  # fresh prompts: no prefix-cache hits
+        assert res["load_s"] > 0 and res["kv_cache_tokens"] > 0
+    assert report["copy_bandwidth_bytes_per_s"] > 1e8
+    assert report["environment"]["cpu_count"] >= 1 and report["environment"]["commit"]
+    assert report["command"].startswith("flexsgl bench") and "--json" not in report["command"]
+    return r.stdout, report
+
+
+def close(a, b):
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+def test_throughput(tmp_path):
+    out, report = run_bench(tmp_path, "--num-prompts", "4", "--input-len", "8:16", "--output-len", "4:8")
+    assert report["load_format"] == "dummy" and report["args"]["num_prompts"] == 4
+    assert report["resolved"] == {"num_prompts": 4, "input_len": [8, 16], "output_len": [4, 8]}
+    [res] = report["results"]
+    assert res["requests"] == 4 and 4 * 8 <= res["input_tokens"] <= 4 * 16
+    assert res["output_tokens"] == res["requested_output_tokens"] and 4 * 4 <= res["output_tokens"] <= 4 * 8
+    wall = res["wall_s"]
+    assert wall > 0 and res["warmup_s"] > 0 and res["preemptions"] == 0
+    assert close(res["requests_per_s"] * wall, 4)
+    assert close(res["output_tokens_per_s"] * wall, res["output_tokens"])
+    assert close(res["total_tokens_per_s"] * wall, res["output_tokens"] + res["input_tokens"])
+    assert res["prefill_steps"] >= 1 and res["decode_steps"] >= 3  # at least max(output) - 1 decode steps
+    assert out.splitlines()[0].startswith("throughput: tiny (dummy) on cpu")
+    assert out.splitlines()[1].split() == ["flex"]
+    assert f"{res['output_tokens']}" in out
+
+
+def test_latency_on_two_overrides_gives_two_columns(tmp_path):
+    b, n_in, n_out = 2, 16, 6
+    out, report = run_bench(tmp_path, "--workload", "latency", "--batch-size", str(b), "--input-len", str(n_in),
+                            "--output-len", str(n_out), "--repeats", "1", "--override", "flex", "--override", "flex")
+    assert [r["override"] for r in report["results"]] == ["flex", "flex"]
+    lines = out.splitlines()
+    assert lines[1].split() == ["flex", "flex", "#2"]
+    rows = lines[2:]
+    assert len(rows) == 6 and all(row.rstrip().endswith("x)") for row in rows), out
+    bw = report["copy_bandwidth_bytes_per_s"]
+    for res in report["results"]:
+        assert res["output_tokens"] == b * n_out
+        assert 0 < res["ttft_s"] < res["wall_s"] and 0 < res["tpot_s"] < res["wall_s"]
+        assert close(res["tokens_per_s"] * res["wall_s"], b * n_out)
+        assert close(res["decode_tokens_per_s"] * res["tpot_s"], b)
+        assert res["tied_embeddings"] and res["embedding_bytes"] == 0
+        assert res["weight_bytes"] == res["weight_bytes_read"] == TINY.num_params() * 4  # float32 on the CPU
+        assert res["mean_context"] == n_in + n_out / 2
+        assert close(res["kv_bytes_read"], b * res["mean_context"] * TINY.kv_bytes_per_token(4))
+        assert close(res["bytes_per_step"], res["weight_bytes_read"] + res["kv_bytes_read"])
+        assert close(res["floor_tpot_s"], res["bytes_per_step"] / bw)
+        assert close(res["pct_of_floor"], 100 * res["floor_tpot_s"] / res["tpot_s"])
+        assert len(res["ttft_s_per_pass"]) == len(res["tpot_s_per_pass"]) == 1
+
+
+def test_prefill(tmp_path):
+    out, report = run_bench(tmp_path, "--workload", "prefill", "--input-len", "32,64", "--repeats", "1")
+    [res] = report["results"]
+    assert [r["input_len"] for r in res["prefill"]] == [32, 64]
+    for r in res["prefill"]:
+        assert r["ttft_s"] > 0 and close(r["tokens_per_s"] * r["ttft_s"], r["input_len"])
+        assert r["ttft_s_per_pass"] == [r["ttft_s"]]
+    assert "TTFT ms @ 64" in out and "prefill tok/s @ 32" in out
+
+
+BAD = {
+    "unknown-workload": ["--workload", "nope"],
+    "reversed-range": ["--input-len", "5:2"],
+    "not-a-number": ["--output-len", "abc"],
+    "empty-range": ["--input-len", ""],
+    "zero-length": ["--input-len", "0:4"],
+    "range-for-latency": ["--workload", "latency", "--input-len", "4:8"],
+    "one-output-token-latency": ["--workload", "latency", "--output-len", "1"],
+    "output-len-for-prefill": ["--workload", "prefill", "--output-len", "4"],
+    "bad-prefill-lengths": ["--workload", "prefill", "--input-len", "64,x"],
+    "batch-size-for-throughput": ["--batch-size", "4"],
+    "zero-prompts": ["--num-prompts", "0"],
+    "override-not-here": ["--override", "flex", "--override", "fa3"],
+    "unknown-override": ["--override", "nope"],
+    "longer-than-context": ["--workload", "prefill", "--input-len", "5000"],
+    "batch-above-max-running": ["--workload", "latency", "--batch-size", "8", "--max-running", "4"],
+    "json-folder-missing": ["--json", "/no/such/folder/bench.json"],
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_exits_2_with_one_error_line(name):
+    r = CliRunner().invoke(app, [*BASE, *BAD[name]])
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and len(errors[0]) > len("error: "), r.stderr
+    assert "Traceback" not in r.output and r.stdout == "", r.output
+
+
+def test_commit_from_environment(monkeypatch):
+    monkeypatch.setenv("FLEXSGL_COMMIT", "abc123")
+    assert commit() == "abc123"
+    monkeypatch.delenv("FLEXSGL_COMMIT")
+    assert commit()  # a git hash here, or "unknown" in a tree without .git
+
