@@ -1,4 +1,4 @@
-"""`flexsgl bench` on the tiny preset (CPU) through typer's CliRunner.
+"""`flexsgl bench` on the tiny preset (CPU) through typer's CliRunner, and the benchmarks/ folder run once.
 
 Checks that every figure is in the JSON, positive, and consistent with the others (EOS is ignored,
 so the output tokens are exactly the requested ones); never how fast anything is.
@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -16,6 +20,7 @@ from flexsgl.bench_env import commit
 from flexsgl.cli import app
 from flexsgl.config import PRESETS, ModelConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 BASE = ["bench", "--device", "cpu", "--model", "tiny"]
 TOP = {"workload", "model", "load_format", "device", "copy_bandwidth_bytes_per_s", "command", "args", "resolved",
        "environment", "results"}
@@ -144,3 +149,11 @@ def test_commit_from_environment(monkeypatch):
     monkeypatch.delenv("FLEXSGL_COMMIT")
     assert commit()  # a git hash here, or "unknown" in a tree without .git
 
+
+def test_benchmarks_folder_runs():
+    """benchmarks/ once, timings off: each benchmark runs once and its output checks run (about 10 s)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "benchmarks", "--benchmark-disable", "-x",
+                        "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
