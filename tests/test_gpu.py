@@ -56,6 +56,7 @@ def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, 
     hf32 = hf.cuda().float()
     hf16 = make_checkpoint(arch, tmp_path / "copy", seed, head_dim=head_dim).cuda().to(torch.bfloat16)
     hf16.config._attn_implementation = "eager"
+    decisive_steps = 0
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         assert len(out.token_ids) == steps
         ids = torch.tensor([prompt + out.token_ids], device="cuda")
@@ -73,4 +74,5 @@ def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, 
         chosen = torch.tensor(out.token_ids, device="cuda")
         agree = chosen == ref.argmax(-1)
         assert agree[decisive].all(), f"prompt {i}: greedy token differs where the margin is decisive (seed={seed})"
-        assert decisive.float().mean() > 0.5, f"prompt {i}: too few decisive steps to mean anything (seed={seed})"
+        decisive_steps += int(decisive.sum())
+    assert decisive_steps > 0.5 * steps * len(prompts), f"too few decisive steps to mean anything (seed={seed})"
