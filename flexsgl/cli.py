@@ -63,10 +63,13 @@ def generate(
     device: str = typer.Option(None, help="cuda or cpu (default: cuda when there is one)."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     load_format: str = typer.Option("auto", help="auto, safetensors or dummy (random weights)."),
-    override: str = typer.Option("auto", help="Attention backend(s): auto or flex."),
+    override: str = typer.Option("auto", help="Attention backend(s): a name, auto, or PREFILL,DECODE "
+                                 "(see `flexsgl backends`)."),
     page_size: int = typer.Option(64, help="Tokens per KV page."),
     kv_cache_tokens: int = typer.Option(None, help="KV cache size in tokens (default: sized from free memory)."),
     compile: bool = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: on CUDA)."),
+    cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
+                                     help="Replay decode steps from CUDA graphs (default: on CUDA)."),
     json_out: bool = typer.Option(False, "--json", help="Print the outputs as JSON instead of streaming text."),
 ) -> None:
     """Generate continuations of PROMPTS; one prompt streams its tokens as they come."""
@@ -80,7 +83,8 @@ def generate(
                                   top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos)
         t0 = time.perf_counter()
         llm = LLM(model, device=device, dtype=dtype, override=override, load_format=load_format,
-                  page_size=page_size, kv_cache_tokens=kv_cache_tokens, compile=compile, progress=say)
+                  page_size=page_size, kv_cache_tokens=kv_cache_tokens, compile=compile,
+                  cuda_graphs=cuda_graphs, progress=say)
         say(f"ready in {time.perf_counter() - t0:.1f}s")
         stream = len(prompts) == 1 and not json_out
         t1 = time.perf_counter()
@@ -159,6 +163,26 @@ def bench(
         except OSError as e:
             fail(f"Could not write {json_path!r}: {e.strerror or e}.")
         typer.echo(f"[flexsgl bench] wrote {json_path}", err=True)
+
+
+@app.command()
+def backends(device: str = typer.Option(None, help="cuda or cpu (default: cuda when there is one).")) -> None:
+    """List every attention backend: its phases, whether it runs on this machine, and if not, why."""
+    import torch
+
+    from flexsgl.attention.registry import table
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        fail("Device 'cuda' was asked for, but this machine has no CUDA GPU.")
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    typer.echo(f"attention backends on {where} (models served here: Qwen3, Llama = GQA)")
+    rows = [("name", "phases", "runs here", "why not / about")]
+    rows += [(r["name"], r["phases"], "yes" if r["runs_here"] else "no", r["why_not"] or r["about"])
+             for r in table(dev)]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
 
 
 if __name__ == "__main__":
