@@ -69,12 +69,17 @@ class GraphManager:
         return fb
 
     def fill(self, bs: int, fb: ForwardBatch) -> None:
-        """Write step `fb` (bs rows, padding included) into the buffers the graph for bs reads."""
+        """Write step `fb` (bs rows, padding included) into the buffers the graph for bs reads, then
+        let the backend write its metadata for them. fb's page table may be narrower than the
+        static one: columns past a request's last page are never read, by any backend."""
         static = self.batches[bs]
         for name in STEP_INPUTS:
-            getattr(static, name).copy_(getattr(fb, name), non_blocking=True)
+            src, dst = getattr(fb, name), getattr(static, name)
+            if name == "page_table":
+                dst = dst[:, :src.shape[1]]
+            dst.copy_(src, non_blocking=True)
         static.host_seq_lens, static.host_q_lens, static.host_pages = fb.host_seq_lens, fb.host_q_lens, fb.host_pages
-        self.backend.fill_graph(bs, fb)
+        self.backend.fill_graph(bs, static)
 
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
         say = progress or (lambda msg: None)

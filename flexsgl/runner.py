@@ -126,7 +126,9 @@ class ModelRunner:
         offsets += range(len(positions), len(positions) + pad)
         positions += [0] * pad
         slots += [DUMMY_PAGE * ps] * pad
-        width = self.table_width or max(len(t) for t in tables)
+        width = max(len(t) for t in tables)
+        if self.table_width and not self._narrow_table_ok(decode, n_real + pad):
+            width = self.table_width  # a static-shape compiled step: the full width, one shape
         table = list(chain.from_iterable(t + [DUMMY_PAGE] * (width - len(t)) for t in tables))
         sampled = [r for r, s in zip(reqs, batch.samples) if s]
         logits_index = [o + n - 1 for o, n, s in zip(offsets, q_lens, batch.samples) if s]
@@ -158,6 +160,14 @@ class ModelRunner:
             any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sp if not p.greedy),
         )
         return fb, st, i64["write_slots"], len(sampled)
+
+    def _narrow_table_ok(self, decode: bool, bs: int) -> bool:
+        """Whether this step may upload its page table only as wide as its longest request (at batch
+        256 the full width is ~160k entries per step): yes where a graph copies it into its static
+        table, or where the compiled step has dynamic shapes (prefill on CUDA)."""
+        if decode:
+            return self.graphs is not None and bs in self.graphs.batches
+        return self.device.type == "cuda"
 
     def _upload(self, dtype: torch.dtype, **parts: list) -> dict[str, torch.Tensor]:
         """One host -> device copy for all `parts`, from pinned memory on CUDA; returns views by name."""

@@ -69,6 +69,9 @@ class FlexAttentionBackend:
         return None
 
     def prepare(self, fb: ForwardBatch) -> None:
+        fb.attn = self.metadata(fb)
+
+    def metadata(self, fb: ForwardBatch) -> FlexMeta:
         if fb.mode == "decode":
             q_len = 1
             # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
@@ -79,20 +82,18 @@ class FlexAttentionBackend:
                 q_len = -(-q_len // Q_BLOCK) * Q_BLOCK
             q_index = _query_index(fb)
         block_mask, mask_state = self.block_mask(fb, q_len)
-        fb.attn = FlexMeta(block_mask, q_len, q_index, mask_state)
+        return FlexMeta(block_mask, q_len, q_index, mask_state)
 
     # CUDA graphs: the BlockMask of a captured size lives in tensors the graph reads; a step's
-    # mask is built as usual and copied into them.
+    # mask is built as usual from the static batch and copied into them.
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         self.graph_meta: dict[int, FlexMeta] = {}
 
     def bind_graph(self, bs: int, fb: ForwardBatch) -> None:
-        self.prepare(fb)
-        self.graph_meta[bs] = fb.attn
+        fb.attn = self.graph_meta[bs] = self.metadata(fb)
 
     def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
-        self.prepare(fb)
-        for dst, src in zip(self.graph_meta[bs].step_tensors(), fb.attn.step_tensors()):
+        for dst, src in zip(self.graph_meta[bs].step_tensors(), self.metadata(fb).step_tensors()):
             dst.copy_(src)
 
     def block_mask(self, fb: ForwardBatch, q_len: int) -> tuple[BlockMask, list[torch.Tensor]]:
