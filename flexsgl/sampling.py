@@ -42,9 +42,16 @@ def exponential_noise(seed: torch.Tensor, step: torch.Tensor, vocab_ids: torch.T
     h = _mix32(h ^ (seed >> 32))
     h = _mix32(h ^ (step & _MASK32))
     ids = vocab_ids if vocab_ids.dim() == 2 else vocab_ids[None, :]
-    bits = _mix32(h[:, None] ^ ids) >> 8  # 24 uniform bits
-    u = (bits.float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u)
+    return -torch.log(uniform_from_bits(_mix32(h[:, None] ^ ids) >> 9))
+
+
+UNIFORM_BITS = 23
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """23 random bits -> float32 strictly inside (0, 1). With 24 bits the top value rounds to 1.0 in
+    float32, its Exp noise is 0, and a filtered-out token (p = 0) then wins the race as 0/0 = NaN."""
+    return (bits.float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -198,3 +198,14 @@ def test_exponential_noise_is_exp1_and_keyed():
     # Exp(1) has mean 1 and variance 1, so each row's mean has sigma 1/sqrt(N).
     means = e.double().mean(dim=1)
     assert bool(((means - 1).abs() < 5 / np.sqrt(N)).all()), f"seed={seed}: row means {means.tolist()}"
+
+
+def test_uniform_noise_stays_inside_the_open_interval():
+    """Regression: the largest hash value once mapped to u = 1.0, Exp noise 0, and a token that
+    min-p had filtered out (p = 0) was drawn as 0/0 = NaN."""
+    from flexsgl.sampling import UNIFORM_BITS, uniform_from_bits
+
+    extremes = torch.tensor([0, 1, (1 << UNIFORM_BITS) - 2, (1 << UNIFORM_BITS) - 1])
+    u = uniform_from_bits(extremes)
+    assert (u > 0).all() and (u < 1).all()
+    assert (-torch.log(u) > 0).all()
