@@ -1,5 +1,26 @@
 """flexsgl: LLM inference on torch.compile + FlexAttention over a paged KV cache."""
 
+
+def _map_source_overrides() -> None:
+    """An installed flexsgl has `overrides/` as flexsgl.overrides (pyproject maps it). Run from a
+    source checkout without installing, map it the same way, so the kernel overrides still load."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("flexsgl.overrides") is not None:
+        return
+    init = Path(__file__).resolve().parent.parent / "overrides" / "__init__.py"
+    if init.exists():
+        spec = importlib.util.spec_from_file_location("flexsgl.overrides", init,
+                                                      submodule_search_locations=[str(init.parent)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["flexsgl.overrides"] = module
+        spec.loader.exec_module(module)
+
+
+_map_source_overrides()
+
 from flexsgl.engine import LLM
 from flexsgl.request import RequestOutput, SamplingParams
 
