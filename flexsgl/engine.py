@@ -52,7 +52,9 @@ class LLM:
         self.src = resolve(model or DEFAULT_MODEL, load_format)
         self.config = cfg = self.src.config
         self.dtype = self._pick_dtype(dtype)
-        choice = resolve_override(override, self.device, "gqa", page_size)  # refuses before the model loads
+        # Refuses before the model loads, with the reason.
+        choice = resolve_override(override, self.device, "gqa", page_size, cfg.head_dim,
+                                  str(self.dtype).removeprefix("torch."))
         graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, and this engine runs on {self.device.type}.")

@@ -25,22 +25,29 @@ class BackendSpec:
     sm: tuple[int, ...] | None  # SM versions (major*10+minor) it runs on; None: any, CPU included
     package: str | None  # importable module it needs
     attention: tuple[str, ...] = ("gqa",)  # model attention kinds it serves: "gqa" (MHA/GQA), "mla"
+    head_dims: tuple[int, ...] | None = None  # head sizes its kernels are built for; None: any
+    dtypes: tuple[str, ...] | None = None  # KV/activation dtypes it runs; None: any
     doc: str = ""
+
+
+HALF = ("bfloat16", "float16")
 
 
 SPECS = {s.name: s for s in (
     BackendSpec("flex", "flexsgl.attention.flex:FlexAttentionBackend", ("prefill", "decode"), None, None,
                 doc="torch.compile + FlexAttention block masks over the paged KV (default path)"),
     BackendSpec("fa3", "flexsgl.overrides.fa3:FA3Backend", ("prefill", "decode"), (90,), "sgl_kernel",
+                head_dims=(64, 96, 128, 192, 256), dtypes=HALF,
                 doc="sgl_kernel FlashAttention-3 flash_attn_with_kvcache"),
     BackendSpec("fa3-prefill", "flexsgl.overrides.fa3:FA3Backend", ("prefill",), (90,), "sgl_kernel",
-                doc="FA3 for prefill only (pair with a decode backend)"),
+                head_dims=(64, 96, 128, 192, 256), dtypes=HALF, doc="FA3 for prefill only (decode: flex or another)"),
     BackendSpec("fi-decode", "flexsgl.overrides.flashinfer:FlashInferDecodeBackend", ("decode",), (80, 86, 89, 90, 100, 120),
-                "flashinfer", doc="FlashInfer BatchDecodeWithPagedKVCacheWrapper, tensor cores for GQA"),
+                "flashinfer", head_dims=(64, 128, 256), dtypes=HALF,
+                doc="FlashInfer BatchDecodeWithPagedKVCacheWrapper, tensor cores for GQA (prefill: flex or another)"),
     BackendSpec("fi", "flexsgl.overrides.flashinfer:FlashInferBackend", ("prefill", "decode"), (80, 86, 89, 90, 100, 120),
-                "flashinfer", doc="FlashInfer paged prefill and decode"),
+                "flashinfer", head_dims=(64, 128, 256), dtypes=HALF, doc="FlashInfer paged prefill and decode"),
     BackendSpec("trtllm-mla", "flexsgl.overrides.trtllm_mla:TrtllmMLABackend", ("decode",), (100,), "flashinfer",
-                attention=("mla",), doc="FlashInfer TRT-LLM MLA decode (Blackwell, MLA models)"),
+                attention=("mla",), dtypes=HALF, doc="FlashInfer TRT-LLM MLA decode (Blackwell, MLA models)"),
 )}
 
 # What `auto` means per (SM version, attention kind) when those backends can run; otherwise flex.
@@ -54,8 +61,10 @@ def sm_version(device: torch.device) -> int | None:
     return major * 10 + minor
 
 
-def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa") -> str | None:
-    """Why `spec` cannot run on `device` for a model with this attention kind, or None."""
+def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa", head_dim: int | None = None,
+            dtype: str | None = None) -> str | None:
+    """Why `spec` cannot run on `device` for a model with this attention kind, head size and dtype
+    (None: not known yet), or None."""
     if spec.sm is not None:
         sm = sm_version(device)
         if sm is None:
@@ -64,6 +73,10 @@ def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa") -> 
             return f"it runs on SM {'/'.join(map(str, spec.sm))}, and this GPU is SM {sm}"
     if attention not in spec.attention:
         return f"it serves {'/'.join(a.upper() for a in spec.attention)} models, and this model is {attention.upper()}"
+    if head_dim is not None and spec.head_dims is not None and head_dim not in spec.head_dims:
+        return f"its kernels take head sizes {'/'.join(map(str, spec.head_dims))}, and this model's is {head_dim}"
+    if dtype is not None and spec.dtypes is not None and dtype not in spec.dtypes:
+        return f"it runs {' and '.join(spec.dtypes)}, and this engine runs {dtype}"
     if spec.package and importlib.util.find_spec(spec.package) is None:
         return f"the package {spec.package!r} is not installed"
     return None
@@ -82,9 +95,10 @@ class Choice:
         return self.prefill.name if same else f"{self.prefill.name},{self.decode.name}"
 
 
-def resolve_override(override: str, device: torch.device, attention: str = "gqa", page_size: int | None = None) -> Choice:
+def resolve_override(override: str, device: torch.device, attention: str = "gqa", page_size: int | None = None,
+                     head_dim: int | None = None, dtype: str | None = None) -> Choice:
     """Pick the backends `override` names, or raise ValueError saying in one sentence why not."""
-    names = auto_choice(device, attention) if override == "auto" else override
+    names = auto_choice(device, attention, head_dim, dtype) if override == "auto" else override
     parts = [p.strip() for p in names.split(",")]
     if len(parts) > 2 or not all(parts):
         raise ValueError(f"Override {override!r} should be one backend or PREFILL,DECODE; "
@@ -102,7 +116,7 @@ def resolve_override(override: str, device: torch.device, attention: str = "gqa"
             if phase not in spec.phases:
                 raise ValueError(f"Override {spec.name!r} does not run {phase}; it runs {', '.join(spec.phases)}.")
     for spec in {prefill.name: prefill, decode.name: decode}.values():
-        reason = why_not(spec, device, attention)
+        reason = why_not(spec, device, attention, head_dim, dtype)
         if reason is None and page_size is not None:
             reason = backend_class(spec).unsupported(page_size, device)
         if reason:
@@ -110,9 +124,10 @@ def resolve_override(override: str, device: torch.device, attention: str = "gqa"
     return Choice(prefill, decode)
 
 
-def auto_choice(device: torch.device, attention: str = "gqa") -> str:
+def auto_choice(device: torch.device, attention: str = "gqa", head_dim: int | None = None,
+                dtype: str | None = None) -> str:
     names = AUTO.get((sm_version(device), attention), "flex")
-    runnable = all(why_not(SPECS[n], device, attention) is None for n in names.split(","))
+    runnable = all(why_not(SPECS[n], device, attention, head_dim, dtype) is None for n in names.split(","))
     return names if runnable else "flex"
 
 

@@ -1,0 +1,128 @@
+"""Backend registry: what each override resolves to, and the one-sentence refusals, on any machine.
+
+GPU facts are faked (SM version, installed packages) so every branch runs on the CPU; the kernels
+themselves are checked on the device by tests/test_gpu_overrides.py.
+"""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flexsgl.attention.registry as registry
+from flexsgl import LLM
+from flexsgl.attention.registry import SPECS, resolve_override
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A GPU of the given SM with the given kernel packages installed."""
+
+    def make(sm: int, packages=("sgl_kernel", "flashinfer")):
+        monkeypatch.setattr(registry, "sm_version", lambda device: sm if device.type == "cuda" else None)
+        real = importlib.util.find_spec
+        monkeypatch.setattr(registry.importlib.util, "find_spec",
+                            lambda name, *a: object() if name in packages else (
+                                None if name in ("sgl_kernel", "flashinfer") else real(name, *a)))
+
+    return make
+
+
+def labels(override, device, **kw):
+    c = resolve_override(override, device, **kw)
+    return c.prefill.name, c.decode.name
+
+
+def test_cpu_runs_flex_and_refuses_the_kernels():
+    assert labels("auto", CPU) == ("flex", "flex")
+    assert labels("flex", CPU) == ("flex", "flex")
+    for name in ("fa3", "fi", "fi-decode", "fa3-prefill,fi-decode"):
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            resolve_override(name, CPU)
+
+
+def test_sm90_with_kernels(fake_gpu):
+    fake_gpu(90)
+    assert labels("auto", GPU, head_dim=128, dtype="bfloat16") == ("fa3-prefill", "fi-decode")
+    assert labels("fi-decode", GPU) == ("flex", "fi-decode")  # one phase named: flex runs the other
+    assert labels("fa3-prefill", GPU) == ("fa3-prefill", "flex")
+    assert labels("fa3", GPU) == ("fa3", "fa3")
+    assert labels("fa3-prefill,fi-decode", GPU) == ("fa3-prefill", "fi-decode")
+    assert labels("fi,flex", GPU) == ("fi", "flex")
+
+
+@pytest.mark.parametrize("kw,reason", [
+    ({"dtype": "float32"}, "runs bfloat16 and float16, and this engine runs float32"),
+    ({"head_dim": 16}, "head sizes 64/96/128/192/256, and this model's is 16"),
+])
+def test_auto_falls_back_to_flex_where_the_kernels_cannot_serve(fake_gpu, kw, reason):
+    fake_gpu(90)
+    assert labels("auto", GPU, **kw) == ("flex", "flex")
+    with pytest.raises(ValueError, match=reason):
+        resolve_override("fa3", GPU, **kw)
+
+
+def test_missing_package_is_named_and_auto_falls_back(fake_gpu):
+    fake_gpu(90, packages=("flashinfer",))
+    with pytest.raises(ValueError, match="the package 'sgl_kernel' is not installed"):
+        resolve_override("fa3-prefill,fi-decode", GPU)
+    assert labels("auto", GPU) == ("flex", "flex")
+    assert labels("fi", GPU) == ("fi", "fi")
+
+
+def test_trtllm_mla_is_refused_off_blackwell_and_on_gqa_models(fake_gpu):
+    fake_gpu(90)
+    with pytest.raises(ValueError, match="runs on SM 100, and this GPU is SM 90"):
+        resolve_override("trtllm-mla", GPU)
+    fake_gpu(100)
+    with pytest.raises(ValueError, match="serves MLA models, and this model is GQA"):
+        resolve_override("trtllm-mla", GPU)
+    # Even on Blackwell with an MLA model it says what is missing: flexsgl has no MLA model yet.
+    assert "no MLA model" in registry.backend_class(SPECS["trtllm-mla"]).unsupported(64, GPU)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("nope", "Unknown attention override 'nope'"),
+    ("fa3,fi,flex", "one backend or PREFILL,DECODE"),
+    ("fi-decode,flex", "'fi-decode' does not run prefill"),
+    ("flex,fa3-prefill", "'fa3-prefill' does not run decode"),
+    ("flex,", "one backend or PREFILL,DECODE"),
+])
+def test_malformed_overrides(override, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_override(override, CPU)
+
+
+def test_engine_refuses_an_override_before_loading(monkeypatch):
+    import flexsgl.engine
+
+    monkeypatch.setattr(flexsgl.engine, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match="Override 'fa3' cannot run here: it needs a CUDA GPU"):
+        LLM("tiny", load_format="dummy", device="cpu", override="fa3")
+
+
+def test_table_lists_every_backend_with_a_reason():
+    rows = {r["name"]: r for r in registry.table(CPU)}
+    assert set(rows) == set(SPECS) | {"auto"}
+    assert rows["flex"]["runs_here"] and rows["auto"]["runs_here"]
+    for name in SPECS:
+        if name != "flex":
+            assert not rows[name]["runs_here"] and rows[name]["why_not"]
+
+
+def test_cli_backends_and_a_refused_override():
+    run = lambda *args: subprocess.run([sys.executable, "-m", "flexsgl.cli", *args],  # noqa: E731
+                                       capture_output=True, text=True, timeout=120)
+    table = run("backends", "--device", "cpu")
+    assert table.returncode == 0
+    lines = table.stdout.splitlines()
+    for name in list(SPECS) + ["auto"]:
+        assert any(line.split()[0] == name for line in lines[2:]), name
+    refused = run("generate", "Hello", "--device", "cpu", "--model", "tiny", "--override", "fa3")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "error: Override 'fa3' cannot run here: it needs a CUDA GPU (SM 90), and the device is cpu."]
