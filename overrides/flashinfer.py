@@ -45,6 +45,18 @@ def _(q, k_cache, v_cache, handle, page_size):
     return torch.empty_like(q)
 
 
+def csr_pages(seq_lens: list[int], pages: list[list[int]], page_size: int):
+    """FlashInfer's page list for requests of `seq_lens` KV tokens on `pages`: (indptr, the number
+    of tokens in each request's last page, the pages each request reads, concatenated)."""
+    counts = [math.ceil(s / page_size) for s in seq_lens]
+    indptr = [0]
+    for c in counts:
+        indptr.append(indptr[-1] + c)
+    last = [s - (c - 1) * page_size for s, c in zip(seq_lens, counts)]
+    indices = [p for ps, c in zip(pages, counts) for p in ps[:c]]
+    return indptr, last, indices
+
+
 def float_workspace(device: torch.device) -> torch.Tensor:
     if device not in _WORKSPACES:
         _WORKSPACES[device] = torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -83,15 +95,9 @@ class FlashInferDecodeBackend:
 
     def page_lists(self, fb: ForwardBatch):
         """(indptr, last page lengths) as pinned host tensors and the page indices on the device."""
-        ps = self.pool.page_size
-        counts = [math.ceil(s / ps) for s in fb.host_seq_lens]
-        indptr = [0]
-        for c in counts:
-            indptr.append(indptr[-1] + c)
-        last = [s - (c - 1) * ps for s, c in zip(fb.host_seq_lens, counts)]
-        indices = [p for pages, c in zip(fb.host_pages, counts) for p in pages[:c]]
+        indptr, last, indices = csr_pages(fb.host_seq_lens, fb.host_pages, self.pool.page_size)
         host = torch.tensor(indptr + last + indices, dtype=torch.int32, pin_memory=True)
-        b = len(counts)
+        b = len(last)
         return host[:b + 1], host[b + 1:2 * b + 1], host[2 * b + 1:].to(self.device, non_blocking=True)
 
     def plan_decode(self, wrapper, fb: ForwardBatch) -> None:

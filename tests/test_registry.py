@@ -126,3 +126,15 @@ def test_cli_backends_and_a_refused_override():
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         "error: Override 'fa3' cannot run here: it needs a CUDA GPU (SM 90), and the device is cpu."]
+
+
+def test_flashinfer_page_lists_by_hand():
+    """The CSR page list FlashInfer is planned with (host logic; the kernels run on the device)."""
+    from flexsgl.overrides.flashinfer import csr_pages
+
+    # Page size 4: 1 token on one page; 4 tokens filling one page; 9 tokens on 3 of the 4 pages the
+    # request holds (the one allocated ahead is not read); a padding row on the dummy page.
+    indptr, last, indices = csr_pages([1, 4, 9, 1], [[7], [3], [5, 2, 8, 6], [0]], 4)
+    assert indptr == [0, 1, 2, 5, 6]
+    assert last == [1, 4, 1, 1]
+    assert indices == [7, 3, 5, 2, 8, 0]
