@@ -82,9 +82,11 @@ def generate(
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                   top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos)
         t0 = time.perf_counter()
+        # The batch is known: run it all at once, and capture (and compile) decode graphs only
+        # for the batch sizes it can reach, not for a server's 256.
         llm = LLM(model, device=device, dtype=dtype, override=override, load_format=load_format,
                   page_size=page_size, kv_cache_tokens=kv_cache_tokens, compile=compile,
-                  cuda_graphs=cuda_graphs, progress=say)
+                  cuda_graphs=cuda_graphs, max_running=min(len(prompts), 256), progress=say)
         say(f"ready in {time.perf_counter() - t0:.1f}s")
         stream = len(prompts) == 1 and not json_out
         t1 = time.perf_counter()
