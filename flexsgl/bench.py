@@ -111,7 +111,7 @@ def parse_lengths(text: str, what: str) -> list[int]:
 
 def plan(args: BenchArgs) -> Plan:
     """Check every argument and every override before anything loads; ValueError says what is wrong."""
-    from flexsgl.attention.registry import check_override, resolve_override
+    from flexsgl.attention.registry import resolve_override
     from flexsgl.config import PRESETS
     from flexsgl.model.loader import resolve
 
@@ -137,9 +137,8 @@ def plan(args: BenchArgs) -> Plan:
     if args.page_size < 1:
         raise ValueError(f"--page-size must be at least 1, got {args.page_size}.")
     overrides = args.overrides or ["auto"]
-    backends = [check_override(o, device) for o in overrides]
-    for o in overrides:  # and with this page size, so a later backend cannot fail after an earlier one ran
-        resolve_override(o, torch.device(device), "gqa", args.page_size)
+    # Every override, with this page size, before anything runs: a later one cannot fail after an earlier ran.
+    backends = [resolve_override(o, torch.device(device), "gqa", args.page_size).label for o in overrides]
     p = Plan(args, model, load_format, device, overrides, backends)
     if w == "throughput":
         p.num_prompts = d["num_prompts"]

@@ -53,13 +53,13 @@ class LLM:
         self.config = cfg = self.src.config
         self.dtype = self._pick_dtype(dtype)
         # Refuses before the model loads, with the reason.
-        choice = resolve_override(override, self.device, "gqa", page_size, cfg.head_dim,
-                                  str(self.dtype).removeprefix("torch."))
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        choice = resolve_override(override, self.device, "gqa", page_size, cfg.head_dim, dtype_name)
         graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, and this engine runs on {self.device.type}.")
         say(f"loading {self.src.name} ({self.src.load_format}, {cfg.num_params() / 1e6:.1f}M params, "
-            f"{str(self.dtype).removeprefix('torch.')}, {self.device})")
+            f"{dtype_name}, {self.device})")
         self.model = build_model(self.src, self.device, self.dtype, seed, progress=lambda f: say(f"loaded {f}"))
         self.tokenizer = load_tokenizer(self.src)
         num_pages = self._num_pages(kv_cache_tokens, page_size, max_batch_tokens, max_running, gpu_memory_fraction)

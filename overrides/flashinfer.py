@@ -21,6 +21,7 @@ the one a plan fills was last used two steps ago, which has finished (its tokens
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import torch
 
@@ -49,9 +50,7 @@ def csr_pages(seq_lens: list[int], pages: list[list[int]], page_size: int):
     """FlashInfer's page list for requests of `seq_lens` KV tokens on `pages`: (indptr, the number
     of tokens in each request's last page, the pages each request reads, concatenated)."""
     counts = [math.ceil(s / page_size) for s in seq_lens]
-    indptr = [0]
-    for c in counts:
-        indptr.append(indptr[-1] + c)
+    indptr = [0, *accumulate(counts)]
     last = [s - (c - 1) * page_size for s, c in zip(seq_lens, counts)]
     indices = [p for ps, c in zip(pages, counts) for p in ps[:c]]
     return indptr, last, indices
@@ -153,10 +152,7 @@ class FlashInferBackend(FlashInferDecodeBackend):
         if fb.mode == "decode":
             return self.plan_decode(self.decode_wrapper, fb)
         indptr, last, indices = self.page_lists(fb)
-        qo = [0]
-        for n in fb.host_q_lens:
-            qo.append(qo[-1] + n)
-        qo_indptr = torch.tensor(qo, dtype=torch.int32, pin_memory=True)
+        qo_indptr = torch.tensor([0, *accumulate(fb.host_q_lens)], dtype=torch.int32, pin_memory=True)
         self.use_next_pinned(self.prefill_wrapper)
         self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.hq, self.hkv, self.d,
                                   self.pool.page_size, causal=True, q_data_type=self.dtype,
