@@ -1,15 +1,19 @@
-"""Profile a few decode steps of a dummy-weight preset: top kernels, host time, and dynamo recompiles.
+"""Profile decode steps of a dummy-weight preset: the kernels one step runs, and host vs device time.
 
-    python tools/profile_step.py --model qwen3-0.6b --batch 1 --prompt-len 128 --steps 8
+Prefill and warm-up stay outside the profiled window: it opens once every request has decoded a
+few tokens and covers `--steps` decode steps. The table lists kernels by device time; the summary
+gives device time per step (kernels summed) against wall time per step.
+
+    python tools/profile_step.py --model qwen3-8b --override fa3-prefill,fi-decode --batch 1 --steps 20
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import time
 
 import torch
-from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 from flexsgl import LLM, SamplingParams
@@ -18,25 +22,45 @@ from flexsgl import LLM, SamplingParams
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--override", default="auto")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--kv-cache-tokens", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--graphs", choices=["on", "off"], default="on")
+    ap.add_argument("--kv-cache-tokens", type=int, default=65536)
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
-    llm = LLM(args.model, load_format="dummy", kv_cache_tokens=args.kv_cache_tokens, progress=print)
+    cuda = torch.cuda.is_available()
+    llm = LLM(args.model, load_format="dummy", override=args.override, kv_cache_tokens=args.kv_cache_tokens,
+              max_running=args.batch, graph_batch_sizes=[args.batch] if cuda and args.graphs == "on" else None,
+              cuda_graphs=cuda and args.graphs == "on", progress=lambda m: print("  ", m, flush=True))
     rng = random.Random(0)
-    prompts = [[rng.randrange(llm.config.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-    sp = SamplingParams(max_new_tokens=args.steps, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, sp)  # warm-up and compile
-    before = {k: dict(v) for k, v in counters.items()}
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    fresh = lambda: [[rng.randrange(llm.config.vocab_size) for _ in range(args.prompt_len)]  # noqa: E731
+                     for _ in range(args.batch)]
+    llm.generate(fresh(), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))  # compile
+    sp = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
+    ids = [llm.add_request(p, sp) for p in fresh()]
+    for _ in range(8):  # prefill, then a few decode steps
+        llm.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
     with profile(activities=acts) as prof:
-        llm.generate(prompts, sp)
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
-    print("dynamo counters after warm-up:", {k: dict(v) for k, v in counters.items() if dict(v) != before.get(k)})
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            llm.step()
+        sync()
+        wall = time.perf_counter() - t
+    while llm.has_unfinished:
+        llm.step()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    events = prof.key_averages()
+    print(events.table(sort_by=key, row_limit=args.rows, max_name_column_width=80))
+    if cuda:
+        kernels = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        print(f"{llm.backends.label}, graphs {args.graphs}, batch {args.batch}, context ~{args.prompt_len}: "
+              f"device time {kernels / 1e3 / args.steps:.3f} ms per step (kernels summed), "
+              f"wall {1e3 * wall / args.steps:.3f} ms per step under the profiler, {len(ids)} requests")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""Where a throughput run's time goes: host work, waiting on the device, and device time, per step.
+
+Runs `flexsgl bench`'s throughput workload (same lengths and seeds; one warm-up pass) with timers
+around the engine's phases, and CUDA events around each launched step:
+
+    schedule  the scheduler picks the batch            (host)
+    build     the runner packs and uploads its inputs   (host, inside launch)
+    launch    runner.run: build + graph fill/replay or compiled call + sampling launch (host)
+    wait      reading the previous step's tokens: the host blocked on the device
+    process   handing tokens to requests                (host)
+    gpu       device time from the step's first to its last queued op (CUDA events)
+
+If `wait` is near zero the run is host-bound and `host` (schedule + launch + process) sets the
+pace; if `wait` is large the device does. Then, optionally, profiles `--profile-steps` decode
+steps in the middle of a second pass and prints the kernels they ran.
+
+    python tools/step_breakdown.py --model qwen3-0.6b --override auto --profile-steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.bench import random_prompts
+from flexsgl.runner import StepOutput
+
+SIZE_BANDS = (1, 32, 64, 128, 192, 257, 10**9)
+
+
+def band(n: int) -> str:
+    lo = max(b for b in SIZE_BANDS if b <= n)
+    hi = min(b for b in SIZE_BANDS if b > n) - 1
+    return f"{lo}-{hi}"
+
+
+class Timers:
+    """Per-step phase times; `cur` collects the phases of the step in progress."""
+
+    def __init__(self, llm: LLM):
+        self.cur: dict[str, float] = defaultdict(float)
+        self.steps: list[dict] = []
+        self.events: list[tuple] = []
+        self._wrap(llm.scheduler, "schedule", "schedule")
+        self._wrap(llm.runner, "build", "build")
+        self._wrap(llm.scheduler, "process", "process")
+        run = llm.runner.run
+        cuda = llm.device.type == "cuda"
+
+        def timed_run(batch):
+            start = end = None
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            t = time.perf_counter()
+            out = run(batch)
+            self.cur["launch"] += time.perf_counter() - t
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+            self.cur["mode"], self.cur["n"] = batch.mode, len(batch.requests)
+            self.events.append((start, end))
+            return out
+
+        llm.runner.run = timed_run
+        tokens = StepOutput.tokens
+
+        def timed_tokens(so):
+            t = time.perf_counter()
+            out = tokens(so)
+            self.cur["wait"] += time.perf_counter() - t
+            return out
+
+        StepOutput.tokens = timed_tokens
+
+    def _wrap(self, obj, name: str, key: str) -> None:
+        f = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            out = f(*a, **k)
+            self.cur[key] += time.perf_counter() - t
+            return out
+
+        setattr(obj, name, timed)
+
+    def step(self, llm: LLM):
+        self.cur = defaultdict(float)
+        t = time.perf_counter()
+        out = llm.step()
+        self.cur["wall"] = time.perf_counter() - t
+        self.steps.append(dict(self.cur))
+        return out
+
+    def gpu_times(self) -> list[float | None]:
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1e3 if s is not None else None for s, e in self.events]
+
+
+def run_pass(llm, timers, prompts, out_lens, profile_steps=0):
+    ids = [llm.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+           for p, n in zip(prompts, out_lens)]
+    prof = None
+    decode_seen = 0
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while llm.has_unfinished:
+        timers.step(llm)
+        if timers.steps[-1].get("mode") == "decode":
+            decode_seen += 1
+        if profile_steps and prof is None and decode_seen == 200:  # well into the run, batch near full
+            from torch.profiler import ProfilerActivity, profile
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+            prof_start = len(timers.steps)
+        if prof is not None and len(timers.steps) == prof_start + profile_steps:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            prof_done, prof = prof, None
+            profile_steps = 0
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return wall, len(ids), locals().get("prof_done")
+
+
+def summarize(steps, gpu):
+    rows = defaultdict(list)
+    for s, g in zip(steps, gpu):
+        if "mode" in s:
+            rows[(s["mode"], band(s["n"]) if s["mode"] == "decode" else "-")].append((s, g))
+    keys = ("schedule", "build", "launch", "process", "wait", "wall")
+    print(f"\n{'mode':<8} {'batch':>8} {'steps':>6} " + " ".join(f"{k:>8}" for k in keys)
+          + f" {'host':>8} {'gpu':>8} {'total s':>8}   (ms per step, mean)")
+    for (mode, b), items in sorted(rows.items()):
+        mean = {k: 1e3 * statistics.mean(s.get(k, 0.0) for s, _ in items) for k in keys}
+        host = mean["schedule"] + mean["launch"] + mean["process"]
+        g = [x for _, x in items if x is not None]
+        gms = 1e3 * statistics.mean(g) if g else float("nan")
+        total = sum(s["wall"] for s, _ in items)
+        print(f"{mode:<8} {b:>8} {len(items):>6} " + " ".join(f"{mean[k]:>8.3f}" for k in keys)
+              + f" {host:>8.3f} {gms:>8.3f} {total:>8.2f}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--override", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", default="100:1024")
+    ap.add_argument("--output-len", default="100:1024")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-running", type=int, default=256)
+    ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--profile-steps", type=int, default=0)
+    ap.add_argument("--rows", type=int, default=20)
+    args = ap.parse_args()
+    llm = LLM(args.model, load_format="dummy", override=args.override, max_running=args.max_running,
+              max_batch_tokens=args.max_batch_tokens, progress=lambda m: print("  ", m, flush=True))
+    rng = random.Random(args.seed)
+    lo, hi = (int(x) for x in args.input_len.split(":"))
+    olo, ohi = (int(x) for x in args.output_len.split(":"))
+    in_lens = [rng.randint(lo, hi) for _ in range(args.num_prompts)]
+    out_lens = [rng.randint(olo, ohi) for _ in range(args.num_prompts)]
+    prompts = random_prompts(rng, in_lens, llm.config.vocab_size)
+    warm = random_prompts(random.Random(args.seed + 1), in_lens, llm.config.vocab_size)
+    timers = Timers(llm)
+    t = time.perf_counter()
+    run_pass(llm, timers, warm, out_lens)
+    print(f"warm-up pass: {time.perf_counter() - t:.1f} s", flush=True)
+    timers.steps, timers.events = [], []
+    wall, n, _ = run_pass(llm, timers, prompts, out_lens)
+    gpu = timers.gpu_times() if llm.device.type == "cuda" else [None] * len(timers.steps)
+    busy = sum(g for g in gpu if g is not None)
+    print(f"\ntimed pass: {wall:.2f} s, {sum(out_lens) / wall:,.0f} output tok/s, {len(timers.steps)} steps, "
+          f"device busy {busy:.2f} s ({100 * busy / wall:.0f}% of wall)")
+    summarize(timers.steps, gpu)
+    if args.profile_steps and llm.device.type == "cuda":
+        timers.steps, timers.events = [], []
+        prompts = random_prompts(random.Random(args.seed + 2), in_lens, llm.config.vocab_size)
+        _, _, prof = run_pass(llm, timers, prompts, out_lens, args.profile_steps)
+        if prof is not None:
+            print(f"\nkernels of {args.profile_steps} steps from decode step 200 of a third pass "
+                  f"(CUDA time, all steps together):")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
+                                            max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
