@@ -55,10 +55,11 @@ def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """logits [S, V] float32 -> token ids [S] int64."""
-    greedy = logits.argmax(dim=-1)
+    """logits [S, V] (any float dtype; sampled in float32) -> token ids [S] int64."""
+    greedy = logits.argmax(dim=-1)  # upcasting first would change no value, so no argmax either
     if st.all_greedy:
         return greedy
+    logits = logits.float()
     temp = torch.where(st.temperature > 0, st.temperature, 1.0)
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     vocab = logits.shape[-1]

@@ -1,21 +1,27 @@
-"""Bandwidth of the projections of a decode step at small batch: cuBLAS (F.linear) against an
-Inductor-generated reduction, for a model's weight shapes.
+"""Bandwidth of a model's projections at decode batch 1-4: cuBLAS (F.linear) against flexsgl's Triton
+matrix-vector kernel (flexsgl/model/gemv.py) over a sweep of its tile configurations.
 
-At batch 1 a projection reads its weight once and does two flops per weight: it is a matrix-vector
-product bound by memory, so the figure that matters is weight bytes over time. Weights rotate
-through several copies so that no timing reads a weight from L2.
+At batch 1 a projection reads its weight once and does two flops per weight, so the figure that
+matters is weight bytes over time. Two timings:
+- per projection, alone (triton's do_bench, which clears L2 between runs): every config, best kept;
+- a whole model's projections replayed from one CUDA graph, as a decode step runs them (one
+  weight set per layer, so nothing comes from L2), with cuBLAS and with the chosen configs.
 
-    python tools/gemv_bench.py --model qwen3-8b --batch 1 8
+    python tools/gemv_bench.py --model qwen3-8b --batch 1 2 4
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 import torch.nn.functional as F
 
 from flexsgl.config import PRESETS, ModelConfig
+from flexsgl.model import gemv
+
+SWEEP = {"block_n": (4, 8, 16, 32), "block_k": (256, 512, 1024), "warps": (4, 8), "stages": (1, 3)}
 
 
 def shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -25,36 +31,93 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
             "lm_head": (cfg.vocab_size, h)}
 
 
-def reduction_linear(x, w):
-    return (x[:, None, :].float() * w[None].float()).sum(-1).to(x.dtype)
+def rel_err(out, x, w):
+    ref = x.double() @ w.double().T
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Median seconds of one replay of a CUDA graph of fn."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
-    ap.add_argument("--copies", type=int, default=4)
     args = ap.parse_args()
     from triton.testing import do_bench
 
     cfg = ModelConfig.from_hf(PRESETS[args.model]["config"])
     dev, dt = torch.device("cuda"), torch.bfloat16
-    import torch._inductor.config as ic
-    ic.coordinate_descent_tuning = True
-    red = torch.compile(reduction_linear, dynamic=False)
-    print(f"{'proj':<14} {'N x K':>14} {'batch':>5} {'cuBLAS us':>10} {'TB/s':>6} {'inductor us':>11} {'TB/s':>6} {'max err':>8}")
+    sweep = [c for c in itertools.product(*SWEEP.values()) if c[0] * c[1] <= 16384]
+    best_cfg = {}
+    print(f"{'proj':<13} {'N x K':>13} {'M':>2} {'cuBLAS us':>9} {'TB/s':>5} {'triton us':>9} {'TB/s':>5} "
+          f"{'best (BN, BK, warps, stages)':>28} {'rel err':>8}", flush=True)
     for name, (n, k) in shapes(cfg).items():
-        ws = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(args.copies)]
+        w = torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
         nbytes = n * k * 2
-        for b in args.batch:
-            x = torch.randn(b, k, device=dev, dtype=dt)
-            it = iter(range(10**9))
-            t_cublas = do_bench(lambda: F.linear(x, ws[next(it) % len(ws)]), return_mode="median") * 1e3
-            err = (red(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
-            t_red = do_bench(lambda: red(x, ws[next(it) % len(ws)]), return_mode="median") * 1e3
-            print(f"{name:<14} {f'{n}x{k}':>14} {b:>5} {t_cublas:>10.1f} {nbytes / t_cublas / 1e6:>6.2f} "
-                  f"{t_red:>11.1f} {nbytes / t_red / 1e6:>6.2f} {err:>8.4f}", flush=True)
-        del ws
+        for m in args.batch:
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            out = torch.empty(m, n, device=dev, dtype=dt)
+            t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median") * 1e-3
+            results = []
+            for c in sweep:
+                try:
+                    t = do_bench(lambda: gemv.launch(x, w, None, out, c), warmup=5, rep=20, return_mode="median")
+                except Exception as e:  # a config the compiler refuses (too many registers, ...)
+                    print(f"   {c}: {type(e).__name__}", flush=True)
+                    continue
+                results.append((t * 1e-3, c))
+            t_best, c_best = min(results)
+            out.fill_(float("nan"))
+            gemv.launch(x, w, None, out, c_best)
+            best_cfg[(name, m)] = c_best
+            print(f"{name:<13} {f'{n}x{k}':>13} {m:>2} {t_cublas * 1e6:>9.1f} {nbytes / t_cublas / 1e12:>5.2f} "
+                  f"{t_best * 1e6:>9.1f} {nbytes / t_best / 1e12:>5.2f} {str(c_best):>28} {rel_err(out, x, w):>8.1e}",
+                  flush=True)
+            top = sorted(results)[:5]
+            print("      next best: " + ", ".join(f"{c} {nbytes / t / 1e12:.2f}" for t, c in top[1:]), flush=True)
+        del w
+    # A whole step's projections from one graph: every layer its own weights.
+    layers = [{name: torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for name, (n, k) in shapes(cfg).items()
+               if name != "lm_head"} for _ in range(cfg.num_layers)]
+    total = sum(w.numel() * 2 for layer in layers for w in layer.values())
+    print(f"\n{cfg.num_layers} layers' projections from one CUDA graph ({total / 1e9:.2f} GB of weights):")
+    for m in args.batch:
+        xs = {name: torch.randn(m, k, device=dev, dtype=dt) for name, (n, k) in shapes(cfg).items()}
+        outs = {name: torch.empty(m, n, device=dev, dtype=dt) for name, (n, k) in shapes(cfg).items()}
+
+        def cublas():
+            for layer in layers:
+                for name, w in layer.items():
+                    torch.matmul(xs[name], w.T, out=outs[name])
+
+        def triton_kernel(default=False):
+            for layer in layers:
+                for name, w in layer.items():
+                    gemv.launch(xs[name], w, None, outs[name], None if default else best_cfg[(name, m)])
+
+        for label, fn in (("cuBLAS", cublas), ("triton, best configs", triton_kernel),
+                          ("triton, engine's configs", lambda: triton_kernel(True))):
+            t = graph_time(fn)
+            print(f"  M={m} {label:<26} {t * 1e3:7.3f} ms  {total / t / 1e12:5.2f} TB/s", flush=True)
 
 
 if __name__ == "__main__":

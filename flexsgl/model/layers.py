@@ -1,4 +1,4 @@
-"""Building blocks shared by the models: RMSNorm, rotary embeddings (default and llama3), gated MLP."""
+"""Building blocks shared by the models: Linear, RMSNorm, rotary embeddings (default and llama3), gated MLP."""
 
 from __future__ import annotations
 
@@ -7,6 +7,15 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flexsgl.model import gemv
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose decode-sized calls (CUDA, at most 4 rows) go to the matrix-vector kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemv.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -62,8 +71,8 @@ class RotaryEmbedding(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

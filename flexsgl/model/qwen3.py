@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from flexsgl.config import ModelConfig
-from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from flexsgl.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -19,8 +19,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.hq * self.d, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -71,7 +71,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -82,11 +82,13 @@ class Qwen3ForCausalLM(nn.Module):
         return [c.intermediate_size, c.intermediate_size]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
-        """Returns float32 logits of the tokens at `fb.logits_index` (each request's last token)."""
+        """Returns the logits (in the model's dtype) of the tokens at `fb.logits_index` (each request's
+        last token). The sampler upcasts them only where it needs to: a greedy step takes the argmax
+        as they are, which saves writing and re-reading a float32 copy of [batch, vocab]."""
         m = self.model
         x = m.embed_tokens(input_ids)
         for layer in m.layers:
             x = layer(x, positions, m.rotary, fb)
         x = m.norm(x[fb.logits_index])
-        return self.lm_head(x).float()
+        return self.lm_head(x)
 
