@@ -4,7 +4,7 @@ FlashInfer reads the pool as it is, `(k, v)` each `[pages, page_size, Hkv, D]` (
 CSR page list (indptr, page indices, last-page lengths). Its wrappers are *planned* on the host
 before they run; the plan takes the host copies of the lengths and pages the runner already has
 (ForwardBatch.host_*), so nothing waits on the device. Decode uses the tensor-core kernels when
-the model has grouped KV heads.
+4 or more query heads share a KV head, as SGLang does.
 
 Kernel calls go through one `torch.library` custom op with a fake implementation; the op finds the
 planned wrapper through its backend's `active` slot, so compiled code never sees the wrapper.
@@ -21,6 +21,7 @@ the one a plan fills was last used two steps ago, which has finished (its tokens
 from __future__ import annotations
 
 import math
+import weakref
 from itertools import accumulate
 
 import torch
@@ -29,7 +30,8 @@ from flexsgl.attention.base import ForwardBatch
 from flexsgl.cache.pool import KVPool
 
 FLOAT_WORKSPACE_BYTES = 256 << 20
-_BACKENDS: list = []  # custom-op handle -> backend
+# custom-op handle -> backend, held weakly: an engine's backend holds its KV pool, which must go with the engine
+_BACKENDS: dict[int, weakref.ref] = {}
 _WORKSPACES: dict = {}  # device -> float workspace shared by every wrapper (one kernel runs at a time)
 
 
@@ -37,7 +39,7 @@ _WORKSPACES: dict = {}  # device -> float workspace shared by every wrapper (one
 def flashinfer_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, handle: int,
                          page_size: int) -> torch.Tensor:
     hkv, d = k_cache.shape[-2:]
-    wrapper = _BACKENDS[handle].active
+    wrapper = _BACKENDS[handle]().active
     return wrapper.run(q.contiguous(), (k_cache.view(-1, page_size, hkv, d), v_cache.view(-1, page_size, hkv, d)))
 
 
@@ -75,7 +77,8 @@ class FlashInferDecodeBackend:
         self.pool, self.device = pool, pool.page_pos.device
         self.hq, self.hkv, self.d = num_heads, pool.k[0].shape[1], pool.k[0].shape[2]
         self.dtype = pool.k[0].dtype
-        self.tensor_cores = self.hq != self.hkv
+        # SGLang's rule: the tensor-core kernels pay from 4 query heads per KV head; below, CUDA cores.
+        self.tensor_cores = self.hq // self.hkv >= 4
         self.workspace = float_workspace(self.device)
         size = 8 << 20  # FlashInfer's int workspace size
         self.pinned = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -83,8 +86,8 @@ class FlashInferDecodeBackend:
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores)
         self.active = None
-        self.handle = len(_BACKENDS)
-        _BACKENDS.append(self)
+        self.handle = max(_BACKENDS, default=-1) + 1
+        _BACKENDS[self.handle] = weakref.ref(self)
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:

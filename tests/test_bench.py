@@ -143,6 +143,31 @@ def test_bad_input_exits_2_with_one_error_line(name):
     assert "Traceback" not in r.output and r.stdout == "", r.output
 
 
+def test_each_engine_is_freed_before_the_next(monkeypatch):
+    """A run over several overrides sizes each engine's KV cache from free memory, so nothing may
+    keep the previous engine's pool alive (a module-level handle table once did, on the GPU)."""
+    import gc
+    import weakref
+
+    import flexsgl.bench as bench
+
+    pools = []
+    build = bench.build_llm
+
+    def tracked(p, override, say):
+        llm = build(p, override, say)
+        assert all(ref() is None for ref in pools), "the previous engine's KV pool is still alive"
+        pools.append(weakref.ref(llm.pool))
+        return llm
+
+    monkeypatch.setattr(bench, "build_llm", tracked)
+    args = bench.BenchArgs(workload="throughput", num_prompts=3, input_len="8:16", output_len="2:4",
+                           overrides=["flex", "flex"])
+    bench.run(bench.plan(args), progress=False)
+    gc.collect()
+    assert len(pools) == 2 and pools[-1]() is None
+
+
 def test_commit_from_environment(monkeypatch):
     monkeypatch.setenv("FLEXSGL_COMMIT", "abc123")
     assert commit() == "abc123"

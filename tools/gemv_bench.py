@@ -1,4 +1,4 @@
-"""Bandwidth of a model's projections at decode batch 1-4: cuBLAS (F.linear) against flexsgl's Triton
+"""Bandwidth of a model's projections at decode batch 1: cuBLAS (F.linear) against flexsgl's Triton
 matrix-vector kernel (flexsgl/model/gemv.py) over a sweep of its tile configurations.
 
 At batch 1 a projection reads its weight once and does two flops per weight, so the figure that
@@ -7,7 +7,7 @@ matters is weight bytes over time. Two timings:
 - a whole model's projections replayed from one CUDA graph, as a decode step runs them (one
   weight set per layer, so nothing comes from L2), with cuBLAS and with the chosen configs.
 
-    python tools/gemv_bench.py --model qwen3-8b --batch 1 2 4
+    python tools/gemv_bench.py --model qwen3-8b
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ def graph_time(fn, reps: int = 20) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1])
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -73,7 +72,7 @@ def main():
     for name, (n, k) in shapes(cfg).items():
         w = torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
         nbytes = n * k * 2
-        for m in args.batch:
+        for m in (1,):
             x = torch.randn(m, k, device=dev, dtype=dt)
             out = torch.empty(m, n, device=dev, dtype=dt)
             t_cublas = do_bench(lambda: F.linear(x, w), return_mode="median") * 1e-3
@@ -100,7 +99,7 @@ def main():
                if name != "lm_head"} for _ in range(cfg.num_layers)]
     total = sum(w.numel() * 2 for layer in layers for w in layer.values())
     print(f"\n{cfg.num_layers} layers' projections from one CUDA graph ({total / 1e9:.2f} GB of weights):")
-    for m in args.batch:
+    for m in (1,):
         xs = {name: torch.randn(m, k, device=dev, dtype=dt) for name, (n, k) in shapes(cfg).items()}
         outs = {name: torch.empty(m, n, device=dev, dtype=dt) for name, (n, k) in shapes(cfg).items()}
 

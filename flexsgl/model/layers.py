@@ -12,7 +12,7 @@ from flexsgl.model import gemv
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose decode-sized calls (CUDA, at most 4 rows) go to the matrix-vector kernel."""
+    """nn.Linear whose batch-1 calls on CUDA go to the matrix-vector kernel (flexsgl/model/gemv.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemv.linear(x, self.weight, self.bias)
