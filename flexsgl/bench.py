@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from flexsgl.bench_env import copy_bandwidth, decode_floor, environment, sync
-from flexsgl.bench_report import command_line, resolved
+from flexsgl.bench_report import command_line, number, resolved, table_rows
 
 WORKLOADS = ("throughput", "latency", "prefill")
 # Defaults sized for a GPU; the tiny preset on a CPU wants small values on the command line.
@@ -196,6 +196,8 @@ def run(p: Plan, progress: bool = True) -> dict:
                "compile": llm.compile, "dtype": str(llm.dtype).removeprefix("torch.")}
         res.update(WORKLOADS_RUN[p.args.workload](llm, p, bandwidth, progress))
         results.append(res)
+        # Each backend's figures as soon as they exist: a run cut short still reports what it measured.
+        say(f"{label}: " + ", ".join(f"{name} {number(v)}" for name, v in table_rows(p.args.workload, res)))
         del llm
         free_memory(device)
     return {"workload": p.args.workload, "model": p.model, "load_format": p.load_format,

@@ -60,10 +60,10 @@ def format_table(report: dict) -> str:
     per = [table_rows(w, r) for r in results]
     lines = [[""] + names]
     for i, (label, base) in enumerate(per[0]):
-        cells = [label, _num(base)]
+        cells = [label, number(base)]
         for rows in per[1:]:
             v = rows[i][1]
-            cells.append(_num(v) + (f" ({v / base:.2f}x)" if base else ""))
+            cells.append(number(v) + (f" ({v / base:.2f}x)" if base else ""))
         lines.append(cells)
     widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
     out = [f"{w}: {report['model']} ({report['load_format']}) on {report['device']}"
@@ -74,7 +74,7 @@ def format_table(report: dict) -> str:
     return "\n".join(out)
 
 
-def _num(v: float) -> str:
+def number(v: float) -> str:
     return f"{v:,.0f}" if abs(v) >= 1000 or float(v).is_integer() else f"{v:,.3g}" if abs(v) < 1 else f"{v:,.2f}"
 
 
