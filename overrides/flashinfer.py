@@ -4,7 +4,7 @@ FlashInfer reads the pool as it is, `(k, v)` each `[pages, page_size, Hkv, D]` (
 CSR page list (indptr, page indices, last-page lengths). Its wrappers are *planned* on the host
 before they run; the plan takes the host copies of the lengths and pages the runner already has
 (ForwardBatch.host_*), so nothing waits on the device. Decode uses the tensor-core kernels when
-4 or more query heads share a KV head, as SGLang does.
+the model has grouped KV heads.
 
 Kernel calls go through one `torch.library` custom op with a fake implementation; the op finds the
 planned wrapper through its backend's `active` slot, so compiled code never sees the wrapper.
@@ -77,8 +77,9 @@ class FlashInferDecodeBackend:
         self.pool, self.device = pool, pool.page_pos.device
         self.hq, self.hkv, self.d = num_heads, pool.k[0].shape[1], pool.k[0].shape[2]
         self.dtype = pool.k[0].dtype
-        # SGLang's rule: the tensor-core kernels pay from 4 query heads per KV head; below, CUDA cores.
-        self.tensor_cores = self.hq // self.hkv >= 4
+        # Tensor cores whenever KV heads are shared. SGLang's rule (from 4 query heads per KV head) cost
+        # 6% of the throughput workload on Qwen3-0.6B (2 per KV head) on an H200: docs/BENCHMARKS.md.
+        self.tensor_cores = self.hq != self.hkv
         self.workspace = float_workspace(self.device)
         size = 8 << 20  # FlashInfer's int workspace size
         self.pinned = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
