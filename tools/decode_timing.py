@@ -62,6 +62,8 @@ def main():
                 step = (full - first) / (args.new_tokens - 1)
                 floor = decode_floor(llm, bs, args.prompt_len + args.new_tokens / 2, bandwidth)["floor_tpot_s"]
                 rows.append((llm.backends.label, graphs, bs, first, step, bs / step, step / floor))
+                print(f"   {llm.backends.label} graphs {graphs} batch {bs}: {step * 1e3:.3f} ms/step, "
+                      f"{step / floor:.2f}x floor", flush=True)
             del llm
             gc.collect()
             torch.cuda.empty_cache()
