@@ -40,8 +40,15 @@ def test_bf16_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size):
     check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, override="flex")
 
 
-def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, **llm_kw):
-    """The compiled bf16 engine, decode replayed from CUDA graphs, against HF float32 and bf16."""
+def test_bf16_engine_at_batch_1_tracks_hf(tmp_path, monkeypatch):
+    """One request at a time: decode replays the batch-1 graph, whose projections run the
+    matrix-vector kernel (flexsgl/model/gemv.py) instead of cuBLAS."""
+    check_engine_tracks_hf(tmp_path, monkeypatch, "qwen3", 64, override="flex", one_at_a_time=True)
+
+
+def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, one_at_a_time=False, **llm_kw):
+    """The compiled bf16 engine, decode replayed from CUDA graphs, against HF float32 and bf16.
+    one_at_a_time: run the prompts one after another (decode at batch 1) instead of together."""
     seed = random.randrange(1 << 30)
     hf = make_checkpoint(arch, tmp_path, seed, head_dim=head_dim)
     hf.config._attn_implementation = "eager"
@@ -49,10 +56,11 @@ def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, 
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 9, 64, 65, 200, 333)]
     steps = 32
     llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", page_size=page_size, shuffle_pages=seed,
-              kv_cache_tokens=32768, graph_batch_sizes=[2, 8], **llm_kw)
-    assert llm.compile and sorted(llm.runner.graphs.graphs) == [2, 8]
+              kv_cache_tokens=32768, graph_batch_sizes=[1, 2, 8], **llm_kw)
+    assert llm.compile and sorted(llm.runner.graphs.graphs) == [1, 2, 8]
     seen = capture_logits(llm, monkeypatch)
-    outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))
+    sp = SamplingParams(max_new_tokens=steps, temperature=0.0)
+    outs = [llm.generate(p, sp)[0] for p in prompts] if one_at_a_time else llm.generate(prompts, sp)
     hf32 = hf.cuda().float()
     hf16 = make_checkpoint(arch, tmp_path / "copy", seed, head_dim=head_dim).cuda().to(torch.bfloat16)
     hf16.config._attn_implementation = "eager"

@@ -139,7 +139,7 @@ def summarize(steps, gpu):
     keys = ("schedule", "build", "launch", "process", "wait", "wall")
     print(f"\n{'mode':<8} {'batch':>8} {'steps':>6} " + " ".join(f"{k:>8}" for k in keys)
           + f" {'host':>8} {'gpu':>8} {'total s':>8}   (ms per step, mean)")
-    for (mode, b), items in sorted(rows.items()):
+    for (mode, b), items in sorted(rows.items(), key=lambda kv: (kv[0][0], int(kv[0][1].split("-")[0] or 0))):
         mean = {k: 1e3 * statistics.mean(s.get(k, 0.0) for s, _ in items) for k in keys}
         host = mean["schedule"] + mean["launch"] + mean["process"]
         g = [x for _, x in items if x is not None]
