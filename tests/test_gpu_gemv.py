@@ -1,50 +1,92 @@
-"""The decode matrix-vector kernel (flexsgl/model/gemv.py) against a float64 product, on the GPU.
+"""The batch-1 projection kernel (flexsgl/model/gemv.py) against float64, on the GPU.
 
-Shapes cover K a multiple of the tile and not, N not a multiple of the row block, each tile
-configuration the engine picks, bias or none, bfloat16 and float16; the output is poisoned with NaN first so an unwritten element
-fails. bf16 operands with a float32 accumulator land well under 1e-2 relative error.
+Every prologue (none, RMSNorm, SiLU gate) with and without bias and residual, on shapes where K is
+a multiple of the tile and where it is not, N a multiple of the row block and not, and one of each
+tile configuration the engine picks; bfloat16 and float16. The output is poisoned with NaN first,
+so an unwritten element fails. bf16 operands with a float32 accumulator land well under 1e-2.
 """
 
+import copy
 import random
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from flexsgl.model import gemv
+from flexsgl.model.layers import RMSNorm
 
 pytestmark = pytest.mark.gpu
 
 # (N, K): K a multiple of every BLOCK_K or not; N a multiple of BLOCK_N or not; each config_for branch.
 SHAPES = [(6144, 4096), (4100, 1000), (37, 3072), (24580, 2048), (4096, 12300), (151936, 1024)]
+PROLOGUES = {"plain": gemv.PLAIN, "rms_norm": gemv.RMS_NORM, "silu_gate": gemv.SILU_GATE}
+
+
+def reference(prologue, x, w, bias, residual, norm_weight, eps):
+    x = x.double()
+    if prologue == gemv.RMS_NORM:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    elif prologue == gemv.SILU_GATE:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    out = x @ w.double().T
+    for extra in (bias, residual):
+        if extra is not None:
+            out = out + extra.double()
+    return out
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("prologue", list(PROLOGUES))
+@pytest.mark.parametrize("extras", [False, True], ids=["alone", "bias+residual"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_matches_float64(n, k, bias, dtype):
+def test_kernel_matches_float64(n, k, prologue, extras, dtype):
     seed = random.randrange(1 << 30)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(1, k, device="cuda", dtype=dtype, generator=g)
-    w = (torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5).to(dtype)
-    bias = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
+    p = PROLOGUES[prologue]
+    rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+    x = rand(1, 2 * k if p == gemv.SILU_GATE else k)
+    w = (rand(n, k) / k ** 0.5).to(dtype)
+    bias, residual = (rand(n), rand(1, n)) if extras else (None, None)
+    norm_weight = (0.5 + torch.rand(k, device="cuda", generator=g)).to(dtype) if p == gemv.RMS_NORM else None
     out = torch.full((1, n), float("nan"), device="cuda", dtype=dtype)
-    gemv.launch(x, w, bias, out)
-    ref = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
+    gemv.launch(x, w, bias, out, residual=residual, norm_weight=norm_weight, eps=1e-6, prologue=p)
+    ref = reference(p, x, w, bias, residual, norm_weight, 1e-6)
     assert not out.isnan().any(), f"unwritten outputs (seed={seed})"
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, f"relative error {err:.2e} (seed={seed})"
 
 
-def test_linear_dispatch():
-    """linear() takes the kernel for decode-sized inputs and cuBLAS beyond; both give the product."""
-    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5
-    assert gemv.applies(x[:1], w) and not gemv.applies(x[:2], w) and not gemv.applies(x[:1].float(), w.float())
-    ref = x.double() @ w.double().T
-    for rows in (1, 4, 8):
-        out = gemv.linear(x[:rows], w)
-        err = ((out.double() - ref[:rows]).norm() / ref[:rows].norm()).item()
-        assert err < 1e-2
-    compiled = torch.compile(gemv.linear, fullgraph=True)
-    out = compiled(x[:1], w)
-    assert ((out.double() - ref[:1]).norm() / ref[:1].norm()).item() < 1e-2
+@torch.no_grad()
+def test_fused_projections_at_batch_1_and_beyond():
+    """norm_linear, linear and silu_linear through the kernel (batch 1) and through PyTorch
+    (batch 3), eager and compiled with fullgraph, against the same expressions in float64."""
+    torch.manual_seed(random.randrange(1 << 30))
+    norm = RMSNorm(512, 1e-6).cuda()
+    norm.weight.data.uniform_(0.5, 1.5)
+    proj, down = nn.Linear(512, 256, bias=True).cuda(), nn.Linear(256, 512, bias=False).cuda()
+    x, res, gate_up = (torch.randn(3, n, device="cuda") for n in (512, 512, 512))
+    modules = {"norm": norm, "proj": proj, "down": down}
+    wide = {k: copy.deepcopy(m).double() for k, m in modules.items()}
+    low = {k: copy.deepcopy(m).to(torch.bfloat16) for k, m in modules.items()}
+    assert gemv.applies(x[:1].bfloat16(), low["proj"].weight) and not gemv.applies(x[:2].bfloat16(), low["proj"].weight)
+    assert not gemv.applies(x[:1], proj.weight)  # float32 stays with PyTorch
+    cases = {
+        "norm_linear": (lambda m, x, r, gu: gemv.norm_linear(x, m["norm"], m["proj"]),
+                        lambda m, x, r, gu: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+                        @ (m["proj"].weight * m["norm"].weight).T + m["proj"].bias),
+        "linear": (lambda m, x, r, gu: gemv.linear(gu[:, :256], m["down"], r),
+                   lambda m, x, r, gu: r + gu[:, :256] @ m["down"].weight.T),
+        "silu_linear": (lambda m, x, r, gu: gemv.silu_linear(gu, m["down"], r),
+                        lambda m, x, r, gu: r + (F.silu(gu[:, :256]) * gu[:, 256:]) @ m["down"].weight.T),
+    }
+    for name, (fused, ref_fn) in cases.items():
+        ref = ref_fn(wide, x.double(), res.double(), gate_up.double())
+        for rows in (1, 3):
+            args = (x[:rows].bfloat16(), res[:rows].bfloat16(), gate_up[:rows].bfloat16())
+            for fn in (fused, torch.compile(fused, fullgraph=True, dynamic=False)):
+                out = fn(low, *args)
+                err = ((out.double() - ref[:rows]).norm() / ref[:rows].norm()).item()
+                assert err < 1e-2, f"{name}, rows={rows}: relative error {err:.2e}"

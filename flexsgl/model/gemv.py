@@ -1,16 +1,25 @@
-"""Projections at decode batch 1 on CUDA: a Triton matrix-vector kernel that streams the weight once.
+"""The decoder's projections, each with what precedes or follows it folded in, and a Triton
+matrix-vector kernel that runs them at decode batch 1 on CUDA.
 
-At batch 1 a projection reads its whole weight to do two flops per element, so its time is the
-weight's bytes over memory bandwidth. On an H200 (copy bandwidth 4.3 TB/s), replaying a Qwen3-8B's
-36 layers of projections from one CUDA graph, cuBLAS moved 3.63 TB/s and this kernel 3.93
-(tools/gemv_bench.py, docs/BENCHMARKS.md). It gives each program BLOCK_N weight rows and walks K
-in BLOCK_K slices, multiplying in float32 into a [BLOCK_N, BLOCK_K] accumulator that it reduces
-once at the end. Many small programs keep enough loads in flight to cover memory latency without
-splitting K. At batch 2 it only matched cuBLAS and at 4 it lost, so it serves batch 1 alone.
+    norm_linear(x, norm, proj)            proj(norm(x))        (RMSNorm, then the projection)
+    linear(x, proj, residual)             residual + proj(x)
+    silu_linear(gate_up, proj, residual)  residual + proj(silu(gate) * up)
 
-`linear(x, weight, bias)` is what the models call: this kernel where it applies (CUDA, float16 or
-bfloat16, one row), `F.linear` everywhere else. The kernel runs inside a `torch.library` custom op,
-so compiled models treat it like the cuBLAS call it replaces.
+Everywhere but batch 1 on CUDA they are those PyTorch expressions. At batch 1 each is one kernel:
+the projection reads its whole weight to do two flops per element, so its time is the weight's
+bytes over memory bandwidth, and the norms, the SiLU gate and the residual adds would otherwise be
+a kernel each, a few microseconds of launch and latency apiece, 108 of them in a Qwen3-8B step.
+On an H200 (copy bandwidth 4.3 TB/s), replaying an 8B's 36 layers of projections from one CUDA
+graph, cuBLAS moved 3.63 TB/s and this kernel 3.93 (tools/gemv_bench.py, docs/BENCHMARKS.md).
+
+The kernel gives each program BLOCK_N weight rows and walks K in BLOCK_K slices, multiplying in
+float32 into a [BLOCK_N, BLOCK_K] accumulator that it reduces once at the end; many small
+programs keep enough loads in flight without splitting K. Every program reads all of x anyway, so
+the RMSNorm folds in exactly: it scales x by the norm weight on the way in, sums x squared on
+the side, and divides by the root mean square at the end. The SiLU gate is computed from
+gate_up as x is read; bias and residual are added on the way out. At batch 2 the plain kernel
+only matched cuBLAS and at 4 it lost, so batch 1 alone takes it. It runs inside a
+`torch.library` custom op, so compiled models treat it like the cuBLAS call it replaces.
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+PLAIN, RMS_NORM, SILU_GATE = 0, 1, 2  # what the kernel does to x on the way in
 
 
 @functools.cache
@@ -27,13 +39,15 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr,
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, out_ptr, N, K, stride_wn, eps,
+                    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             k_ok = k + cols < K
             if EVEN_K:
@@ -41,11 +55,21 @@ def _kernel():
             else:
                 w = tl.load(w_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0,
                             eviction_policy="evict_first")
-            x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
+            if PROLOGUE == 1:  # RMSNorm: weight now, 1 / rms at the end
+                squares += x * x
+                x *= tl.load(g_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
+            if PROLOGUE == 2:  # x holds gate; up follows it in the same row
+                up = tl.load(x_ptr + K + k + cols, mask=k_ok, other=0.0).to(tl.float32)
+                x = x / (1.0 + tl.exp(-x)) * up
+            acc += w.to(tl.float32) * x[None, :]
         out = tl.sum(acc, axis=1)
+        if PROLOGUE == 1:
+            out *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         if HAS_BIAS:
             out += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            out += tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     return gemv_kernel
@@ -62,34 +86,56 @@ def config_for(n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """out[0] = weight @ x[0] (+ bias); x [1, K] contiguous, weight [N, K] with unit column stride."""
+           config: tuple[int, int, int, int] | None = None, residual: torch.Tensor | None = None,
+           norm_weight: torch.Tensor | None = None, eps: float = 0.0, prologue: int = PLAIN) -> torch.Tensor:
+    """out[0] = weight @ f(x[0]) (+ bias) (+ residual[0]); x contiguous, [1, K] ([1, 2K] for SILU_GATE)."""
     n, k = weight.shape
     block_n, block_k, warps, stages = config or config_for(n, k)
     _kernel()[((n + block_n - 1) // block_n,)](
-        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+        x, weight, bias if bias is not None else weight, residual if residual is not None else weight,
+        norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(0), eps,
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
     return out
 
 
 @torch.library.custom_op("flexsgl::gemv", mutates_args=())
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N], in x's dtype."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+         norm_weight: torch.Tensor | None, eps: float, prologue: int) -> torch.Tensor:
     out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
-    return launch(x.contiguous(), weight, bias, out)
+    residual = residual.contiguous() if residual is not None else None
+    return launch(x.contiguous(), weight, bias, out, residual=residual, norm_weight=norm_weight, eps=eps,
+                  prologue=prologue)
 
 
 @gemv.register_fake
-def _(x, weight, bias=None):
+def _(x, weight, bias, residual, norm_weight, eps, prologue):
     return x.new_empty(1, weight.shape[0])
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel serves this call: CUDA, float16 or bfloat16, one row."""
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.stride(1) == 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if applies(x, weight):
-        return torch.ops.flexsgl.gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+def norm_linear(x: torch.Tensor, norm, proj: nn.Linear) -> torch.Tensor:
+    """proj(norm(x)) for an RMSNorm `norm` (weight, eps)."""
+    if applies(x, proj.weight):
+        return torch.ops.flexsgl.gemv(x, proj.weight, proj.bias, None, norm.weight, norm.eps, RMS_NORM)
+    return proj(norm(x))
+
+
+def linear(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
+    """residual + proj(x)."""
+    if applies(x, proj.weight):
+        return torch.ops.flexsgl.gemv(x, proj.weight, proj.bias, residual, None, 0.0, PLAIN)
+    return residual + proj(x)
+
+
+def silu_linear(gate_up: torch.Tensor, proj: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
+    """residual + proj(silu(gate) * up), gate and up the two halves of gate_up's last dimension."""
+    if applies(gate_up, proj.weight):
+        return torch.ops.flexsgl.gemv(gate_up, proj.weight, proj.bias, residual, None, 0.0, SILU_GATE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return residual + proj(F.silu(gate) * up)

@@ -1,21 +1,11 @@
-"""Building blocks shared by the models: Linear, RMSNorm, rotary embeddings (default and llama3), gated MLP."""
+"""Building blocks shared by the models: RMSNorm, rotary embeddings (default and llama3), gated MLP."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-
-from flexsgl.model import gemv
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose batch-1 calls on CUDA go to the matrix-vector kernel (flexsgl/model/gemv.py)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemv.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -69,11 +59,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
+    """The SwiGLU MLP's projections: gate and up fused into one, then down. A decoder layer runs
+    them through flexsgl.model.gemv, with the norm before and the residual add after folded in."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)

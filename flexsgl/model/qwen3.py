@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from flexsgl.config import ModelConfig
-from flexsgl.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from flexsgl.model import gemv
+from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -19,23 +20,23 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, positions, rope: RotaryEmbedding, fb):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+    def attend(self, qkv, positions, rope: RotaryEmbedding, fb):
+        """qkv_proj's output -> attention output `[tokens, Hq * D]`, the input of o_proj."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        o = fb.backend.forward(q, k, v, self.layer_id, fb)
-        return self.o_proj(o.reshape(t, self.hq * self.d))
+        return fb.backend.forward(q, k, v, self.layer_id, fb).reshape(t, self.hq * self.d)
 
 
 class DecoderLayer(nn.Module):
@@ -47,8 +48,13 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, positions, rope, fb):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x + attn(norm(x)), then x + mlp(norm(x)), as four projections with the norms, the SiLU
+        # gate and the residual adds folded in (one kernel each at decode batch 1; see gemv.py).
+        attn, mlp = self.self_attn, self.mlp
+        qkv = gemv.norm_linear(x, self.input_layernorm, attn.qkv_proj)
+        x = gemv.linear(attn.attend(qkv, positions, rope, fb), attn.o_proj, residual=x)
+        gate_up = gemv.norm_linear(x, self.post_attention_layernorm, mlp.gate_up_proj)
+        return gemv.silu_linear(gate_up, mlp.down_proj, residual=x)
 
 
 class DecoderModel(nn.Module):
@@ -71,7 +77,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -89,6 +95,5 @@ class Qwen3ForCausalLM(nn.Module):
         x = m.embed_tokens(input_ids)
         for layer in m.layers:
             x = layer(x, positions, m.rotary, fb)
-        x = m.norm(x[fb.logits_index])
-        return self.lm_head(x)
+        return gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
 
