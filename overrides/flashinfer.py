@@ -87,6 +87,8 @@ class FlashInferDecodeBackend:
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores)
         self.active = None
+        for gone in [h for h, ref in _BACKENDS.items() if ref() is None]:
+            del _BACKENDS[gone]
         self.handle = max(_BACKENDS, default=-1) + 1
         _BACKENDS[self.handle] = weakref.ref(self)
 

@@ -41,7 +41,7 @@ def skip_unless_runs(name: str) -> None:
 
 @pytest.mark.parametrize("name,case", KERNEL_CASES)
 @pytest.mark.parametrize("page_size", [16, 64])
-@pytest.mark.parametrize("hq,hkv", [(16, 4), (16, 8)])  # FlashInfer decodes these on tensor cores / CUDA cores
+@pytest.mark.parametrize("hq,hkv", [(16, 4), (16, 8)])  # 4 and 2 query heads per KV head (8B-like, 0.6B-like)
 def test_override_matches_float64_and_flex(name, case, page_size, hq, hkv):
     skip_unless_runs(name)
     seed = random.randrange(1 << 30)

@@ -15,7 +15,7 @@ graph, cuBLAS moved 3.63 TB/s and this kernel 3.93 (tools/gemv_bench.py, docs/BE
 The kernel gives each program BLOCK_N weight rows and walks K in BLOCK_K slices, multiplying in
 float32 into a [BLOCK_N, BLOCK_K] accumulator that it reduces once at the end; many small
 programs keep enough loads in flight without splitting K. Every program reads all of x anyway, so
-the RMSNorm folds in exactly: it scales x by the norm weight on the way in, sums x squared on
+the RMSNorm folds in: it scales x by the norm weight on the way in, sums x squared on
 the side, and divides by the root mean square at the end. The SiLU gate is computed from
 gate_up as x is read; bias and residual are added on the way out. At batch 2 the plain kernel
 only matched cuBLAS and at 4 it lost, so batch 1 alone takes it. It runs inside a

@@ -16,6 +16,9 @@ from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
+    """The q/k/v and o projections (DecoderLayer runs them through flexsgl.model.gemv) and `attend`,
+    everything between them: q/k norm, RoPE, and the attention backend."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
