@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU work, after staging (../shared/gpu/README.md): install flexsgl
+# offline, then run the named steps in order, each under its own time limit, logs and JSON in $OUT,
+# and print each step's headline lines last. Steps (default: check latency attention throughput):
+#   check       GPU tests of the batch-1 kernels and the engine against HF (tools/gpu_check.sh)
+#   latency     flexsgl bench latency, Qwen3-8B dummy, batch 1
+#   attention   tools/decode_attention_sweep.py: decode kernels and options at throughput shapes
+#   throughput  flexsgl bench throughput, Qwen3-0.6B dummy, the default workload
+#   prefill     flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
+#   suite       the benchmarks/ folder (pytest-benchmark), JSON to $OUT/benchmarks.json
+# Usage: bash tools/gpu_session.sh [STEP ...]   (set FLEXSGL_COMMIT; the tree travels without .git)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+OUT=${OUT:-/tmp/flexsgl-out}; mkdir -p "$OUT"
+python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+quiet() { grep -v -E "capturing|loaded |it/s\]|tok/s\]"; }
+declare -A LIMIT=([check]=300 [latency]=300 [attention]=150 [throughput]=240 [prefill]=200 [suite]=400)
+for step in "${@:-check latency attention throughput}"; do
+  for s in $step; do
+    log="$OUT/$s.log"; t0=$SECONDS
+    echo "== $s (limit ${LIMIT[$s]:-300} s)"
+    case $s in
+      check) timeout "${LIMIT[$s]}" bash tools/gpu_check.sh tests/test_gpu_gemv.py tests/test_gpu.py \
+               -k "gemv or fused or batch_1 or tracks_hf" ;;
+      latency) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload latency --model qwen3-8b --repeats 2 \
+                 --json "$OUT/latency.json" ;;
+      attention) timeout "${LIMIT[$s]}" python tools/decode_attention_sweep.py ;;
+      throughput) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload throughput --model qwen3-0.6b \
+                    --json "$OUT/throughput.json" ;;
+      prefill) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload prefill --model qwen3-8b \
+                 --max-batch-tokens 16384 --json "$OUT/prefill.json" ;;
+      suite) timeout "${LIMIT[$s]}" python -m pytest -q -p no:cacheprovider benchmarks \
+               --benchmark-json="$OUT/benchmarks.json" ;;
+      *) echo "unknown step $s"; false ;;
+    esac 2>&1 | quiet | tee "$log"
+    echo "== $s: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  done
+done
+echo; echo "== summary"; cat "$OUT/summary.txt"
+for s in check latency throughput prefill; do
+  [ -f "$OUT/$s.log" ] && grep -E "passed|failed|\[flexsgl bench\] [a-z0-9,-]+: " "$OUT/$s.log" | tail -3
+done
+[ -f "$OUT/attention.log" ] && tail -12 "$OUT/attention.log"
