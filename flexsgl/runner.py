@@ -164,12 +164,13 @@ class ModelRunner:
     def _narrow_table_ok(self, decode: bool, bs: int) -> bool:
         """Whether this step may upload its page table only as wide as its longest request (at batch
         256 the full width is ~160k entries per step): yes where a graph copies it into its static
-        table, or where a kernel override reads the table inside a dynamically compiled prefill.
-        Flex prefill keeps the full width: its BlockMask shapes follow the table's, and a width
+        table, or where a kernel override reads the table inside a dynamically compiled step.
+        Compiled flex keeps the full width: its BlockMask shapes follow the table's, and a width
         that changed every step has not been checked on the GPU for recompiles."""
-        if decode:
-            return self.graphs is not None and bs in self.graphs.batches
-        return self.device.type == "cuda" and self.backends.prefill.name != "flex"
+        if decode and self.graphs is not None and bs in self.graphs.batches:
+            return True
+        backend = self.backends.decode if decode else self.backends.prefill
+        return self.device.type == "cuda" and backend.name != "flex"
 
     def _upload(self, dtype: torch.dtype, **parts: list) -> dict[str, torch.Tensor]:
         """One host -> device copy for all `parts`, from pinned memory on CUDA; returns views by name."""
