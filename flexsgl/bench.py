@@ -233,6 +233,18 @@ def random_prompts(rng: random.Random, lens: list[int], vocab: int) -> list[list
     return [[rng.randrange(vocab) for _ in range(n)] for n in lens]
 
 
+def throughput_requests(seed: int, n: int, input_range: tuple[int, int], output_range: tuple[int, int],
+                        vocab: int):
+    """The throughput workload from `seed`: (input lengths, output lengths, prompts, warm-up prompts).
+    The warm-up prompts have the same lengths (so the same shapes compile) and other tokens, drawn
+    from seed + 1 (so nothing they leave in the prefix cache is hit)."""
+    rng = random.Random(seed)
+    in_lens = [rng.randint(*input_range) for _ in range(n)]
+    out_lens = [rng.randint(*output_range) for _ in range(n)]
+    prompts = random_prompts(rng, in_lens, vocab)
+    return in_lens, out_lens, prompts, random_prompts(random.Random(seed + 1), in_lens, vocab)
+
+
 def timed_pass(llm, prompts: list[list[int]], out_lens: list[int], desc: str, progress: bool) -> dict:
     """Run requests to completion through the step API; wall time and per-request token times."""
     from tqdm import tqdm
@@ -279,14 +291,10 @@ def timed_pass(llm, prompts: list[list[int]], out_lens: list[int], desc: str, pr
 
 
 def throughput(llm, p: Plan, bandwidth: float, progress: bool) -> dict:
-    rng = random.Random(p.args.seed)
-    n, vocab = p.num_prompts, llm.config.vocab_size
-    in_lens = [rng.randint(*p.input_range) for _ in range(n)]
-    out_lens = [rng.randint(*p.output_range) for _ in range(n)]
-    prompts = random_prompts(rng, in_lens, vocab)
-    # Same lengths (so the same shapes compile), other tokens (so nothing hits the prefix cache).
-    warm = timed_pass(llm, random_prompts(random.Random(p.args.seed + 1), in_lens, vocab), out_lens,
-                      "warm-up", progress)
+    n = p.num_prompts
+    in_lens, out_lens, prompts, warm_prompts = throughput_requests(p.args.seed, n, p.input_range, p.output_range,
+                                                                   llm.config.vocab_size)
+    warm = timed_pass(llm, warm_prompts, out_lens, "warm-up", progress)
     res = timed_pass(llm, prompts, out_lens, "throughput", progress)
     wall, n_in, n_out = res["wall_s"], sum(in_lens), sum(out_lens)
     return {"requests": n, "input_tokens": n_in, "output_tokens": sum(len(o.token_ids) for o in res["outputs"]),

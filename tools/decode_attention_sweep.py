@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import math
 import random
-from itertools import accumulate
 
 import torch
+
+from flexsgl.overrides.flashinfer import csr_pages
 
 CASES = [(256, 760), (128, 1100), (64, 1500), (16, 1800), (1, 1152)]  # batch x mean context
 HEADS = [(16, 8), (32, 8)]  # Qwen3-0.6B, Qwen3-8B
@@ -48,10 +49,9 @@ def flashinfer_variant(lens, tables, k, v, q, hq, hkv, tensor_cores=True, backen
 
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores, backend=backend)
-    counts = [len(t) for t in tables]
-    indptr = torch.tensor([0, *accumulate(counts)], dtype=torch.int32)  # host, as the engine plans
-    indices = torch.tensor([p for t in tables for p in t], dtype=torch.int32, device="cuda")
-    last = torch.tensor([n - (c - 1) * PAGE for n, c in zip(lens, counts)], dtype=torch.int32)
+    indptr, last, indices = csr_pages(lens, tables, PAGE)  # the engine's page list
+    indptr, last = (torch.tensor(x, dtype=torch.int32) for x in (indptr, last))  # host, as the engine plans
+    indices = torch.tensor(indices, dtype=torch.int32, device="cuda")
     w.plan(indptr, indices, last, hq, hkv, D, PAGE, q_data_type=DTYPE, kv_data_type=DTYPE, **plan_opts)
     return lambda: w.run(q, (k, v))
 

@@ -28,7 +28,7 @@ from collections import defaultdict
 import torch
 
 from flexsgl import LLM, SamplingParams
-from flexsgl.bench import random_prompts
+from flexsgl.bench import parse_range, random_prompts, throughput_requests
 from flexsgl.runner import StepOutput
 
 SIZE_BANDS = (1, 32, 64, 128, 192, 257, 10**9)
@@ -106,7 +106,7 @@ class Timers:
 def run_pass(llm, timers, prompts, out_lens, profile_steps=0):
     ids = [llm.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
            for p, n in zip(prompts, out_lens)]
-    prof = None
+    prof = prof_done = None
     decode_seen = 0
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
@@ -128,7 +128,7 @@ def run_pass(llm, timers, prompts, out_lens, profile_steps=0):
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return wall, len(ids), locals().get("prof_done")
+    return wall, len(ids), prof_done
 
 
 def summarize(steps, gpu):
@@ -164,13 +164,9 @@ def main():
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", override=args.override, max_running=args.max_running,
               max_batch_tokens=args.max_batch_tokens, progress=lambda m: print("  ", m, flush=True))
-    rng = random.Random(args.seed)
-    lo, hi = (int(x) for x in args.input_len.split(":"))
-    olo, ohi = (int(x) for x in args.output_len.split(":"))
-    in_lens = [rng.randint(lo, hi) for _ in range(args.num_prompts)]
-    out_lens = [rng.randint(olo, ohi) for _ in range(args.num_prompts)]
-    prompts = random_prompts(rng, in_lens, llm.config.vocab_size)
-    warm = random_prompts(random.Random(args.seed + 1), in_lens, llm.config.vocab_size)
+    in_lens, out_lens, prompts, warm = throughput_requests(
+        args.seed, args.num_prompts, parse_range(args.input_len, "--input-len"),
+        parse_range(args.output_len, "--output-len"), llm.config.vocab_size)
     timers = Timers(llm)
     t = time.perf_counter()
     run_pass(llm, timers, warm, out_lens)
