@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flexsgl import LLM, SamplingParams
+from flexsgl.model import rope_store
 from tests.hf_models import capture_logits, hf_reference, make_checkpoint
 
 STEPS = 40
@@ -25,6 +26,14 @@ def test_greedy_and_logits_match_hf(tmp_path, monkeypatch, arch, tie, page_size,
 def test_compiled_engine_on_cpu_matches_hf(tmp_path, monkeypatch):
     """torch.compile on the CPU: the block-sparse kernel, so the page-table BlockMasks really count."""
     check_against_hf(tmp_path, monkeypatch, "qwen3", False, 16, 8192, compile=True, steps=12)
+
+
+@pytest.mark.parametrize("arch,compile", [("qwen3", True), ("llama", False)])
+def test_fused_rope_store_path_matches_hf(tmp_path, monkeypatch, arch, compile):
+    """The path CUDA takes: q/k norm, RoPE and the K/V store in one custom op (its PyTorch body here;
+    the Triton kernel is checked on the GPU in tests/test_rope_store.py), the backends not storing."""
+    monkeypatch.setattr(rope_store, "applies", lambda qkv, head_dim: True)
+    check_against_hf(tmp_path, monkeypatch, arch, False, 16, 8192, compile=compile, steps=12)
 
 
 def check_against_hf(tmp_path, monkeypatch, arch, tie, page_size, max_batch_tokens, compile, steps):

@@ -65,9 +65,10 @@ class AttentionBackend(Protocol):
     def prepare(self, fb: ForwardBatch) -> None:
         """Build this step's metadata into fb.attn (eager path)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: int,
                 fb: ForwardBatch) -> torch.Tensor:
-        """Store k, v `[T, Hkv, D]` at fb.out_slots, attend with q `[T, Hq, D]` over the paged KV, return `[T, Hq, D]`."""
+        """Store k, v `[T, Hkv, D]` at fb.out_slots (`pool.store`; None when the model's fused RoPE
+        kernel stored them), attend with q `[T, Hq, D]` over the paged KV, return `[T, Hq, D]`."""
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         """Allocate the static buffers every captured batch size shares (max_pages: per request)."""

@@ -75,8 +75,11 @@ class KVPool:
             dev = self.page_pos.device
             self.page_pos.index_copy_(0, idx.to(dev, non_blocking=True), vals.to(dev, non_blocking=True))
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write k, v `[tokens, Hkv, D]` into their slots."""
+    def store(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None, slots: torch.Tensor) -> None:
+        """Write k, v `[tokens, Hkv, D]` into their slots; None: the caller wrote them (the model's
+        fused RoPE kernel, flexsgl/model/rope_store.py)."""
+        if k is None:
+            return
         kc, vc = self.k[layer], self.v[layer]
         kc[slots] = k.to(kc.dtype)
         vc[slots] = v.to(vc.dtype)

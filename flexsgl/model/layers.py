@@ -15,11 +15,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF does it: normalise in float32, cast back, then scale.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As HF does it: normalise in float32, cast back, then scale.
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -39,7 +41,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) RoPE from a cos/sin table indexed by absolute position."""
+    """The cos/sin tables of non-interleaved (rotate-half) RoPE, indexed by absolute position;
+    `rotate` below applies them (or the fused kernel in flexsgl/model/rope_store.py)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -48,14 +51,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos = self.cos[positions].unsqueeze(-2)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(-2)
-        out = []
-        for x in xs:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
-        return tuple(out)
+
+def rotate(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """RoPE (rotate-half) on each `[T, heads, D]` x, from cos/sin tables `[positions, D/2]` (float32)."""
+    cos, sin = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)  # [T, 1, D/2]
+    out = []
+    for x in xs:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
+    return tuple(out)
 
 
 class GatedMLP(nn.Module):

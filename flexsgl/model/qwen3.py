@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from flexsgl.config import ModelConfig
-from flexsgl.model import gemv
+from flexsgl.model import gemv, rope_store
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
     """The q/k/v and o projections (DecoderLayer runs them through flexsgl.model.gemv) and `attend`,
-    everything between them: q/k norm, RoPE, and the attention backend."""
+    everything between them: q/k norm, RoPE and the K/V store (flexsgl.model.rope_store), and the
+    attention backend."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -33,13 +34,8 @@ class Attention(nn.Module):
 
     def attend(self, qkv, positions, rope: RotaryEmbedding, fb):
         """qkv_proj's output -> attention output `[tokens, Hq * D]`, the input of o_proj."""
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        return fb.backend.forward(q, k, v, self.layer_id, fb).reshape(t, self.hq * self.d)
+        q, k, v = rope_store.norm_rope_store(qkv, self, positions, rope, fb.backend.pool, fb.out_slots)
+        return fb.backend.forward(q, k, v, self.layer_id, fb).reshape(qkv.shape[0], self.hq * self.d)
 
 
 class DecoderLayer(nn.Module):

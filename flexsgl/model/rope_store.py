@@ -1,0 +1,126 @@
+"""Everything between qkv_proj and attention, in one kernel on CUDA: the per-head q/k RMSNorm
+(Qwen3), RoPE, and the write of this step's K and V into the paged pool.
+
+    q = norm_rope_store(qkv, attn, positions, rope, k_cache, v_cache, slots)
+
+Compiled by Inductor, that stretch is seven small kernels per layer (two norm reductions, two
+norm-and-rotate passes, two scatters into the pool and a copy), 1-3 µs each at decode: in a
+Qwen3-8B batch-1 step, 252 kernels and about 0.3 ms of the 5.05 (tools/profile_step.py on an
+H200, docs/BENCHMARKS.md). The kernel gives one program to each (token, head) pair: a q head is
+normalised, rotated and written to the returned q; a K head is normalised, rotated and written to
+its pool slot, and its V head copied next to it. The rounding follows the PyTorch expressions step
+for step (norm in float32, cast, scale in the model dtype; rotate in float32, cast), so both paths
+give the same tokens.
+
+The kernel runs in a `torch.library` custom op that declares the two cache tensors mutated, so a
+compiled model writes them in place (tests/test_rope_store.py checks that on the CPU, with the
+op's PyTorch body). Off CUDA the model uses the plain expressions and the backend stores K/V.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flexsgl.model.layers import RotaryEmbedding, rms_norm, rotate
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rope_store_kernel(qkv_ptr, stride_t, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
+                          q_ptr, k_ptr, v_ptr, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                          HAS_NORM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        HALF: tl.constexpr = D // 2
+        i = tl.arange(0, HALF)
+        row = qkv_ptr + t * stride_t
+        dt = q_ptr.dtype.element_ty
+        x1 = tl.load(row + h * D + i).to(tl.float32)
+        x2 = tl.load(row + h * D + HALF + i).to(tl.float32)
+        if HAS_NORM:  # RMSNorm as layers.RMSNorm: float32, cast, then times the weight in the model dtype
+            r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+            if h < HQ:
+                w1, w2 = tl.load(qn_ptr + i), tl.load(qn_ptr + HALF + i)
+            else:
+                w1, w2 = tl.load(kn_ptr + i), tl.load(kn_ptr + HALF + i)
+            x1 = (w1.to(tl.float32) * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (w2.to(tl.float32) * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        pos = tl.load(pos_ptr + t)
+        c = tl.load(cos_ptr + pos * HALF + i)
+        s = tl.load(sin_ptr + pos * HALF + i)
+        o1 = (x1 * c - x2 * s).to(dt)
+        o2 = (x2 * c + x1 * s).to(dt)
+        if h < HQ:
+            dst = q_ptr + (t * HQ + h) * D
+            tl.store(dst + i, o1)
+            tl.store(dst + HALF + i, o2)
+        else:
+            kv = h - HQ
+            at = (tl.load(slot_ptr + t) * HKV + kv) * D
+            tl.store(k_ptr + at + i, o1.to(k_ptr.dtype.element_ty))
+            tl.store(k_ptr + at + HALF + i, o2.to(k_ptr.dtype.element_ty))
+            j = tl.arange(0, D)
+            v = tl.load(row + (HQ + HKV + kv) * D + j)
+            tl.store(v_ptr + at + j, v.to(v_ptr.dtype.element_ty))
+
+    return rope_store_kernel
+
+
+def norm_rope(qkv, q_norm, k_norm, eps, cos, sin, positions, num_heads, head_dim):
+    """The PyTorch expressions the kernel fuses: qkv_proj's output -> (q, k, v), each `[T, heads, D]`."""
+    t = qkv.shape[0]
+    hkv = (qkv.shape[1] // head_dim - num_heads) // 2
+    q, k, v = qkv.split([num_heads * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    q, k, v = q.view(t, num_heads, head_dim), k.view(t, hkv, head_dim), v.view(t, hkv, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = rotate(positions, cos, sin, q, k)
+    return q, k, v
+
+
+@torch.library.custom_op("flexsgl::rope_store", mutates_args=("k_cache", "v_cache"))
+def rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    t, (hkv, d) = qkv.shape[0], k_cache.shape[1:]
+    if not qkv.is_cuda:  # the same result through PyTorch: what the CPU tests compile
+        q, k, v = norm_rope(qkv, q_norm, k_norm, eps, cos, sin, positions, num_heads, d)
+        k_cache[slots] = k.to(k_cache.dtype)
+        v_cache[slots] = v.to(v_cache.dtype)
+        return q.contiguous()
+    q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
+    _kernel()[(t, num_heads + hkv)](
+        qkv, qkv.stride(0), q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
+        cos, sin, positions, slots, q, k_cache, v_cache, eps,
+        HQ=num_heads, HKV=hkv, D=d, HAS_NORM=q_norm is not None, num_warps=1)
+    return q
+
+
+@rope_store.register_fake
+def _(qkv, q_norm, k_norm, eps, cos, sin, positions, slots, k_cache, v_cache, num_heads):
+    return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[2])
+
+
+def applies(qkv: torch.Tensor, head_dim: int) -> bool:
+    """Whether the kernel serves this call: CUDA, a power-of-two head size."""
+    return qkv.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def norm_rope_store(qkv: torch.Tensor, attn, positions: torch.Tensor, rope: RotaryEmbedding, pool, slots):
+    """qkv_proj's output -> (q, k, v) for the attention backend. Where the kernel applies it has
+    written K and V into `pool` at `slots` already and k, v are None; elsewhere the backend stores them."""
+    qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+    eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+    if applies(qkv, attn.d):
+        layer = attn.layer_id
+        q = torch.ops.flexsgl.rope_store(qkv, qn, kn, eps, rope.cos, rope.sin, positions, slots, pool.k[layer],
+                                         pool.v[layer], attn.hq)
+        return q, None, None
+    return norm_rope(qkv, qn, kn, eps, rope.cos, rope.sin, positions, attn.hq, attn.d)
