@@ -2,7 +2,8 @@
 
 Every prologue (none, RMSNorm, SiLU gate) with and without bias and residual, on shapes where K is
 a multiple of the tile and where it is not, N a multiple of the row block and not, and one of each
-tile configuration the engine picks; bfloat16 and float16. The output is poisoned with NaN first,
+tile configuration the engine picks; bfloat16 and float16, and bfloat16 launched with PDL
+(flexsgl/model/launch.py). The output is poisoned with NaN first,
 so an unwritten element fails. bf16 operands with a float32 accumulator land well under 1e-2.
 """
 
@@ -41,8 +42,9 @@ def reference(prologue, x, w, bias, residual, norm_weight, eps):
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("prologue", list(PROLOGUES))
 @pytest.mark.parametrize("extras", [False, True], ids=["alone", "bias+residual"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_matches_float64(n, k, prologue, extras, dtype):
+@pytest.mark.parametrize("dtype,use_pdl", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)],
+                         ids=["bf16", "fp16", "bf16-pdl"])
+def test_kernel_matches_float64(n, k, prologue, extras, dtype, use_pdl):
     seed = random.randrange(1 << 30)
     g = torch.Generator(device="cuda").manual_seed(seed)
     p = PROLOGUES[prologue]
@@ -52,7 +54,7 @@ def test_kernel_matches_float64(n, k, prologue, extras, dtype):
     bias, residual = (rand(n), rand(1, n)) if extras else (None, None)
     norm_weight = (0.5 + torch.rand(k, device="cuda", generator=g)).to(dtype) if p == gemv.RMS_NORM else None
     out = torch.full((1, n), float("nan"), device="cuda", dtype=dtype)
-    gemv.launch(x, w, bias, out, residual=residual, norm_weight=norm_weight, eps=1e-6, prologue=p)
+    gemv.launch(x, w, bias, out, residual=residual, norm_weight=norm_weight, eps=1e-6, prologue=p, use_pdl=use_pdl)
     ref = reference(p, x, w, bias, residual, norm_weight, 1e-6)
     assert not out.isnan().any(), f"unwritten outputs (seed={seed})"
     err = ((out.double() - ref).norm() / ref.norm()).item()

@@ -60,6 +60,7 @@ def graph_time(fn, reps: int = 20) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the per-projection config sweep")
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -69,7 +70,7 @@ def main():
     best_cfg = {}
     print(f"{'proj':<13} {'N x K':>13} {'M':>2} {'cuBLAS us':>9} {'TB/s':>5} {'triton us':>9} {'TB/s':>5} "
           f"{'best (BN, BK, warps, stages)':>28} {'rel err':>8}", flush=True)
-    for name, (n, k) in shapes(cfg).items():
+    for name, (n, k) in shapes(cfg).items() if not args.no_sweep else ():
         w = torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
         nbytes = n * k * 2
         for m in (1,):
@@ -113,10 +114,40 @@ def main():
                 for name, w in layer.items():
                     gemv.launch(xs[name], w, None, outs[name], None if default else best_cfg[(name, m)])
 
-        for label, fn in (("cuBLAS", cublas), ("triton, best configs", triton_kernel),
-                          ("triton, engine's configs", lambda: triton_kernel(True))):
+        runs = [("cuBLAS", cublas)]
+        if best_cfg:
+            runs.append(("triton, best configs", triton_kernel))
+        runs.append(("triton, engine's configs", lambda: triton_kernel(True)))
+        for label, fn in runs:
             t = graph_time(fn)
             print(f"  M={m} {label:<26} {t * 1e3:7.3f} ms  {total / t / 1e12:5.2f} TB/s", flush=True)
+    # As a layer runs them at batch 1: each projection reads the one before's output, with the
+    # norms, the SiLU gate and the residual adds folded in; launched plainly and with PDL.
+    print("\nthe same projections as a chain (norm -> qkv -> o + residual -> norm -> gate_up -> down + residual):")
+    h, q_width = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    g = torch.rand(h, device=dev, dtype=dt) + 0.5
+    x0 = torch.randn(1, h, device=dev, dtype=dt)
+    bufs = {name: torch.empty(1, n, device=dev, dtype=dt) for name, (n, k) in shapes(cfg).items()}
+    hs = [torch.empty(1, h, device=dev, dtype=dt) for _ in range(2)]
+
+    def chain(use_pdl):
+        x = x0
+        for layer in layers:
+            qkv = gemv.launch(x, layer["qkv_proj"], None, bufs["qkv_proj"], norm_weight=g, eps=1e-6,
+                              prologue=gemv.RMS_NORM, use_pdl=use_pdl)
+            mid = gemv.launch(qkv[:, :q_width], layer["o_proj"], None, hs[0], residual=x, use_pdl=use_pdl)
+            gu = gemv.launch(mid, layer["gate_up_proj"], None, bufs["gate_up_proj"], norm_weight=g, eps=1e-6,
+                             prologue=gemv.RMS_NORM, use_pdl=use_pdl)
+            x = gemv.launch(gu, layer["down_proj"], None, hs[1], residual=mid, prologue=gemv.SILU_GATE,
+                            use_pdl=use_pdl)
+
+    plain = None
+    for label, use_pdl in (("plain launches", False), ("PDL", True)):
+        t = graph_time(lambda: chain(use_pdl))
+        out = hs[1].clone()
+        same = "" if plain is None else f"  output equal to plain: {torch.equal(out, plain)}"
+        plain = out if plain is None else plain
+        print(f"  {label:<26} {t * 1e3:7.3f} ms  {total / t / 1e12:5.2f} TB/s{same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flexsgl.model.launch import pdl
+
 PLAIN, RMS_NORM, SILU_GATE = 0, 1, 2  # what the kernel does to x on the way in
 
 
@@ -41,20 +43,28 @@ def _kernel():
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, out_ptr, N, K, stride_wn, eps,
                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        if PDL:  # the first weight slice loads while the previous kernel finishes (launch.py)
+            w_first = tl.load(w_ptrs, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
+                              eviction_policy="evict_first")
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         for k in range(0, K, BLOCK_K):
             k_ok = k + cols < K
-            if EVEN_K:
-                w = tl.load(w_ptrs + k, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+            w_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & k_ok[None, :]
+            if PDL:
+                if k == 0:
+                    w = w_first
+                else:
+                    w = tl.load(w_ptrs + k, mask=w_mask, other=0.0, eviction_policy="evict_first")
             else:
-                w = tl.load(w_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                            eviction_policy="evict_first")
+                w = tl.load(w_ptrs + k, mask=w_mask, other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
             if PROLOGUE == 1:  # RMSNorm: weight now, 1 / rms at the end
                 squares += x * x
@@ -87,15 +97,19 @@ def config_for(n: int, k: int) -> tuple[int, int, int, int]:
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
            config: tuple[int, int, int, int] | None = None, residual: torch.Tensor | None = None,
-           norm_weight: torch.Tensor | None = None, eps: float = 0.0, prologue: int = PLAIN) -> torch.Tensor:
-    """out[0] = weight @ f(x[0]) (+ bias) (+ residual[0]); x contiguous, [1, K] ([1, 2K] for SILU_GATE)."""
+           norm_weight: torch.Tensor | None = None, eps: float = 0.0, prologue: int = PLAIN,
+           use_pdl: bool | None = None) -> torch.Tensor:
+    """out[0] = weight @ f(x[0]) (+ bias) (+ residual[0]); x contiguous, [1, K] ([1, 2K] for SILU_GATE).
+    use_pdl: launch with programmatic dependent launch (default: launch.pdl's answer for the device)."""
     n, k = weight.shape
     block_n, block_k, warps, stages = config or config_for(n, k)
+    use_pdl = pdl(x.device) if use_pdl is None else use_pdl
     _kernel()[((n + block_n - 1) // block_n,)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else weight,
         norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, num_warps=warps,
+        num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 

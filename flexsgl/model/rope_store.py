@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from flexsgl.model.launch import pdl
 from flexsgl.model.layers import RotaryEmbedding, rms_norm, rotate
 
 
@@ -34,7 +35,10 @@ def _kernel():
     @triton.jit
     def rope_store_kernel(qkv_ptr, stride_t, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
                           q_ptr, k_ptr, v_ptr, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                          HAS_NORM: tl.constexpr):
+                          HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # everything here reads the previous kernel's output (launch.py)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         HALF: tl.constexpr = D // 2
@@ -96,10 +100,12 @@ def rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Ten
         return q.contiguous()
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
+    use_pdl = pdl(qkv.device)
     _kernel()[(t, num_heads + hkv)](
         qkv, qkv.stride(0), q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
         cos, sin, positions, slots, q, k_cache, v_cache, eps,
-        HQ=num_heads, HKV=hkv, D=d, HAS_NORM=q_norm is not None, num_warps=1)
+        HQ=num_heads, HKV=hkv, D=d, HAS_NORM=q_norm is not None, PDL=use_pdl, num_warps=1,
+        **({"launch_pdl": True} if use_pdl else {}))
     return q
 
 

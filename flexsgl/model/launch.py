@@ -1,0 +1,26 @@
+"""How flexsgl's own Triton kernels (gemv.py, rope_store.py) launch: with programmatic dependent
+launch (PDL) on SM90 and newer.
+
+A decode step at batch 1 is a chain of short kernels, and each one would otherwise start only after
+the one before has drained: the GPU idles through every launch and every memory pipeline's first
+load. With PDL a kernel is launched while its predecessor still runs. It does what depends on no
+earlier kernel first (the projection kernel starts loading its weight), then `gdc_wait()`, which
+returns once the predecessor has finished and its writes are visible; everything that reads
+another kernel's output, and every write, comes after it. The kernel then calls
+`gdc_launch_dependents()` so the next kernel may start the same way. CUDA graphs keep these edges.
+Set FLEXSGL_PDL=0 to launch plainly (for comparison runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: CUDA, compute capability 9 or higher, not turned off."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and os.environ.get("FLEXSGL_PDL", "1") != "0")
