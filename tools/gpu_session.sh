@@ -2,7 +2,7 @@
 # One device call's worth of GPU work, after staging (../shared/gpu/README.md): install flexsgl
 # offline, then run the named steps in order, each under its own time limit, logs and JSON in $OUT,
 # and print each step's headline lines last. A device call runs at most 600 s: pick steps whose
-# limits (below) sum to less, e.g. `check attention`, `latency throughput`, `prefill suite`. Steps:
+# limits (below) sum to less, e.g. `check attention`, `latency throughput`, `prefill suite-kernels`. Steps:
 #   check       GPU tests of the batch-1 kernels and the engine against HF (tools/gpu_check.sh)
 #   latency     flexsgl bench latency, Qwen3-8B dummy, batch 1
 #   attention   tools/decode_attention_sweep.py: decode kernels and options at throughput shapes
@@ -10,14 +10,19 @@
 #   profile     tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step
 #   throughput  flexsgl bench throughput, Qwen3-0.6B dummy, the default workload
 #   prefill     flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
-#   suite       the benchmarks/ folder (pytest-benchmark), JSON to $OUT/benchmarks.json
+#   suite-kernels  benchmarks/ attention kernels and the HF peers (pytest-benchmark), JSON in $OUT
+#   suite-engine   benchmarks/test_engine.py for $SUITE_BACKENDS (a -k expression; default the
+#                  kernel backends fa3, fi and fa3-prefill,fi-decode; flex prefill compiles too many
+#                  shapes for one call)
+# The suite steps stop with SIGINT at their limit, so pytest-benchmark still writes what it measured.
 # Usage: bash tools/gpu_session.sh [STEP ...]   (set FLEXSGL_COMMIT; the tree travels without .git)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/flexsgl-out}; mkdir -p "$OUT"
 python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 quiet() { grep -v -E "capturing|loaded |it/s\]|tok/s\]"; }
-declare -A LIMIT=([check]=300 [latency]=270 [attention]=150 [throughput]=240 [prefill]=150 [suite]=380
+declare -A LIMIT=([check]=300 [latency]=270 [attention]=150 [throughput]=240 [prefill]=240 [suite-kernels]=330
+                  [suite-engine]=420
                   [gemv]=120 [profile]=200)
 for step in "${@:-check attention}"; do
   for s in $step; do
@@ -35,8 +40,12 @@ for step in "${@:-check attention}"; do
                     --json "$OUT/throughput.json" ;;
       prefill) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload prefill --model qwen3-8b \
                  --max-batch-tokens 16384 --json "$OUT/prefill.json" ;;
-      suite) timeout "${LIMIT[$s]}" python -m pytest -q -p no:cacheprovider benchmarks \
-               --benchmark-json="$OUT/benchmarks.json" ;;
+      suite-kernels) timeout -s INT "${LIMIT[$s]}" python -m pytest -q -p no:cacheprovider \
+                       benchmarks/test_attention_kernels.py benchmarks/test_peers.py \
+                       --benchmark-json="$OUT/benchmarks-kernels.json" --benchmark-columns=median,rounds ;;
+      suite-engine) timeout -s INT "${LIMIT[$s]}" python -m pytest -q -p no:cacheprovider benchmarks/test_engine.py \
+                      -k "${SUITE_BACKENDS:-fa3 or (fi and not decode)}" --benchmark-json="$OUT/benchmarks-engine.json" \
+                      --benchmark-columns=median,rounds ;;
       *) echo "unknown step $s"; false ;;
     esac 2>&1 | quiet | tee "$log"
     echo "== $s: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
