@@ -58,7 +58,8 @@ def paged_batch(phase: str, bs: int, n: int, seed: int = 0):
         mode=phase, input_ids=torch.zeros(t, dtype=torch.long, device=DEVICE), positions=i64(positions),
         out_slots=i64(slots), page_table=i32(tables), seq_lens=i32([n] * bs), q_lens=i32(q_lens),
         q_offsets=i32(offsets), logits_index=i64([o + q - 1 for o, q in zip(offsets, q_lens)]),
-        max_q_len=max(q_lens), num_kv_pages=pool.num_pages)
+        max_q_len=max(q_lens), num_kv_pages=pool.num_pages, host_seq_lens=[n] * bs, host_q_lens=q_lens,
+        host_pages=tables)
     assert DUMMY_PAGE not in {p for tb in tables for p in tb}
     q, k, v = (torch.randn(t, h, D, dtype=DTYPE, device=DEVICE) for h in (HQ, HKV, HKV))
     return pool, fb, q, k, v
