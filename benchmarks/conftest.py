@@ -12,6 +12,8 @@ Benchmarks measure and check outputs (token counts, finite values); they never a
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,3 +30,19 @@ def bandwidth() -> float:
     from flexsgl.bench_env import copy_bandwidth
 
     return copy_bandwidth(DEVICE)
+
+
+@pytest.fixture(autouse=True)
+def record_as_measured(request):
+    """With FLEXSGL_BENCH_LINES=PATH, append each benchmark's figures to PATH (JSON lines) as soon as
+    it finishes: pytest-benchmark writes its JSON only at the end, and a run stopped at a time limit
+    then keeps nothing."""
+    yield
+    path = os.environ.get("FLEXSGL_BENCH_LINES")
+    bench = request.node.funcargs.get("benchmark") if hasattr(request.node, "funcargs") else None
+    stats = getattr(bench, "stats", None)
+    if path and stats is not None and stats.stats.data:
+        line = {"name": request.node.name, "group": bench.group, "median_s": stats.stats.median,
+                "rounds": stats.stats.rounds, "extra_info": bench.extra_info}
+        with open(path, "a") as f:
+            f.write(json.dumps(line, default=str) + "\n")

@@ -14,7 +14,9 @@
 #   suite-engine   benchmarks/test_engine.py for $SUITE_BACKENDS (a -k expression; default the
 #                  kernel backends fa3, fi and fa3-prefill,fi-decode; flex prefill compiles too many
 #                  shapes for one call)
-# The suite steps stop with SIGINT at their limit, so pytest-benchmark still writes what it measured.
+# The suite steps stop with SIGINT at their limit and also write each benchmark as it finishes to
+# $OUT/benchmarks-*.jsonl (benchmarks/conftest.py): pytest-benchmark's own JSON comes only at the
+# end, and an interrupted benchmark can keep it from being written at all.
 # Usage: bash tools/gpu_session.sh [STEP ...]   (set FLEXSGL_COMMIT; the tree travels without .git)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -40,10 +42,10 @@ for step in "${@:-check attention}"; do
                     --json "$OUT/throughput.json" ;;
       prefill) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload prefill --model qwen3-8b \
                  --max-batch-tokens 16384 --json "$OUT/prefill.json" ;;
-      suite-kernels) timeout -s INT "${LIMIT[$s]}" python -m pytest -q -p no:cacheprovider \
+      suite-kernels) FLEXSGL_BENCH_LINES="$OUT/benchmarks-kernels.jsonl" timeout -s INT "${LIMIT[$s]}" python -m pytest -q -p no:cacheprovider \
                        benchmarks/test_attention_kernels.py benchmarks/test_peers.py \
                        --benchmark-json="$OUT/benchmarks-kernels.json" --benchmark-columns=median,rounds ;;
-      suite-engine) timeout -s INT "${LIMIT[$s]}" python -m pytest -q -p no:cacheprovider benchmarks/test_engine.py \
+      suite-engine) FLEXSGL_BENCH_LINES="$OUT/benchmarks-engine.jsonl" timeout -s INT "${LIMIT[$s]}" python -m pytest -q -p no:cacheprovider benchmarks/test_engine.py \
                       -k "${SUITE_BACKENDS:-fa3 or (fi and not decode)}" --benchmark-json="$OUT/benchmarks-engine.json" \
                       --benchmark-columns=median,rounds ;;
       *) echo "unknown step $s"; false ;;
