@@ -19,7 +19,9 @@ the RMSNorm folds in: it scales x by the norm weight on the way in, sums x squar
 the side, and divides by the root mean square at the end. The SiLU gate is computed from
 gate_up as x is read; bias and residual are added on the way out. At batch 2 the plain kernel
 only matched cuBLAS and at 4 it lost, so batch 1 alone takes it. It runs inside a
-`torch.library` custom op, so compiled models treat it like the cuBLAS call it replaces.
+`torch.library` custom op, so compiled models treat it like the cuBLAS call it replaces. On SM90+
+it launches with PDL and loads its first weight slice before waiting on the kernel before it
+(launch.py): an 8B's 36 layers of projections, chained, 3.827 ms plain and 3.782 ms so.
 """
 
 from __future__ import annotations

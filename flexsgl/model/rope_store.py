@@ -1,7 +1,7 @@
 """Everything between qkv_proj and attention, in one kernel on CUDA: the per-head q/k RMSNorm
 (Qwen3), RoPE, and the write of this step's K and V into the paged pool.
 
-    q = norm_rope_store(qkv, attn, positions, rope, k_cache, v_cache, slots)
+    q, k, v = norm_rope_store(qkv, attn, positions, rope, pool, slots)   # k, v None: stored already
 
 Compiled by Inductor, that stretch is seven small kernels per layer (two norm reductions, two
 norm-and-rotate passes, two scatters into the pool and a copy), 1-3 µs each at decode: in a
@@ -9,8 +9,9 @@ Qwen3-8B batch-1 step, 252 kernels and about 0.3 ms of the 5.05 (tools/profile_s
 H200, docs/BENCHMARKS.md). The kernel gives one program to each (token, head) pair: a q head is
 normalised, rotated and written to the returned q; a K head is normalised, rotated and written to
 its pool slot, and its V head copied next to it. The rounding follows the PyTorch expressions step
-for step (norm in float32, cast, scale in the model dtype; rotate in float32, cast), so both paths
-give the same tokens.
+for step (norm in float32, cast, scale in the model dtype; rotate in float32, cast), so the two
+paths differ by a rounding step at most (tests/test_rope_store.py). On SM90+ it launches with PDL
+(launch.py).
 
 The kernel runs in a `torch.library` custom op that declares the two cache tensors mutated, so a
 compiled model writes them in place (tests/test_rope_store.py checks that on the CPU, with the
