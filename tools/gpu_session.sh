@@ -59,4 +59,14 @@ for s in check latency throughput prefill; do
 done
 [ -f "$OUT/attention.log" ] && tail -12 "$OUT/attention.log"
 [ -f "$OUT/gemv.log" ] && tail -6 "$OUT/gemv.log"
-[ -f "$OUT/profile.log" ] && grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time" "$OUT/profile.log" | cut -c1-60,150-
+[ -f "$OUT/profile.log" ] && grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time" "$OUT/profile.log"
+for f in "$OUT"/benchmarks-*.jsonl; do
+  [ -f "$f" ] && python - "$f" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    figs = {k: round(v, 1) for k, v in r["extra_info"].items() if isinstance(v, float)}
+    print(f'{r["name"]:<50} {r["median_s"] * 1e3:10.3f} ms  {figs}')
+PY
+done
+true  # the steps' own exit codes are in the summary above
