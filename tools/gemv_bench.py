@@ -22,6 +22,9 @@ from flexsgl.config import PRESETS, ModelConfig
 from flexsgl.model import gemv
 
 SWEEP = {"block_n": (4, 8, 16, 32), "block_k": (256, 512, 1024), "warps": (4, 8), "stages": (1, 3)}
+# tiles tried per projection inside the chained, PDL-launched layer (--chain-sweep)
+CHAIN_CANDIDATES = [(8, 512, 4, 1), (8, 512, 4, 2), (8, 512, 4, 3), (16, 512, 4, 2), (16, 512, 4, 3),
+                    (8, 512, 8, 1), (8, 1024, 8, 2), (4, 512, 4, 3), (16, 256, 4, 3), (32, 256, 8, 2)]
 
 
 def shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -61,6 +64,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--no-sweep", action="store_true", help="skip the per-projection config sweep")
+    ap.add_argument("--chain-sweep", action="store_true",
+                    help="try CHAIN_CANDIDATES for each projection in the chained PDL layer")
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -130,16 +135,18 @@ def main():
     bufs = {name: torch.empty(1, n, device=dev, dtype=dt) for name, (n, k) in shapes(cfg).items()}
     hs = [torch.empty(1, h, device=dev, dtype=dt) for _ in range(2)]
 
-    def chain(use_pdl):
+    def chain(use_pdl, cfgs=None):
+        c = (cfgs or {}).get
         x = x0
         for layer in layers:
-            qkv = gemv.launch(x, layer["qkv_proj"], None, bufs["qkv_proj"], norm_weight=g, eps=1e-6,
+            qkv = gemv.launch(x, layer["qkv_proj"], None, bufs["qkv_proj"], c("qkv_proj"), norm_weight=g, eps=1e-6,
                               prologue=gemv.RMS_NORM, use_pdl=use_pdl)
-            mid = gemv.launch(qkv[:, :q_width], layer["o_proj"], None, hs[0], residual=x, use_pdl=use_pdl)
-            gu = gemv.launch(mid, layer["gate_up_proj"], None, bufs["gate_up_proj"], norm_weight=g, eps=1e-6,
-                             prologue=gemv.RMS_NORM, use_pdl=use_pdl)
-            x = gemv.launch(gu, layer["down_proj"], None, hs[1], residual=mid, prologue=gemv.SILU_GATE,
-                            use_pdl=use_pdl)
+            mid = gemv.launch(qkv[:, :q_width], layer["o_proj"], None, hs[0], c("o_proj"), residual=x,
+                              use_pdl=use_pdl)
+            gu = gemv.launch(mid, layer["gate_up_proj"], None, bufs["gate_up_proj"], c("gate_up_proj"), norm_weight=g,
+                             eps=1e-6, prologue=gemv.RMS_NORM, use_pdl=use_pdl)
+            x = gemv.launch(gu, layer["down_proj"], None, hs[1], c("down_proj"), residual=mid,
+                            prologue=gemv.SILU_GATE, use_pdl=use_pdl)
 
     plain = None
     for label, use_pdl in (("plain launches", False), ("PDL", True)):
@@ -148,6 +155,20 @@ def main():
         same = "" if plain is None else f"  output equal to plain: {torch.equal(out, plain)}"
         plain = out if plain is None else plain
         print(f"  {label:<26} {t * 1e3:7.3f} ms  {total / t / 1e12:5.2f} TB/s{same}", flush=True)
+    if args.chain_sweep:  # one projection's tile at a time in the PDL chain, the others the engine's
+        best = {}
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            n, k = shapes(cfg)[name]
+            times = []
+            for c in dict.fromkeys([gemv.config_for(n, k), *CHAIN_CANDIDATES]):
+                try:
+                    times.append((graph_time(lambda: chain(True, {name: c})), c))
+                except Exception as e:  # a config the compiler refuses
+                    print(f"   {name} {c}: {type(e).__name__}", flush=True)
+            best[name] = min(times)[1]
+            print(f"  {name:<13} " + ", ".join(f"{c} {t * 1e3:.3f}" for t, c in sorted(times)[:4]), flush=True)
+        t = graph_time(lambda: chain(True, best))
+        print(f"  {'PDL, best of each':<26} {t * 1e3:7.3f} ms  {total / t / 1e12:5.2f} TB/s  {best}", flush=True)
 
 
 if __name__ == "__main__":

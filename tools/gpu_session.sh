@@ -6,7 +6,8 @@
 #   check       GPU tests of the batch-1 kernels and the engine against HF (tools/gpu_check.sh)
 #   latency     flexsgl bench latency, Qwen3-8B dummy, batch 1
 #   attention   tools/decode_attention_sweep.py: decode kernels and options at throughput shapes
-#   gemv        tools/gemv_bench.py --no-sweep: an 8B's projections from one graph, plain vs PDL
+#   gemv        tools/gemv_bench.py --no-sweep --chain-sweep: an 8B's projections from one graph,
+#               plain vs PDL, and tiles per projection inside the PDL chain
 #   profile     tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step
 #   throughput  flexsgl bench throughput, Qwen3-0.6B dummy, the default workload
 #   prefill     flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
@@ -25,7 +26,7 @@ python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log"
 quiet() { grep -v -E "capturing|loaded |it/s\]|tok/s\]"; }
 declare -A LIMIT=([check]=300 [latency]=270 [attention]=150 [throughput]=240 [prefill]=240 [suite-kernels]=330
                   [suite-engine]=420
-                  [gemv]=120 [profile]=200)
+                  [gemv]=240 [profile]=200)
 for step in "${@:-check attention}"; do
   for s in $step; do
     log="$OUT/$s.log"; t0=$SECONDS
@@ -33,7 +34,7 @@ for step in "${@:-check attention}"; do
     case $s in
       check) timeout "${LIMIT[$s]}" bash tools/gpu_check.sh tests/test_gpu_gemv.py tests/test_rope_store.py \
                tests/test_gpu.py tests/test_gpu_overrides.py -k "gemv or fused or batch_1 or tracks_hf or kernel_matches" ;;
-      gemv) timeout "${LIMIT[$s]}" python tools/gemv_bench.py --no-sweep ;;
+      gemv) timeout "${LIMIT[$s]}" python tools/gemv_bench.py --no-sweep --chain-sweep ;;
       profile) timeout "${LIMIT[$s]}" python tools/profile_step.py --model qwen3-8b --batch 1 --steps 20 --rows 30 ;;
       latency) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload latency --model qwen3-8b --repeats 2 \
                  --json "$OUT/latency.json" ;;
@@ -58,7 +59,7 @@ for s in check latency throughput prefill; do
   [ -f "$OUT/$s.log" ] && grep -E "passed|failed|\[flexsgl bench\] [a-z0-9,-]+: " "$OUT/$s.log" | tail -3
 done
 [ -f "$OUT/attention.log" ] && tail -12 "$OUT/attention.log"
-[ -f "$OUT/gemv.log" ] && tail -6 "$OUT/gemv.log"
+[ -f "$OUT/gemv.log" ] && tail -12 "$OUT/gemv.log"
 [ -f "$OUT/profile.log" ] && grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time" "$OUT/profile.log"
 for f in "$OUT"/benchmarks-*.jsonl; do
   [ -f "$f" ] && python - "$f" <<'PY'
