@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flexsgl import LLM, SamplingParams
+from flexsgl.model.launch import pdl
 
 
 def main():
@@ -61,6 +62,10 @@ def main():
         print(f"{llm.backends.label}, graphs {args.graphs}, batch {args.batch}, context ~{args.prompt_len}: "
               f"device time {kernels / 1e3 / args.steps:.3f} ms per step (kernels summed), "
               f"wall {1e3 * wall / args.steps:.3f} ms per step under the profiler, {len(ids)} requests")
+        if pdl(torch.device("cuda")):
+            print("flexsgl's kernels launched with PDL (flexsgl/model/launch.py): each starts while the one before "
+                  "runs, so their durations include that wait and the sum overstates device time; "
+                  "FLEXSGL_PDL=0 gives a per-kernel breakdown")
 
 
 if __name__ == "__main__":
