@@ -21,6 +21,13 @@ import torch
 DUMMY_PAGE = 0
 
 
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """One layer's scatter of k, v `[tokens, Hkv, D]` into its flat `[slots, Hkv, D]` tensors, in place."""
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
+
+
 class OutOfPagesError(RuntimeError):
     """The pool has fewer free pages than asked for."""
 
@@ -78,11 +85,8 @@ class KVPool:
     def store(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None, slots: torch.Tensor) -> None:
         """Write k, v `[tokens, Hkv, D]` into their slots; None: the caller wrote them (the model's
         fused RoPE kernel, flexsgl/model/rope_store.py)."""
-        if k is None:
-            return
-        kc, vc = self.k[layer], self.v[layer]
-        kc[slots] = k.to(kc.dtype)
-        vc[slots] = v.to(vc.dtype)
+        if k is not None:
+            write_kv(self.k[layer], self.v[layer], k, v, slots)
 
     @staticmethod
     def num_pages_for(tokens: int, page_size: int) -> int:

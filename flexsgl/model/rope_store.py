@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from flexsgl.cache.pool import write_kv
 from flexsgl.model.launch import pdl
 from flexsgl.model.layers import RotaryEmbedding, rms_norm, rotate
 
@@ -96,8 +97,7 @@ def rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Ten
     t, (hkv, d) = qkv.shape[0], k_cache.shape[1:]
     if not qkv.is_cuda:  # the same result through PyTorch: what the CPU tests compile
         q, k, v = norm_rope(qkv, q_norm, k_norm, eps, cos, sin, positions, num_heads, d)
-        k_cache[slots] = k.to(k_cache.dtype)
-        v_cache[slots] = v.to(v_cache.dtype)
+        write_kv(k_cache, v_cache, k, v, slots)
         return q.contiguous()
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
