@@ -30,7 +30,8 @@ from tests.test_gpu import check_engine_tracks_hf
 
 pytestmark = pytest.mark.gpu
 
-KERNEL_CASES = [("fa3", c) for c in CASES] + [("fi", c) for c in CASES] + [("fi-decode", "decode")]
+KERNEL_CASES = ([("fa3", c) for c in CASES] + [("fi", c) for c in CASES] + [("fi-decode", "decode")]
+                + [("triton-decode", "decode")])
 
 
 def skip_unless_runs(name: str) -> None:
@@ -53,7 +54,7 @@ def test_override_matches_float64_and_flex(name, case, page_size, hq, hkv):
     torch.testing.assert_close(ours.float(), flex.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")
 
 
-@pytest.mark.parametrize("override", ["fa3", "fi", "fa3-prefill,fi-decode"])
+@pytest.mark.parametrize("override", ["fa3", "fi", "fa3-prefill,fi-decode", "fa3-prefill,triton-decode"])
 def test_override_engine_tracks_hf(tmp_path, monkeypatch, override):
     for name in override.split(","):
         skip_unless_runs(name)
@@ -77,7 +78,7 @@ def run_8b(override: str, prompts, steps: int, monkeypatch):
     return tokens, logits
 
 
-@pytest.mark.parametrize("override", ["fa3", "fi", "fa3-prefill,fi-decode"])
+@pytest.mark.parametrize("override", ["fa3", "fi", "fa3-prefill,fi-decode", "fa3-prefill,triton-decode"])
 def test_qwen3_8b_greedy_agrees_with_flex(monkeypatch, override):
     for name in override.split(","):
         skip_unless_runs(name)

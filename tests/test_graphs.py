@@ -11,7 +11,10 @@ import random
 import pytest
 import torch
 
+import flexsgl.attention.registry as registry
 from flexsgl import LLM, SamplingParams
+from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.registry import BackendSpec
 from tests.hf_models import hf_reference, make_checkpoint
 
 
@@ -68,3 +71,42 @@ def test_cuda_graphs_on_cpu_are_refused_before_loading(monkeypatch):
 def test_graphs_default_off_on_cpu(checkpoint):
     llm = LLM(checkpoint[0], device="cpu", kv_cache_tokens=64)
     assert llm.runner.graphs is None
+
+
+class SmallBatchFlex(FlexAttentionBackend):
+    """Flex under another name, counting the decode batch sizes it serves and the graph sizes it owns."""
+
+    name = "flex-small"
+    served: list = []
+    bound: list = []
+
+    def forward(self, q, k, v, layer, fb):
+        if layer == 0:
+            self.served.append(fb.batch_size)
+        return super().forward(q, k, v, layer, fb)
+
+    def bind_graph(self, bs, fb):
+        self.bound.append(bs)
+        super().bind_graph(bs, fb)
+
+
+def test_small_batch_decode_backend_serves_its_sizes(checkpoint, monkeypatch):
+    """`PREFILL,DECODE,SMALL<=N`: graphs up to N are bound and replayed by SMALL, larger ones by
+    DECODE, and the tokens still match HF as batches shrink through both."""
+    path, hf, seed = checkpoint
+    spec = BackendSpec("flex-small", f"{__name__}:SmallBatchFlex", ("decode",), None, None)
+    monkeypatch.setitem(registry.SPECS, "flex-small", spec)
+    monkeypatch.setattr(SmallBatchFlex, "served", [])
+    monkeypatch.setattr(SmallBatchFlex, "bound", [])
+    rng = random.Random(seed + 1)
+    prompts = [[rng.randrange(320) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    steps = [rng.randrange(2, 14) for _ in range(6)]
+    llm = LLM(path, device="cpu", page_size=4, kv_cache_tokens=400, max_running=8, shuffle_pages=seed,
+              compile=False, override="flex,flex,flex-small<=2")
+    llm.runner.capture_graphs([1, 2, 4, 8], emulate=True)
+    assert sorted(SmallBatchFlex.bound) == [1, 2]
+    outs = llm.generate(prompts, [SamplingParams(max_new_tokens=s, temperature=0.0) for s in steps])
+    assert SmallBatchFlex.served and max(SmallBatchFlex.served) <= 2
+    for p, s, o in zip(prompts, steps, outs):
+        want, _ = hf_reference(hf, p, s)
+        assert o.token_ids == want

@@ -22,12 +22,12 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda")
 def fake_gpu(monkeypatch):
     """A GPU of the given SM with the given kernel packages installed."""
 
-    def make(sm: int, packages=("sgl_kernel", "flashinfer")):
+    def make(sm: int, packages=("sgl_kernel", "flashinfer", "triton")):
         monkeypatch.setattr(registry, "sm_version", lambda device: sm if device.type == "cuda" else None)
         real = importlib.util.find_spec
         monkeypatch.setattr(registry.importlib.util, "find_spec",
                             lambda name, *a: object() if name in packages else (
-                                None if name in ("sgl_kernel", "flashinfer") else real(name, *a)))
+                                None if name in ("sgl_kernel", "flashinfer", "triton") else real(name, *a)))
 
     return make
 
@@ -53,6 +53,22 @@ def test_sm90_with_kernels(fake_gpu):
     assert labels("fa3", GPU) == ("fa3", "fa3")
     assert labels("fa3-prefill,fi-decode", GPU) == ("fa3-prefill", "fi-decode")
     assert labels("fi,flex", GPU) == ("fi", "flex")
+
+
+def test_small_batch_decode_backend(fake_gpu):
+    fake_gpu(90)
+    small = registry.AUTO_SMALL_DECODE[(90, "gqa")]
+    c = resolve_override("auto", GPU, head_dim=128, dtype="bfloat16", page_size=64)
+    assert c.label == f"fa3-prefill,fi-decode,{small}"
+    assert (c.small_decode.name, c.small_decode_max) == (small.split("<=")[0], int(small.split("<=")[1]))
+    c = resolve_override("fa3,fa3,triton-decode<=4", GPU)
+    assert (c.decode.name, c.small_decode.name, c.small_decode_max) == ("fa3", "triton-decode", 4)
+    # auto leaves the small-batch backend out where it cannot run: pages it does not read, no triton
+    assert resolve_override("auto", GPU, page_size=8).small_decode is None
+    fake_gpu(90, packages=("sgl_kernel", "flashinfer"))
+    assert resolve_override("auto", GPU).label == "fa3-prefill,fi-decode"
+    with pytest.raises(ValueError, match="'triton-decode' cannot run here: the package 'triton' is not installed"):
+        resolve_override("fa3-prefill,fi-decode,triton-decode<=8", GPU)
 
 
 @pytest.mark.parametrize("kw,reason", [
@@ -87,10 +103,13 @@ def test_trtllm_mla_is_refused_off_blackwell_and_on_gqa_models(fake_gpu):
 
 @pytest.mark.parametrize("override,match", [
     ("nope", "Unknown attention override 'nope'"),
-    ("fa3,fi,flex", "one backend or PREFILL,DECODE"),
+    ("fa3,fi,flex,flex", "one backend, PREFILL,DECODE or PREFILL,DECODE,SMALL_DECODE<=N"),
+    ("flex,flex,flex", "the largest batch it takes, e.g. triton-decode<=8"),
+    ("flex,flex,flex<=0", "the largest batch it takes"),
+    ("flex,flex,fa3-prefill<=8", "'fa3-prefill' does not run decode"),
     ("fi-decode,flex", "'fi-decode' does not run prefill"),
     ("flex,fa3-prefill", "'fa3-prefill' does not run decode"),
-    ("flex,", "one backend or PREFILL,DECODE"),
+    ("flex,", "one backend, PREFILL,DECODE"),
 ])
 def test_malformed_overrides(override, match):
     with pytest.raises(ValueError, match=match):

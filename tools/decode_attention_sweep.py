@@ -10,6 +10,7 @@ Hkv, D]`, pages shuffled, ragged lengths around the given context). Variants:
   fi-cuda         FlashInfer's CUDA-core decode kernel
   fa3             sgl_kernel FA3 flash_attn_with_kvcache, splits chosen by FA3
   fa3-1split      the same, one split
+  triton          flexsgl's split-KV kernel (overrides/triton_decode.py), merge in the same launch
 Each output is checked against fi-tc's (they compute the same attention). Rate = KV bytes / time.
 
     python tools/decode_attention_sweep.py
@@ -24,6 +25,7 @@ import random
 import torch
 
 from flexsgl.overrides.flashinfer import csr_pages
+from flexsgl.overrides.triton_decode import split_kv_decode
 
 CASES = [(256, 760), (128, 1100), (64, 1500), (16, 1800), (1, 1152)]  # batch x mean context
 HEADS = [(16, 8), (32, 8)]  # Qwen3-0.6B, Qwen3-8B
@@ -67,6 +69,15 @@ def fa3_variant(lens, tables, k, v, q, hq, hkv, num_splits=0):
                                            num_splits=num_splits).squeeze(1)
 
 
+def triton_variant(lens, tables, k, v, q, hq, hkv):
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    counter = torch.zeros(len(lens) * hkv, dtype=torch.int32, device="cuda")
+    kf, vf = k.view(-1, hkv, D), v.view(-1, hkv, D)
+    return lambda: split_kv_decode(q, kf, vf, table, seqlens, counter, PAGE)
+
+
 VARIANTS = {
     "fi-tc": lambda *a: flashinfer_variant(*a),
     "fi-tc-nosplit": lambda *a: flashinfer_variant(*a, disable_split_kv=True),
@@ -74,19 +85,28 @@ VARIANTS = {
     "fi-cuda": lambda *a: flashinfer_variant(*a, tensor_cores=False),
     "fa3": lambda *a: fa3_variant(*a),
     "fa3-1split": lambda *a: fa3_variant(*a, num_splits=1),
+    "triton": triton_variant,
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--cases", nargs="+", default=[f"{b}x{c}" for b, c in CASES], help="BATCHxCONTEXT ...")
+    ap.add_argument("--graph", action="store_true",
+                    help="time each call replayed from a CUDA graph (no launch overhead: what a graphed decode step sees)")
     args = ap.parse_args()
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    def timed(fn):
+        if args.graph:
+            return do_bench_cudagraph(fn, rep=50, return_mode="median")
+        return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
     rng = random.Random(0)
     print(f"{'heads':>6} {'batch':>5} {'ctx':>5} " + " ".join(f"{v:>14}" for v in args.variants) + "   (µs, TB/s)")
     for hq, hkv in HEADS:
-        for bs, ctx in CASES:
+        for bs, ctx in (map(int, c.split("x")) for c in args.cases):
             lens, tables, k, v = layout(bs, ctx, hkv, rng)
             q = torch.randn(bs, hq, D, dtype=DTYPE, device="cuda")
             nbytes = sum(lens) * hkv * D * 2 * 2
@@ -99,7 +119,7 @@ def main():
                     if (out.float() - ref.float()).abs().max().item() > 2e-2:
                         cells.append("WRONG")
                         continue
-                    t = do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3
+                    t = timed(fn) * 1e-3
                     cells.append(f"{t * 1e6:6.1f} {nbytes / t / 1e12:4.2f}")
                 except Exception as e:  # an option this version or GPU lacks
                     cells.append(type(e).__name__[:14])

@@ -9,6 +9,9 @@
 #   gemv        tools/gemv_bench.py --no-sweep --chain-sweep: an 8B's projections from one graph,
 #               plain vs PDL, and tiles per projection inside the PDL chain
 #   profile     tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step
+#   split-kv    GPU tests of the triton-decode kernel (alone, against flex, in the engine against HF)
+#   attention-small  decode kernels at batch 1-64, timed inside CUDA graphs, triton-decode included
+#   latency-compare  flexsgl bench latency, Qwen3-8B, auto against fa3-prefill,triton-decode
 #   throughput  flexsgl bench throughput, Qwen3-0.6B dummy, the default workload
 #   prefill     flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
 #   suite-kernels  benchmarks/ attention kernels and the HF peers (pytest-benchmark), JSON in $OUT
@@ -26,7 +29,7 @@ python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log"
 quiet() { grep -v -E "capturing|loaded |it/s\]|tok/s\]"; }
 declare -A LIMIT=([check]=300 [latency]=270 [attention]=150 [throughput]=240 [prefill]=240 [suite-kernels]=330
                   [suite-engine]=420
-                  [gemv]=240 [profile]=200)
+                  [gemv]=240 [profile]=200 [split-kv]=300 [attention-small]=150 [latency-compare]=480)
 for step in "${@:-check attention}"; do
   for s in $step; do
     log="$OUT/$s.log"; t0=$SECONDS
@@ -34,6 +37,13 @@ for step in "${@:-check attention}"; do
     case $s in
       check) timeout "${LIMIT[$s]}" bash tools/gpu_check.sh tests/test_gpu_gemv.py tests/test_rope_store.py \
                tests/test_gpu.py tests/test_gpu_overrides.py -k "gemv or fused or batch_1 or tracks_hf or kernel_matches" ;;
+      split-kv) timeout "${LIMIT[$s]}" bash tools/gpu_check.sh tests/test_triton_decode.py tests/test_gpu_overrides.py \
+                  -k "triton" ;;
+      attention-small) timeout "${LIMIT[$s]}" python tools/decode_attention_sweep.py --graph \
+                         --cases 1x1152 1x4096 4x1152 8x1500 16x1800 32x1500 64x1500 \
+                         --variants fi-tc fi-cuda fa3 fa3-1split triton ;;
+      latency-compare) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload latency --model qwen3-8b \
+                         --override auto --override fa3-prefill,triton-decode --json "$OUT/latency-compare.json" ;;
       gemv) timeout "${LIMIT[$s]}" python tools/gemv_bench.py --no-sweep --chain-sweep ;;
       profile) timeout "${LIMIT[$s]}" python tools/profile_step.py --model qwen3-8b --batch 1 --steps 20 --rows 30 ;;
       latency) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload latency --model qwen3-8b --repeats 2 \
@@ -55,10 +65,11 @@ for step in "${@:-check attention}"; do
   done
 done
 echo; echo "== summary"; cat "$OUT/summary.txt"
-for s in check latency throughput prefill; do
+for s in check split-kv latency latency-compare throughput prefill; do
   [ -f "$OUT/$s.log" ] && grep -E "passed|failed|\[flexsgl bench\] [a-z0-9,-]+: " "$OUT/$s.log" | tail -3
 done
 [ -f "$OUT/attention.log" ] && tail -12 "$OUT/attention.log"
+[ -f "$OUT/attention-small.log" ] && tail -16 "$OUT/attention-small.log"
 [ -f "$OUT/gemv.log" ] && tail -12 "$OUT/gemv.log"
 [ -f "$OUT/profile.log" ] && grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time" "$OUT/profile.log"
 for f in "$OUT"/benchmarks-*.jsonl; do

@@ -46,12 +46,18 @@ SPECS = {s.name: s for s in (
                 doc="FlashInfer BatchDecodeWithPagedKVCacheWrapper, tensor cores for GQA (prefill: flex or another)"),
     BackendSpec("fi", "flexsgl.overrides.flashinfer:FlashInferBackend", ("prefill", "decode"), (80, 86, 89, 90, 100, 120),
                 "flashinfer", head_dims=(64, 128, 256), dtypes=HALF, doc="FlashInfer paged prefill and decode"),
+    BackendSpec("triton-decode", "flexsgl.overrides.triton_decode:TritonDecodeBackend", ("decode",),
+                (80, 86, 89, 90, 100, 120), "triton", head_dims=(64, 128, 256), dtypes=HALF,
+                doc="flexsgl's split-KV decode kernel (Triton), one launch per layer (prefill: flex or another)"),
     BackendSpec("trtllm-mla", "flexsgl.overrides.trtllm_mla:TrtllmMLABackend", ("decode",), (100,), "flashinfer",
                 attention=("mla",), dtypes=HALF, doc="FlashInfer TRT-LLM MLA decode (Blackwell, MLA models)"),
 )}
 
 # What `auto` means per (SM version, attention kind) when those backends can run; otherwise flex.
 AUTO = {(90, "gqa"): "fa3-prefill,fi-decode", (100, "gqa"): "fi"}
+# Where a decode backend beats `auto`'s at small batches: it takes decode batches up to the size given
+# (`PREFILL,DECODE,SMALL_DECODE<=N`), when it can run. Measured on an H200: docs/BENCHMARKS.md.
+AUTO_SMALL_DECODE = {(90, "gqa"): "triton-decode<=8"}
 
 
 def sm_version(device: torch.device) -> int | None:
@@ -84,25 +90,41 @@ def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa", hea
 
 @dataclass(frozen=True)
 class Choice:
-    """The backend each phase runs."""
+    """The backend each phase runs; `small_decode`, if set, runs decode batches of up to
+    `small_decode_max` requests instead of `decode`."""
 
     prefill: BackendSpec
     decode: BackendSpec
+    small_decode: BackendSpec | None = None
+    small_decode_max: int = 0
 
     @property
     def label(self) -> str:
-        same = self.prefill.name == self.decode.name
-        return self.prefill.name if same else f"{self.prefill.name},{self.decode.name}"
+        same = self.prefill.name == self.decode.name and self.small_decode is None
+        label = self.prefill.name if same else f"{self.prefill.name},{self.decode.name}"
+        return label + (f",{self.small_decode.name}<={self.small_decode_max}" if self.small_decode else "")
+
+
+def split_small_decode(part: str, override: str) -> tuple[str, int]:
+    """'NAME<=N' into (NAME, N), or ValueError in one sentence."""
+    name, _, size = part.partition("<=")
+    if not size.strip().isdigit() or int(size) < 1:
+        raise ValueError(f"Override {override!r}: the third part names a decode backend for small batches "
+                         f"and the largest batch it takes, e.g. triton-decode<=8.")
+    return name.strip(), int(size)
 
 
 def resolve_override(override: str, device: torch.device, attention: str = "gqa", page_size: int | None = None,
                      head_dim: int | None = None, dtype: str | None = None) -> Choice:
     """Pick the backends `override` names, or raise ValueError saying in one sentence why not."""
-    names = auto_choice(device, attention, head_dim, dtype) if override == "auto" else override
+    names = auto_choice(device, attention, head_dim, dtype, page_size) if override == "auto" else override
     parts = [p.strip() for p in names.split(",")]
-    if len(parts) > 2 or not all(parts):
-        raise ValueError(f"Override {override!r} should be one backend or PREFILL,DECODE; "
-                         f"available: auto, {', '.join(SPECS)}.")
+    if len(parts) > 3 or not all(parts):
+        raise ValueError(f"Override {override!r} should be one backend, PREFILL,DECODE or "
+                         f"PREFILL,DECODE,SMALL_DECODE<=N; available: auto, {', '.join(SPECS)}.")
+    small_max = 0
+    if len(parts) == 3:
+        parts[2], small_max = split_small_decode(parts[2], override)
     for p in parts:
         if p not in SPECS:
             raise ValueError(f"Unknown attention override {p!r}; available: auto, {', '.join(SPECS)}.")
@@ -110,25 +132,34 @@ def resolve_override(override: str, device: torch.device, attention: str = "gqa"
         spec = SPECS[parts[0]]
         prefill = spec if "prefill" in spec.phases else SPECS["flex"]
         decode = spec if "decode" in spec.phases else SPECS["flex"]
-    else:
+    small = SPECS[parts[2]] if len(parts) == 3 else None
+    if len(parts) > 1:
         prefill, decode = SPECS[parts[0]], SPECS[parts[1]]
-        for spec, phase in ((prefill, "prefill"), (decode, "decode")):
-            if phase not in spec.phases:
+        for spec, phase in ((prefill, "prefill"), (decode, "decode"), (small, "decode")):
+            if spec is not None and phase not in spec.phases:
                 raise ValueError(f"Override {spec.name!r} does not run {phase}; it runs {', '.join(spec.phases)}.")
-    for spec in {prefill.name: prefill, decode.name: decode}.values():
+    for spec in {s.name: s for s in (prefill, decode, small) if s is not None}.values():
         reason = why_not(spec, device, attention, head_dim, dtype)
         if reason is None and page_size is not None:
             reason = backend_class(spec).unsupported(page_size, device)
         if reason:
             raise ValueError(f"Override {spec.name!r} cannot run here: {reason}.")
-    return Choice(prefill, decode)
+    return Choice(prefill, decode, small, small_max)
 
 
 def auto_choice(device: torch.device, attention: str = "gqa", head_dim: int | None = None,
-                dtype: str | None = None) -> str:
-    names = AUTO.get((sm_version(device), attention), "flex")
-    runnable = all(why_not(SPECS[n], device, attention, head_dim, dtype) is None for n in names.split(","))
-    return names if runnable else "flex"
+                dtype: str | None = None, page_size: int | None = None) -> str:
+    def runs(names: str) -> bool:
+        specs = [SPECS[n.partition("<=")[0]] for n in names.split(",")]
+        return all(why_not(s, device, attention, head_dim, dtype) is None
+                   and (page_size is None or backend_class(s).unsupported(page_size, device) is None) for s in specs)
+
+    key = (sm_version(device), attention)
+    names = AUTO.get(key, "flex")
+    if not runs(names):
+        return "flex"
+    small = AUTO_SMALL_DECODE.get(key)
+    return f"{names},{small}" if small and runs(small) else names
 
 
 def check_override(override: str, device: torch.device | str, attention: str = "gqa") -> str:

@@ -1,4 +1,5 @@
-"""The phase router: one backend serves prefill steps, another (or the same) serves decode steps."""
+"""The phase router: one backend serves prefill steps, another (or the same) serves decode steps,
+and optionally a third serves decode batches up to a size (`DecodeBySize`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,51 @@ class PhaseRouter:
 
     def __init__(self, choice: Choice, pool: KVPool, num_heads: int, compiled: bool):
         built = {}
-        for spec in (choice.prefill, choice.decode):
-            if spec.target not in built:
+        for spec in (choice.prefill, choice.decode, choice.small_decode):
+            if spec is not None and spec.target not in built:
                 built[spec.target] = backend_class(spec)(pool, num_heads=num_heads, compiled=compiled)
         self.prefill = built[choice.prefill.target]
         self.decode = built[choice.decode.target]  # graph hooks go to this one
+        if choice.small_decode is not None:
+            self.decode = DecodeBySize(built[choice.small_decode.target], choice.small_decode_max, self.decode)
         self.label = choice.label
 
     def for_batch(self, fb: ForwardBatch):
         return self.decode if fb.mode == "decode" else self.prefill
+
+
+def runs_flex(backend) -> bool:
+    """Whether compiled flex serves (part of) this backend's batches: it compiles per shape."""
+    return getattr(backend, "uses_flex", backend.name == "flex")
+
+
+class DecodeBySize:
+    """One decode backend over two: `small` takes batches of up to `max_small` requests, `large` the
+    rest. Every protocol call goes to the one that owns the batch size, graph hooks included, so a
+    captured size is recorded with the backend that replays it."""
+
+    def __init__(self, small, max_small: int, large):
+        self.small, self.max_small, self.large = small, max_small, large
+        self.pool = large.pool
+        self.name = f"{large.name},{small.name}<={max_small}"
+        self.graphable = small.graphable and large.graphable
+        self.uses_flex = "flex" in (small.name, large.name)
+
+    def owner(self, bs: int):
+        return self.small if bs <= self.max_small else self.large
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        self.owner(fb.batch_size).prepare(fb)
+
+    def forward(self, q, k, v, layer: int, fb: ForwardBatch):
+        return self.owner(fb.batch_size).forward(q, k, v, layer, fb)
+
+    def init_graph_state(self, max_bs: int, max_pages: int) -> None:
+        self.small.init_graph_state(min(max_bs, self.max_small), max_pages)
+        self.large.init_graph_state(max_bs, max_pages)
+
+    def bind_graph(self, bs: int, fb: ForwardBatch) -> None:
+        self.owner(bs).bind_graph(bs, fb)
+
+    def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
+        self.owner(bs).fill_graph(bs, fb)

@@ -1,0 +1,188 @@
+"""flexsgl's own split-KV decode attention over the paged pool, one Triton kernel (`triton-decode`).
+
+At batch 1 a decode step's attention is tiny work spread thin: an 8B layer reads ~4.7 MB of KV at
+a 1k context, a microsecond at full bandwidth, and FlashInfer spends ~9 µs in its decode kernel
+plus ~2.5 µs in a second kernel that merges its KV splits (docs/BENCHMARKS.md, 8B profile), 0.4 ms
+of a 4.65 ms step. This kernel splits each request's pages across programs so every SM has a page
+to read, and merges the splits in the same launch: each program writes its partial result
+(unnormalised output, running max, sum of exponentials), then counts itself in on a per-(request,
+KV head) counter; the program that arrives last merges the partials and resets the counter. Same
+math as FlashInfer's merge, one launch instead of two. With a single split (large batches) it
+writes its output directly.
+
+Programs: one per (request, KV head, split). Each loads the request's query heads that share the
+KV head (GQA group, padded to 16 rows for the tensor-core dot), then walks its pages of the pool
+(`[slots, Hkv, D]`, a page is `page_size` consecutive slots), one page per step, with an online
+softmax. The number of splits is fixed per batch size (enough programs for two per SM), so the
+launch is the same on every replay of a CUDA graph; splits past a short request's last page are
+empty and only count themselves in.
+
+Decode only (one query token per request); it reads the graph manager's page table and lengths
+directly, like FA3, so its graph hooks have nothing to fill.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flexsgl.attention.base import ForwardBatch
+from flexsgl.cache.pool import KVPool
+
+MAX_SPLITS = 32
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kv_decode(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
+                        count_ptr, out_ptr, stride_table, num_splits, sm_scale,
+                        HKV: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                        PAGE: tl.constexpr):
+        bh = tl.program_id(0)  # request * HKV + KV head
+        split = tl.program_id(1)
+        b = bh // HKV
+        h = bh % HKV
+        seq_len = tl.load(lens_ptr + b)
+        n_pages = tl.cdiv(seq_len, PAGE)
+        per_split = tl.cdiv(n_pages, num_splits)
+        first = split * per_split
+        last = tl.minimum(first + per_split, n_pages)
+
+        rows = tl.arange(0, ROWS)
+        row_ok = rows < GROUP
+        d = tl.arange(0, D)
+        q_rows = (b * HKV + h) * GROUP + rows  # the query heads that read KV head h
+        q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        tok = tl.arange(0, PAGE)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        for p in range(first, last):
+            page = tl.load(table_ptr + b * stride_table + p).to(tl.int64)
+            kv = ((page * PAGE + tok) * HKV + h)[:, None] * D + d[None, :]
+            k = tl.load(k_ptr + kv)
+            v = tl.load(v_ptr + kv)
+            s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = tl.where((p * PAGE + tok)[None, :] < seq_len, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            prob = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(prob, 1)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+            m = m_new
+
+        out_ptrs = out_ptr + q_rows[:, None] * D + d[None, :]
+        if num_splits == 1:
+            tl.store(out_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            part = (bh * num_splits + split) * GROUP + rows
+            tl.store(part_o_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+            tl.store(part_m_ptr + part, m, mask=row_ok)
+            tl.store(part_l_ptr + part, l, mask=row_ok)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
+            if arrived == num_splits - 1:  # the last split of (request, KV head) to finish merges
+                tl.store(count_ptr + bh, 0)
+                m_all = tl.full([ROWS], float("-inf"), tl.float32)
+                l_all = tl.zeros([ROWS], tl.float32)
+                o_all = tl.zeros([ROWS, D], tl.float32)
+                for s_i in range(0, tl.cdiv(n_pages, per_split)):  # the splits that hold pages
+                    other = (bh * num_splits + s_i) * GROUP + rows
+                    m_s = tl.load(part_m_ptr + other, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + other, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    o_s = tl.load(part_o_ptr + other[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
+                                  cache_modifier=".cg")
+                    m_new = tl.maximum(m_all, m_s)
+                    old, new = tl.exp(m_all - m_new), tl.exp(m_s - m_new)
+                    l_all = l_all * old + l_s * new
+                    o_all = o_all * old[:, None] + o_s * new[:, None]
+                    m_all = m_new
+                tl.store(out_ptrs, (o_all / l_all[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    return split_kv_decode
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def num_splits(batch: int, hkv: int, device: torch.device) -> int:
+    """Splits per (request, KV head): enough programs for about two per SM, at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, -(-2 * _num_sms(device) // (batch * hkv))))
+
+
+@torch.library.custom_op("flexsgl::split_kv_decode", mutates_args=())
+def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                    seq_lens: torch.Tensor, counter: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Decode attention of q `[B, Hq, D]` over each request's first seq_lens[b] KV slots, found
+    through page_table `[B, W]` in the flat pool `[slots, Hkv, D]`. `counter` (int32, at least
+    B * Hkv, zero) is left zero: each launch counts up and the merging program resets it."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if counter.numel() < b * hkv:
+        raise ValueError(f"split_kv_decode: counter holds {counter.numel()}, needs {b * hkv}")
+    splits = num_splits(b, hkv, q.device)
+    group = hq // hkv
+    out = torch.empty_like(q)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    part_o = torch.empty(b * hkv * splits * group, d, **f32)
+    part_m = torch.empty(b * hkv * splits * group, **f32)
+    part_l = torch.empty_like(part_m)
+    _kernel()[(b * hkv, splits)](
+        q.contiguous(), k_cache, v_cache, page_table, seq_lens, part_o, part_m, part_l, counter, out,
+        page_table.stride(0), splits, d ** -0.5, HKV=hkv, GROUP=group, ROWS=max(16, group), D=d,
+        PAGE=page_size, num_warps=4, num_stages=2)
+    return out
+
+
+@split_kv_decode.register_fake
+def _(q, k_cache, v_cache, page_table, seq_lens, counter, page_size):
+    return torch.empty_like(q)
+
+
+class TritonDecodeBackend:
+    """`triton-decode`: the split-KV kernel above for decode; prefill is left to another backend."""
+
+    name = "triton-decode"
+    graphable = True
+
+    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
+        self.pool, self.hq = pool, num_heads
+        self.hkv = pool.k[0].shape[1]
+        self.counter = torch.zeros(0, dtype=torch.int32, device=pool.page_pos.device)
+
+    @staticmethod
+    def unsupported(page_size: int, device: torch.device) -> str | None:
+        if page_size < 16 or page_size & (page_size - 1):
+            return f"its kernel reads pages of a power-of-two size from 16 tokens, and the page size is {page_size}"
+        return None
+
+    def reserve(self, batch: int) -> None:
+        """Size the merge counters for `batch` requests (outside graph capture: this allocates)."""
+        if self.counter.numel() < batch * self.hkv:
+            self.counter = torch.zeros(batch * self.hkv, dtype=torch.int32, device=self.counter.device)
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        if fb.mode != "decode":
+            raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
+        self.reserve(fb.batch_size)
+
+    def forward(self, q, k, v, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        self.pool.store(layer, k, v, fb.out_slots)
+        return torch.ops.flexsgl.split_kv_decode(q, self.pool.k[layer], self.pool.v[layer], fb.page_table,
+                                                 fb.seq_lens, self.counter, self.pool.page_size)
+
+    def init_graph_state(self, max_bs: int, max_pages: int) -> None:
+        self.reserve(max_bs)
+
+    def bind_graph(self, bs: int, fb: ForwardBatch) -> None:
+        """Nothing to bind: the kernel reads the manager's page table and lengths."""
+
+    def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
+        """Nothing to write, for the same reason."""
