@@ -13,14 +13,18 @@ from itertools import chain
 import torch
 
 from flexsgl.attention.base import ForwardBatch
-from flexsgl.attention.router import PhaseRouter
+from flexsgl.attention.router import PhaseRouter, runs_flex
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 from flexsgl.graphs import GraphManager
 from flexsgl.sampling import SamplingTensors, sample
 from flexsgl.scheduler import ScheduledBatch
 
-# Decode batch sizes that compiled steps pad to and that CUDA graphs are captured for.
+# Decode batch sizes that compiled steps pad to and that CUDA graphs are captured for. Compiled flex
+# decode compiles once per size, so it gets few; a kernel override compiles once for every size (its
+# attention is one opaque op), so it gets SGLang's spacing (8 apart to 64, then 16): a padded row
+# costs its share of every projection, and a batch of 200 padded to 256 wastes 28% of them.
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+FINE_DECODE_BUCKETS = (1, 2, 4, *range(8, 64, 8), *range(64, 256, 16), 256, 320, 384, 448, 512)
 
 
 @dataclass
@@ -44,7 +48,8 @@ class ModelRunner:
         self.token_buf = torch.zeros(max_running, dtype=torch.long, device=device)  # last token per slot
         # Compiled steps keep shapes few: decode batches padded to buckets, page tables full width.
         self.table_width = KVPool.num_pages_for(max_len, pool.page_size) if compile else None
-        self.buckets = [b for b in DECODE_BUCKETS if b < max_running] + [max_running]
+        buckets = DECODE_BUCKETS if runs_flex(backends.decode) else FINE_DECODE_BUCKETS
+        self.buckets = [b for b in buckets if b < max_running] + [max_running]
         self.graphs: GraphManager | None = None
         if compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -56,7 +61,7 @@ class ModelRunner:
             self._prefill = torch.compile(self._prefill_forward, dynamic=not cpu, options=opts)
             # Flex decode compiles per batch bucket (its split-KV decode kernel wants a static batch);
             # a kernel override is one opaque op, so one compile with a symbolic batch serves all.
-            dynamic = not cpu and backends.decode.name != "flex"
+            dynamic = not cpu and not runs_flex(backends.decode)
             self._decode = torch.compile(self._decode_forward, dynamic=dynamic, options=opts)
         else:
             self._prefill, self._decode = self._prefill_forward, self._decode_forward
@@ -170,7 +175,7 @@ class ModelRunner:
         if decode and self.graphs is not None and bs in self.graphs.batches:
             return True
         backend = self.backends.decode if decode else self.backends.prefill
-        return self.device.type == "cuda" and backend.name != "flex"
+        return self.device.type == "cuda" and not runs_flex(backend)
 
     def _upload(self, dtype: torch.dtype, **parts: list) -> dict[str, torch.Tensor]:
         """One host -> device copy for all `parts`, from pinned memory on CUDA; returns views by name."""
