@@ -151,9 +151,9 @@ def plan(args: BenchArgs) -> Plan:
         p.output_range = _fixed(d["output_len"], "--output-len", w)
         if p.output_range[0] < 2:
             raise ValueError("The latency workload needs --output-len of at least 2 to time decode steps.")
-        if (args.max_running or engine_default("max_running")) < p.batch_size:
-            raise ValueError(f"--batch-size ({p.batch_size}) is above the most requests that run at once "
-                             f"({args.max_running or engine_default('max_running')}); raise --max-running.")
+        if args.max_running is not None and args.max_running < p.batch_size:
+            raise ValueError(f"--batch-size ({p.batch_size}) is above --max-running ({args.max_running}), "
+                             "the most requests that run at once; raise --max-running.")
         longest = p.input_range[1] + p.output_range[1]
     else:
         p.repeats = d["repeats"]
@@ -164,14 +164,6 @@ def plan(args: BenchArgs) -> Plan:
         raise ValueError(f"The longest request ({longest} tokens with its output) exceeds the context of "
                          f"{model} ({ctx} tokens); pass smaller --input-len/--output-len.")
     return p
-
-
-def engine_default(name: str):
-    import inspect
-
-    from flexsgl import LLM
-
-    return inspect.signature(LLM).parameters[name].default
 
 
 def _fixed(text: str, what: str, workload: str) -> tuple[int, int]:
@@ -211,7 +203,10 @@ def build_llm(p: Plan, override: str, say):
     from flexsgl import LLM
 
     a = p.args
-    opts = {"max_running": a.max_running, "max_batch_tokens": a.max_batch_tokens, "compile": a.compile,
+    # A latency run's batch is fixed: running, and capturing decode graphs for, more would only cost
+    # start-up time (as `flexsgl generate` does for its batch).
+    max_running = a.max_running or (p.batch_size if a.workload == "latency" else None)
+    opts = {"max_running": max_running, "max_batch_tokens": a.max_batch_tokens, "compile": a.compile,
             "cuda_graphs": a.cuda_graphs, "kv_cache_tokens": a.kv_cache_tokens}
     opts = {k: v for k, v in opts.items() if v is not None}  # else the engine's own defaults
     return LLM(p.model, device=p.device, dtype=a.dtype, override=override, load_format=p.load_format,

@@ -135,7 +135,8 @@ def bench(
                                        "--override flex --override fa3-prefill,fi-decode (default: auto)."),
     page_size: int = typer.Option(64, help="Tokens per KV page."),
     kv_cache_tokens: int = typer.Option(None, help="KV cache size in tokens (default: sized from free memory)."),
-    max_running: int = typer.Option(None, help="Most requests running at once (default: the engine's)."),
+    max_running: int = typer.Option(None, help="Most requests running at once (default: the engine's; "
+                                    "for latency, the batch size)."),
     max_batch_tokens: int = typer.Option(None, help="Most tokens per prefill step (default: the engine's)."),
     compile: bool = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: on CUDA)."),
     cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
