@@ -180,6 +180,7 @@ def table(device: torch.device, attention: str = "gqa") -> list[dict]:
         rows.append({"name": spec.name, "phases": ",".join(spec.phases), "runs_here": reason is None,
                      "why_not": reason or "", "about": spec.doc})
     rows.append({"name": "auto", "phases": "prefill,decode", "runs_here": True, "why_not": "",
-                 "about": f"here: {auto_choice(device, attention)} (SM90: fa3-prefill,fi-decode; SM100: fi; "
+                 "about": f"here: {auto_choice(device, attention)} (SM90: fa3-prefill,fi-decode, "
+                          "with triton-decode for batches up to 8 where triton is installed; SM100: fi; "
                           "otherwise, or when those cannot run: flex)"})
     return rows
