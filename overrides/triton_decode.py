@@ -31,6 +31,8 @@ from flexsgl.attention.base import ForwardBatch
 from flexsgl.cache.pool import KVPool
 
 MAX_SPLITS = 32
+PROGRAMS_PER_SM = 2
+LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 @functools.cache
@@ -41,8 +43,8 @@ def _kernel():
     @triton.jit
     def split_kv_decode(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
                         count_ptr, out_ptr, stride_table, num_splits, sm_scale,
-                        HKV: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                        PAGE: tl.constexpr):
+                        HKV: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_P2: tl.constexpr,
+                        D: tl.constexpr, PAGE: tl.constexpr, MERGE_SPLITS: tl.constexpr):
         bh = tl.program_id(0)  # request * HKV + KV head
         split = tl.program_id(1)
         b = bh // HKV
@@ -88,21 +90,31 @@ def _kernel():
             arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
             if arrived == num_splits - 1:  # the last split of (request, KV head) to finish merges
                 tl.store(count_ptr + bh, 0)
-                m_all = tl.full([ROWS], float("-inf"), tl.float32)
-                l_all = tl.zeros([ROWS], tl.float32)
-                o_all = tl.zeros([ROWS, D], tl.float32)
-                for s_i in range(0, tl.cdiv(n_pages, per_split)):  # the splits that hold pages
-                    other = (bh * num_splits + s_i) * GROUP + rows
-                    m_s = tl.load(part_m_ptr + other, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    l_s = tl.load(part_l_ptr + other, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    o_s = tl.load(part_o_ptr + other[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
-                                  cache_modifier=".cg")
-                    m_new = tl.maximum(m_all, m_s)
-                    old, new = tl.exp(m_all - m_new), tl.exp(m_s - m_new)
-                    l_all = l_all * old + l_s * new
-                    o_all = o_all * old[:, None] + o_s * new[:, None]
+                # The splits that hold pages, MERGE_SPLITS at a time: one load of their partials per
+                # chunk (a split at a time was a round trip to L2 per split, most of the kernel at batch 1).
+                g = tl.arange(0, GROUP_P2)
+                g_ok = g < GROUP
+                chunk = tl.arange(0, MERGE_SPLITS)
+                m_all = tl.full([GROUP_P2], float("-inf"), tl.float32)
+                l_all = tl.zeros([GROUP_P2], tl.float32)
+                o_all = tl.zeros([GROUP_P2, D], tl.float32)
+                n_active = tl.cdiv(n_pages, per_split)
+                for c in range(0, n_active, MERGE_SPLITS):
+                    ok = ((c + chunk) < n_active)[:, None] & g_ok[None, :]
+                    idx = (bh * num_splits + c + chunk)[:, None] * GROUP + g[None, :]  # [MERGE_SPLITS, GROUP_P2]
+                    m_s = tl.load(part_m_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+                    o_s = tl.load(part_o_ptr + idx[:, :, None] * D + d[None, None, :], mask=ok[:, :, None],
+                                  other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_all, tl.max(m_s, 0))
+                    scale = tl.exp(m_s - m_new[None, :])  # 0 for the masked entries
+                    keep = tl.exp(m_all - m_new)
+                    l_all = l_all * keep + tl.sum(l_s * scale, 0)
+                    o_all = o_all * keep[:, None] + tl.sum(o_s * scale[:, :, None], 0)
                     m_all = m_new
-                tl.store(out_ptrs, (o_all / l_all[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                g_rows = (b * HKV + h) * GROUP + g
+                tl.store(out_ptr + g_rows[:, None] * D + d[None, :], (o_all / l_all[:, None]).to(out_ptr.dtype.element_ty),
+                         mask=g_ok[:, None])
 
     return split_kv_decode
 
@@ -113,8 +125,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def num_splits(batch: int, hkv: int, device: torch.device) -> int:
-    """Splits per (request, KV head): enough programs for about two per SM, at most MAX_SPLITS."""
-    return max(1, min(MAX_SPLITS, -(-2 * _num_sms(device) // (batch * hkv))))
+    """Splits per (request, KV head): enough programs for PROGRAMS_PER_SM per SM, at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * _num_sms(device) // (batch * hkv))))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 @torch.library.custom_op("flexsgl::split_kv_decode", mutates_args=())
@@ -136,8 +152,8 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part_l = torch.empty_like(part_m)
     _kernel()[(b * hkv, splits)](
         q.contiguous(), k_cache, v_cache, page_table, seq_lens, part_o, part_m, part_l, counter, out,
-        page_table.stride(0), splits, d ** -0.5, HKV=hkv, GROUP=group, ROWS=max(16, group), D=d,
-        PAGE=page_size, num_warps=4, num_stages=2)
+        page_table.stride(0), splits, d ** -0.5, HKV=hkv, GROUP=group, ROWS=max(16, triton_next_pow2(group)),
+        GROUP_P2=triton_next_pow2(group), D=d, PAGE=page_size, MERGE_SPLITS=16, **LAUNCH)
     return out
 
 

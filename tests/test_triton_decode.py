@@ -52,7 +52,7 @@ from flexsgl.overrides import triton_decode
 from tests.test_flex_attention import CASES, run_backend_case
 triton_decode.num_splits = lambda batch, hkv, device: int(sys.argv[1])
 for page_size in (16, 64):
-    for hq, hkv in ((4, 2), (4, 4)):
+    for hq, hkv in ((4, 2), (4, 4), (6, 2)):
         run_backend_case(CASES["decode"] + [(300, 1), (1000, 1)], page_size, None, "cpu", torch.float32,
                          rtol=1e-4, atol=1e-5, hq=hq, hkv=hkv, d=16,
                          backend_cls=triton_decode.TritonDecodeBackend)

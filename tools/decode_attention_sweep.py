@@ -10,7 +10,8 @@ Hkv, D]`, pages shuffled, ragged lengths around the given context). Variants:
   fi-cuda         FlashInfer's CUDA-core decode kernel
   fa3             sgl_kernel FA3 flash_attn_with_kvcache, splits chosen by FA3
   fa3-1split      the same, one split
-  triton          flexsgl's split-KV kernel (overrides/triton_decode.py), merge in the same launch
+  triton          flexsgl's split-KV kernel (overrides/triton_decode.py), merge in the same launch;
+                  triton-1x/-4x: one or four programs per SM; -w2/-w8: warps; -s3: pipeline stages
 Each output is checked against fi-tc's (they compute the same attention). Rate = KV bytes / time.
 
     python tools/decode_attention_sweep.py
@@ -69,13 +70,29 @@ def fa3_variant(lens, tables, k, v, q, hq, hkv, num_splits=0):
                                            num_splits=num_splits).squeeze(1)
 
 
-def triton_variant(lens, tables, k, v, q, hq, hkv):
+def triton_variant(lens, tables, k, v, q, hq, hkv, **options):
+    """options: PROGRAMS_PER_SM, MAX_SPLITS (module settings) or num_warps, num_stages (its LAUNCH)."""
+    from flexsgl.overrides import triton_decode as td
+
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     counter = torch.zeros(len(lens) * hkv, dtype=torch.int32, device="cuda")
     kf, vf = k.view(-1, hkv, D), v.view(-1, hkv, D)
-    return lambda: split_kv_decode(q, kf, vf, table, seqlens, counter, PAGE)
+    defaults = {"PROGRAMS_PER_SM": td.PROGRAMS_PER_SM, "MAX_SPLITS": td.MAX_SPLITS, "LAUNCH": td.LAUNCH}
+
+    def run():
+        launch = {**defaults["LAUNCH"], **{o: options[o] for o in ("num_warps", "num_stages") if o in options}}
+        for name in ("PROGRAMS_PER_SM", "MAX_SPLITS"):
+            setattr(td, name, options.get(name, defaults[name]))
+        td.LAUNCH = launch
+        try:
+            return split_kv_decode(q, kf, vf, table, seqlens, counter, PAGE)
+        finally:
+            for name, value in defaults.items():
+                setattr(td, name, value)
+
+    return run
 
 
 VARIANTS = {
@@ -86,6 +103,11 @@ VARIANTS = {
     "fa3": lambda *a: fa3_variant(*a),
     "fa3-1split": lambda *a: fa3_variant(*a, num_splits=1),
     "triton": triton_variant,
+    "triton-1x": lambda *a: triton_variant(*a, PROGRAMS_PER_SM=1),
+    "triton-4x": lambda *a: triton_variant(*a, PROGRAMS_PER_SM=4),
+    "triton-w2": lambda *a: triton_variant(*a, num_warps=2),
+    "triton-w8": lambda *a: triton_variant(*a, num_warps=8),
+    "triton-s3": lambda *a: triton_variant(*a, num_stages=3),
 }
 
 

@@ -30,7 +30,7 @@ python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log"
 quiet() { grep -v -E "capturing|loaded |it/s\]|tok/s\]"; }
 declare -A LIMIT=([check]=300 [latency]=270 [attention]=150 [throughput]=240 [prefill]=240 [suite-kernels]=330
                   [suite-engine]=420
-                  [gemv]=240 [profile]=200 [split-kv]=300 [attention-small]=150 [latency-compare]=480)
+                  [gemv]=240 [profile]=200 [split-kv]=300 [attention-small]=200 [latency-compare]=480)
 for step in "${@:-check attention}"; do
   for s in $step; do
     log="$OUT/$s.log"; t0=$SECONDS
@@ -41,8 +41,8 @@ for step in "${@:-check attention}"; do
       split-kv) timeout "${LIMIT[$s]}" bash tools/gpu_check.sh tests/test_triton_decode.py tests/test_gpu_overrides.py \
                   -k "triton and not 8b" ;;
       attention-small) timeout "${LIMIT[$s]}" python tools/decode_attention_sweep.py --graph \
-                         --cases 1x1152 1x4096 4x1152 8x1500 16x1800 32x1500 64x1500 \
-                         --variants fi-tc fi-cuda fa3 fa3-1split triton ;;
+                         --cases 1x1152 1x4096 4x1152 8x1500 16x1800 32x1500 64x1500 128x1100 \
+                         --variants fi-tc fi-cuda fa3-1split triton triton-1x triton-4x triton-w2 triton-w8 triton-s3 ;;
       latency-compare) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload latency --model qwen3-8b \
                          --override fa3-prefill,fi-decode --override auto --json "$OUT/latency-compare.json" ;;
       gemv) timeout "${LIMIT[$s]}" python tools/gemv_bench.py --no-sweep --chain-sweep ;;
