@@ -32,7 +32,7 @@ from flexsgl.cache.pool import KVPool
 
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 2
-LAUNCH = {"num_warps": 4, "num_stages": 2}
+LAUNCH = {"num_warps": 2, "num_stages": 2}  # 2 warps: the H200 sweep's best at batches 1 to 64 (docs/BENCHMARKS.md)
 
 
 @functools.cache

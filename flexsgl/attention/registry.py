@@ -57,7 +57,7 @@ SPECS = {s.name: s for s in (
 AUTO = {(90, "gqa"): "fa3-prefill,fi-decode", (100, "gqa"): "fi"}
 # Where a decode backend beats `auto`'s at small batches: it takes decode batches up to the size given
 # (`PREFILL,DECODE,SMALL_DECODE<=N`), when it can run. Measured on an H200: docs/BENCHMARKS.md.
-AUTO_SMALL_DECODE = {(90, "gqa"): "triton-decode<=8"}
+AUTO_SMALL_DECODE = {(90, "gqa"): "triton-decode<=64"}
 
 
 def sm_version(device: torch.device) -> int | None:
@@ -181,6 +181,6 @@ def table(device: torch.device, attention: str = "gqa") -> list[dict]:
                      "why_not": reason or "", "about": spec.doc})
     rows.append({"name": "auto", "phases": "prefill,decode", "runs_here": True, "why_not": "",
                  "about": f"here: {auto_choice(device, attention)} (SM90: fa3-prefill,fi-decode, "
-                          "with triton-decode for batches up to 8 where triton is installed; SM100: fi; "
+                          "with triton-decode for batches up to 64 where triton is installed; SM100: fi; "
                           "otherwise, or when those cannot run: flex)"})
     return rows
