@@ -2,11 +2,11 @@
 
 At batch 1 a decode step's attention is tiny work spread thin: an 8B layer reads ~4.7 MB of KV at
 a 1k context, a microsecond at full bandwidth, and FlashInfer spends ~9 µs in its decode kernel
-plus ~2.5 µs in a second kernel that merges its KV splits (docs/BENCHMARKS.md, 8B profile), 0.4 ms
-of a 4.65 ms step. This kernel splits each request's pages across programs so every SM has a page
-to read, and merges the splits in the same launch: each program writes its partial result
-(unnormalised output, running max, sum of exponentials), then counts itself in on a per-(request,
-KV head) counter; the program that arrives last merges the partials and resets the counter. Same
+plus ~2.5 µs in a second kernel that merges its KV splits (docs/BENCHMARKS.md, 8B profile). This
+kernel splits each request's pages across programs so that every SM has a page to read, and merges
+the splits in the same launch: each program writes its partial result (unnormalised output,
+running max, sum of exponentials), then counts itself in on a per-(request, KV head) counter; the
+program that arrives last merges the partials, 16 splits per load, and resets the counter. Same
 math as FlashInfer's merge, one launch instead of two. With a single split (large batches) it
 writes its output directly.
 
@@ -16,6 +16,11 @@ KV head (GQA group, padded to 16 rows for the tensor-core dot), then walks its p
 softmax. The number of splits is fixed per batch size (enough programs for two per SM), so the
 launch is the same on every replay of a CUDA graph; splits past a short request's last page are
 empty and only count themselves in.
+
+Measured on an H200 inside CUDA graphs (tools/decode_attention_sweep.py --graph): at batch 1,
+Qwen3-8B heads, 1152 tokens, 5.3 µs against FlashInfer's 8.4; level or ahead up to batch 64, 3%
+behind at 128. Inside a real 8B decode step, where the KV comes from DRAM, the gain nearly vanishes
+(4.35 -> 4.33 ms per token). `auto` on SM90 gives it decode batches up to 64.
 
 Decode only (one query token per request); it reads the graph manager's page table and lengths
 directly, like FA3, so its graph hooks have nothing to fill.
