@@ -11,10 +11,12 @@ around the engine's phases, and CUDA events around each launched step:
     gpu       device time from the step's first to its last queued op (CUDA events)
 
 If `wait` is near zero the run is host-bound and `host` (schedule + launch + process) sets the
-pace; if `wait` is large the device does. Then, optionally, profiles `--profile-steps` decode
-steps in the middle of a second pass and prints the kernels they ran.
+pace; if `wait` is large the device does. Then, optionally, profiles `--profile-steps` steps of
+a third pass from its N-th step of MODE (`--profile-at MODE:N`, default decode:200, where the batch
+is near full; prefill:3 for the prefill chunks) and prints the kernels they ran.
 
     python tools/step_breakdown.py --model qwen3-0.6b --override auto --profile-steps 20
+    python tools/step_breakdown.py --model qwen3-0.6b --override auto --profile-steps 1 --profile-at prefill:3
 """
 
 from __future__ import annotations
@@ -103,19 +105,19 @@ class Timers:
         return [s.elapsed_time(e) / 1e3 if s is not None else None for s, e in self.events]
 
 
-def run_pass(llm, timers, prompts, out_lens, profile_steps=0):
+def run_pass(llm, timers, prompts, out_lens, profile_steps=0, profile_at=("decode", 200)):
     ids = [llm.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
            for p, n in zip(prompts, out_lens)]
     prof = prof_done = None
-    decode_seen = 0
+    prof_start = 0
+    seen = defaultdict(int)
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     while llm.has_unfinished:
         timers.step(llm)
-        if timers.steps[-1].get("mode") == "decode":
-            decode_seen += 1
-        if profile_steps and prof is None and decode_seen == 200:  # well into the run, batch near full
+        seen[timers.steps[-1].get("mode")] += 1
+        if profile_steps and prof is None and seen[profile_at[0]] == profile_at[1]:
             from torch.profiler import ProfilerActivity, profile
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
@@ -128,7 +130,7 @@ def run_pass(llm, timers, prompts, out_lens, profile_steps=0):
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return wall, len(ids), prof_done
+    return wall, len(ids), prof_done, prof_start
 
 
 def summarize(steps, gpu):
@@ -160,6 +162,7 @@ def main():
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--profile-steps", type=int, default=0)
+    ap.add_argument("--profile-at", default="decode:200", help="MODE:N, the step of the third pass the profile starts after")
     ap.add_argument("--rows", type=int, default=20)
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", override=args.override, max_running=args.max_running,
@@ -172,7 +175,7 @@ def main():
     run_pass(llm, timers, warm, out_lens)
     print(f"warm-up pass: {time.perf_counter() - t:.1f} s", flush=True)
     timers.steps, timers.events = [], []
-    wall, n, _ = run_pass(llm, timers, prompts, out_lens)
+    wall, n, _, _ = run_pass(llm, timers, prompts, out_lens)
     gpu = timers.gpu_times() if llm.device.type == "cuda" else [None] * len(timers.steps)
     busy = sum(g for g in gpu if g is not None)
     print(f"\ntimed pass: {wall:.2f} s, {sum(out_lens) / wall:,.0f} output tok/s, {len(timers.steps)} steps, "
@@ -181,10 +184,12 @@ def main():
     if args.profile_steps and llm.device.type == "cuda":
         timers.steps, timers.events = [], []
         prompts = random_prompts(random.Random(args.seed + 2), in_lens, llm.config.vocab_size)
-        _, _, prof = run_pass(llm, timers, prompts, out_lens, args.profile_steps)
+        mode, _, n = args.profile_at.partition(":")
+        _, _, prof, start = run_pass(llm, timers, prompts, out_lens, args.profile_steps, (mode, int(n)))
         if prof is not None:
-            print(f"\nkernels of {args.profile_steps} steps from decode step 200 of a third pass "
-                  f"(CUDA time, all steps together):")
+            window = [st.get("mode") for st in timers.steps[start:start + args.profile_steps]]
+            print(f"\nkernels of {args.profile_steps} steps ({', '.join(f'{window.count(m)} {m}' for m in set(window))}) "
+                  f"after {mode} step {n} of a third pass (CUDA time, all steps together):")
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
                                             max_name_column_width=70))
 
