@@ -165,6 +165,9 @@ def main():
     ap.add_argument("--profile-at", default="decode:200", help="MODE:N, the step of the third pass the profile starts after")
     ap.add_argument("--rows", type=int, default=20)
     args = ap.parse_args()
+    mode, _, n = args.profile_at.partition(":")
+    if mode not in ("decode", "prefill") or not n.isdigit() or int(n) < 1:
+        ap.error(f"--profile-at takes decode:N or prefill:N with N >= 1, got {args.profile_at!r}")
     llm = LLM(args.model, load_format="dummy", override=args.override, max_running=args.max_running,
               max_batch_tokens=args.max_batch_tokens, progress=lambda m: print("  ", m, flush=True))
     in_lens, out_lens, prompts, warm = throughput_requests(
@@ -175,7 +178,7 @@ def main():
     run_pass(llm, timers, warm, out_lens)
     print(f"warm-up pass: {time.perf_counter() - t:.1f} s", flush=True)
     timers.steps, timers.events = [], []
-    wall, n, _, _ = run_pass(llm, timers, prompts, out_lens)
+    wall, _, _, _ = run_pass(llm, timers, prompts, out_lens)
     gpu = timers.gpu_times() if llm.device.type == "cuda" else [None] * len(timers.steps)
     busy = sum(g for g in gpu if g is not None)
     print(f"\ntimed pass: {wall:.2f} s, {sum(out_lens) / wall:,.0f} output tok/s, {len(timers.steps)} steps, "
@@ -184,7 +187,6 @@ def main():
     if args.profile_steps and llm.device.type == "cuda":
         timers.steps, timers.events = [], []
         prompts = random_prompts(random.Random(args.seed + 2), in_lens, llm.config.vocab_size)
-        mode, _, n = args.profile_at.partition(":")
         _, _, prof, start = run_pass(llm, timers, prompts, out_lens, args.profile_steps, (mode, int(n)))
         if prof is not None:
             window = [st.get("mode") for st in timers.steps[start:start + args.profile_steps]]
