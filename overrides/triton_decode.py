@@ -134,22 +134,21 @@ def num_splits(batch: int, hkv: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * _num_sms(device) // (batch * hkv))))
 
 
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 @torch.library.custom_op("flexsgl::split_kv_decode", mutates_args=())
 def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     seq_lens: torch.Tensor, counter: torch.Tensor, page_size: int) -> torch.Tensor:
     """Decode attention of q `[B, Hq, D]` over each request's first seq_lens[b] KV slots, found
     through page_table `[B, W]` in the flat pool `[slots, Hkv, D]`. `counter` (int32, at least
     B * Hkv, zero) is left zero: each launch counts up and the merging program resets it."""
+    import triton
+
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     if counter.numel() < b * hkv:
         raise ValueError(f"split_kv_decode: counter holds {counter.numel()}, needs {b * hkv}")
     splits = num_splits(b, hkv, q.device)
     group = hq // hkv
+    group_p2 = triton.next_power_of_2(group)
     out = torch.empty_like(q)
     f32 = dict(dtype=torch.float32, device=q.device)
     part_o = torch.empty(b * hkv * splits * group, d, **f32)
@@ -157,8 +156,8 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part_l = torch.empty_like(part_m)
     _kernel()[(b * hkv, splits)](
         q.contiguous(), k_cache, v_cache, page_table, seq_lens, part_o, part_m, part_l, counter, out,
-        page_table.stride(0), splits, d ** -0.5, HKV=hkv, GROUP=group, ROWS=max(16, triton_next_pow2(group)),
-        GROUP_P2=triton_next_pow2(group), D=d, PAGE=page_size, MERGE_SPLITS=16, **LAUNCH)
+        page_table.stride(0), splits, d ** -0.5, HKV=hkv, GROUP=group, ROWS=max(16, group_p2),
+        GROUP_P2=group_p2, D=d, PAGE=page_size, MERGE_SPLITS=16, **LAUNCH)
     return out
 
 

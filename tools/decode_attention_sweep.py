@@ -25,6 +25,7 @@ import random
 
 import torch
 
+from flexsgl.cache.pool import DUMMY_PAGE
 from flexsgl.overrides.flashinfer import csr_pages
 from flexsgl.overrides.triton_decode import split_kv_decode
 
@@ -59,12 +60,18 @@ def flashinfer_variant(lens, tables, k, v, q, hq, hkv, tensor_cores=True, backen
     return lambda: w.run(q, (k, v))
 
 
+def device_table(lens, tables):
+    """The page table `[B, W]` (padded with the dummy page) and KV lengths as the engine hands them to
+    kernels that read the table directly (FA3, triton-decode)."""
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [DUMMY_PAGE] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
+    return table, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
 def fa3_variant(lens, tables, k, v, q, hq, hkv, num_splits=0):
     from sgl_kernel.flash_attn import flash_attn_with_kvcache
 
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
-    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    table, seqlens = device_table(lens, tables)
     q4 = q.unsqueeze(1)
     return lambda: flash_attn_with_kvcache(q4, k, v, cache_seqlens=seqlens, page_table=table, causal=True,
                                            num_splits=num_splits).squeeze(1)
@@ -74,9 +81,7 @@ def triton_variant(lens, tables, k, v, q, hq, hkv, **options):
     """options: PROGRAMS_PER_SM, MAX_SPLITS (module settings) or num_warps, num_stages (its LAUNCH)."""
     from flexsgl.overrides import triton_decode as td
 
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
-    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    table, seqlens = device_table(lens, tables)
     counter = torch.zeros(len(lens) * hkv, dtype=torch.int32, device="cuda")
     kf, vf = k.view(-1, hkv, D), v.view(-1, hkv, D)
     defaults = {"PROGRAMS_PER_SM": td.PROGRAMS_PER_SM, "MAX_SPLITS": td.MAX_SPLITS, "LAUNCH": td.LAUNCH}
