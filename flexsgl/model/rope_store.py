@@ -37,43 +37,42 @@ def _kernel():
     @triton.jit
     def rope_store_kernel(qkv_ptr, stride_t, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
                           q_ptr, k_ptr, v_ptr, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                          HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                          HEADS: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # everything here reads the previous kernel's output (launch.py)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # this program's heads of q, then K
+        h_ok = h < HQ + HKV
+        is_q = h < HQ
         HALF: tl.constexpr = D // 2
         i = tl.arange(0, HALF)
         row = qkv_ptr + t * stride_t
         dt = q_ptr.dtype.element_ty
-        x1 = tl.load(row + h * D + i).to(tl.float32)
-        x2 = tl.load(row + h * D + HALF + i).to(tl.float32)
+        x1 = tl.load(row + h[:, None] * D + i[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(row + h[:, None] * D + HALF + i[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
         if HAS_NORM:  # RMSNorm as layers.RMSNorm: float32, cast, then times the weight in the model dtype
-            r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-            if h < HQ:
-                w1, w2 = tl.load(qn_ptr + i), tl.load(qn_ptr + HALF + i)
-            else:
-                w1, w2 = tl.load(kn_ptr + i), tl.load(kn_ptr + HALF + i)
+            r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+            w1 = tl.where(is_q[:, None], tl.load(qn_ptr + i)[None, :], tl.load(kn_ptr + i)[None, :])
+            w2 = tl.where(is_q[:, None], tl.load(qn_ptr + HALF + i)[None, :], tl.load(kn_ptr + HALF + i)[None, :])
             x1 = (w1.to(tl.float32) * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             x2 = (w2.to(tl.float32) * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         pos = tl.load(pos_ptr + t)
-        c = tl.load(cos_ptr + pos * HALF + i)
-        s = tl.load(sin_ptr + pos * HALF + i)
+        c = tl.load(cos_ptr + pos * HALF + i)[None, :]
+        s = tl.load(sin_ptr + pos * HALF + i)[None, :]
         o1 = (x1 * c - x2 * s).to(dt)
         o2 = (x2 * c + x1 * s).to(dt)
-        if h < HQ:
-            dst = q_ptr + (t * HQ + h) * D
-            tl.store(dst + i, o1)
-            tl.store(dst + HALF + i, o2)
-        else:
-            kv = h - HQ
-            at = (tl.load(slot_ptr + t) * HKV + kv) * D
-            tl.store(k_ptr + at + i, o1.to(k_ptr.dtype.element_ty))
-            tl.store(k_ptr + at + HALF + i, o2.to(k_ptr.dtype.element_ty))
-            j = tl.arange(0, D)
-            v = tl.load(row + (HQ + HKV + kv) * D + j)
-            tl.store(v_ptr + at + j, v.to(v_ptr.dtype.element_ty))
+        q_at = q_ptr + (t * HQ + h)[:, None] * D + i[None, :]
+        q_ok = (is_q & h_ok)[:, None]
+        tl.store(q_at, o1, mask=q_ok)
+        tl.store(q_at + HALF, o2, mask=q_ok)
+        k_ok = (~is_q & h_ok)[:, None]
+        at = (tl.load(slot_ptr + t) * HKV + (h - HQ))[:, None] * D  # K head h - HQ's slot row
+        tl.store(k_ptr + at + i[None, :], o1.to(k_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(k_ptr + at + HALF + i[None, :], o2.to(k_ptr.dtype.element_ty), mask=k_ok)
+        j = tl.arange(0, D)[None, :]
+        v = tl.load(row + (h + HKV)[:, None] * D + j, mask=k_ok, other=0.0)  # V head h - HQ follows the K heads
+        tl.store(v_ptr + at + j, v.to(v_ptr.dtype.element_ty), mask=k_ok)
 
     return rope_store_kernel
 
@@ -90,6 +89,10 @@ def norm_rope(qkv, q_norm, k_norm, eps, cos, sin, positions, num_heads, head_dim
     return q, k, v
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @torch.library.custom_op("flexsgl::rope_store", mutates_args=("k_cache", "v_cache"))
 def rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -102,10 +105,13 @@ def rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Ten
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     use_pdl = pdl(qkv.device)
-    _kernel()[(t, num_heads + hkv)](
+    # A program per (token, head) at decode's few tokens, where latency is all; per (token, 8 heads)
+    # from 64 tokens, where a program per head spent more time starting programs than moving bytes.
+    heads, warps = (1, 1) if t < 64 else (8, 2)
+    _kernel()[(t, triton_cdiv(num_heads + hkv, heads))](
         qkv, qkv.stride(0), q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
         cos, sin, positions, slots, q, k_cache, v_cache, eps,
-        HQ=num_heads, HKV=hkv, D=d, HAS_NORM=q_norm is not None, PDL=use_pdl, num_warps=1,
+        HQ=num_heads, HKV=hkv, D=d, HEADS=heads, HAS_NORM=q_norm is not None, PDL=use_pdl, num_warps=warps,
         **({"launch_pdl": True} if use_pdl else {}))
     return q
 
