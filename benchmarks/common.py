@@ -32,6 +32,7 @@ def sync() -> None:
 def free_memory() -> None:
     """Between engines: drop the last one's memory and compiled graphs."""
     torch._dynamo.reset()  # compiled frames hold the last runner (and its model) alive
+    gc.unfreeze()  # flexsgl.bench.timed_pass froze the heap
     gc.collect()
     if CUDA:
         torch.cuda.empty_cache()

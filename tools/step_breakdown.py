@@ -12,8 +12,9 @@ around the engine's phases, and CUDA events around each launched step:
 
 If `wait` is near zero the run is host-bound and `host` (schedule + launch + process) sets the
 pace; if `wait` is large the device does. Then, optionally, profiles `--profile-steps` steps of
-a third pass from its N-th step of MODE (`--profile-at MODE:N`, default decode:200, where the batch
-is near full; prefill:3 for the prefill chunks) and prints the kernels they ran.
+a third pass from its N-th step of MODE on (`--profile-at MODE:N`, default decode:200, where the
+batch is near full; prefill:3 for a full prefill chunk) and prints the kernels they ran. It also
+counts the garbage collector's pauses in the timed pass.
 
     python tools/step_breakdown.py --model qwen3-0.6b --override auto --profile-steps 20
     python tools/step_breakdown.py --model qwen3-0.6b --override auto --profile-steps 1 --profile-at prefill:3
@@ -22,6 +23,7 @@ is near full; prefill:3 for the prefill chunks) and prints the kernels they ran.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -30,7 +32,7 @@ from collections import defaultdict
 import torch
 
 from flexsgl import LLM, SamplingParams
-from flexsgl.bench import parse_range, random_prompts, throughput_requests
+from flexsgl.bench import freeze_heap, parse_range, random_prompts, throughput_requests
 from flexsgl.runner import StepOutput
 
 SIZE_BANDS = (1, 32, 64, 128, 192, 257, 10**9)
@@ -105,32 +107,56 @@ class Timers:
         return [s.elapsed_time(e) / 1e3 if s is not None else None for s, e in self.events]
 
 
+class GCPauses:
+    """Garbage-collector pauses while active: (count, seconds) per generation."""
+
+    def __init__(self):
+        self.by_gen: dict[int, list[float]] = defaultdict(list)
+        self._t = 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.by_gen[info["generation"]].append(time.perf_counter() - self._t)
+
+    def report(self) -> str:
+        return ", ".join(f"gen {g}: {len(v)} x, {1e3 * sum(v):.1f} ms (max {1e3 * max(v):.1f})"
+                         for g, v in sorted(self.by_gen.items())) or "none"
+
+
 def run_pass(llm, timers, prompts, out_lens, profile_steps=0, profile_at=("decode", 200)):
+    """Run the requests to completion. With profile_steps, profile from just after the (N-1)-th step
+    of MODE until profile_steps steps of MODE have run (other steps in between are profiled too).
+    Returns (wall, profile, (first, last) profiled step)."""
     ids = [llm.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
            for p, n in zip(prompts, out_lens)]
     prof = prof_done = None
-    prof_start = 0
+    window = (0, 0)
+    mode, n = profile_at
     seen = defaultdict(int)
+    freeze_heap()
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     while llm.has_unfinished:
-        timers.step(llm)
-        seen[timers.steps[-1].get("mode")] += 1
-        if profile_steps and prof is None and seen[profile_at[0]] == profile_at[1]:
+        if profile_steps and prof is None and prof_done is None and seen[mode] == n - 1:
             from torch.profiler import ProfilerActivity, profile
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
-            prof_start = len(timers.steps)
-        if prof is not None and len(timers.steps) == prof_start + profile_steps:
+            window = (len(timers.steps), 0)
+        timers.step(llm)
+        seen[timers.steps[-1].get("mode")] += 1
+        if prof is not None and seen[mode] == n - 1 + profile_steps:
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)
             prof_done, prof = prof, None
-            profile_steps = 0
+            window = (window[0], len(timers.steps))
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return wall, len(ids), prof_done, prof_start
+    return wall, prof_done, window
 
 
 def summarize(steps, gpu):
@@ -162,7 +188,7 @@ def main():
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--profile-steps", type=int, default=0)
-    ap.add_argument("--profile-at", default="decode:200", help="MODE:N, the step of the third pass the profile starts after")
+    ap.add_argument("--profile-at", default="decode:200", help="MODE:N, the step of MODE in the third pass the profile starts at")
     ap.add_argument("--rows", type=int, default=20)
     args = ap.parse_args()
     mode, _, n = args.profile_at.partition(":")
@@ -178,20 +204,23 @@ def main():
     run_pass(llm, timers, warm, out_lens)
     print(f"warm-up pass: {time.perf_counter() - t:.1f} s", flush=True)
     timers.steps, timers.events = [], []
-    wall, _, _, _ = run_pass(llm, timers, prompts, out_lens)
+    pauses = GCPauses()
+    wall, _, _ = run_pass(llm, timers, prompts, out_lens)
+    gc.callbacks.remove(pauses._on)
     gpu = timers.gpu_times() if llm.device.type == "cuda" else [None] * len(timers.steps)
     busy = sum(g for g in gpu if g is not None)
     print(f"\ntimed pass: {wall:.2f} s, {sum(out_lens) / wall:,.0f} output tok/s, {len(timers.steps)} steps, "
           f"device busy {busy:.2f} s ({100 * busy / wall:.0f}% of wall)")
+    print(f"garbage-collector pauses in it (heap frozen before it): {pauses.report()}")
     summarize(timers.steps, gpu)
     if args.profile_steps and llm.device.type == "cuda":
         timers.steps, timers.events = [], []
         prompts = random_prompts(random.Random(args.seed + 2), in_lens, llm.config.vocab_size)
-        _, _, prof, start = run_pass(llm, timers, prompts, out_lens, args.profile_steps, (mode, int(n)))
+        _, prof, (first, last) = run_pass(llm, timers, prompts, out_lens, args.profile_steps, (mode, int(n)))
         if prof is not None:
-            window = [st.get("mode") for st in timers.steps[start:start + args.profile_steps]]
-            print(f"\nkernels of {args.profile_steps} steps ({', '.join(f'{window.count(m)} {m}' for m in set(window))}) "
-                  f"after {mode} step {n} of a third pass (CUDA time, all steps together):")
+            window = [st.get("mode") for st in timers.steps[first:last]]
+            print(f"\nkernels of {len(window)} steps ({', '.join(f'{window.count(m)} {m}' for m in set(window))}) "
+                  f"from {mode} step {n} of a third pass (CUDA time, all steps together):")
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
                                             max_name_column_width=70))
 

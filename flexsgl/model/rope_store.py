@@ -89,10 +89,6 @@ def norm_rope(qkv, q_norm, k_norm, eps, cos, sin, positions, num_heads, head_dim
     return q, k, v
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @torch.library.custom_op("flexsgl::rope_store", mutates_args=("k_cache", "v_cache"))
 def rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -108,7 +104,7 @@ def rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Ten
     # A program per (token, head) at decode's few tokens, where latency is all; per (token, 8 heads)
     # from 64 tokens, where a program per head spent more time starting programs than moving bytes.
     heads, warps = (1, 1) if t < 64 else (8, 2)
-    _kernel()[(t, triton_cdiv(num_heads + hkv, heads))](
+    _kernel()[(t, -(-(num_heads + hkv) // heads))](
         qkv, qkv.stride(0), q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
         cos, sin, positions, slots, q, k_cache, v_cache, eps,
         HQ=num_heads, HKV=hkv, D=d, HEADS=heads, HAS_NORM=q_norm is not None, PDL=use_pdl, num_warps=warps,
