@@ -223,6 +223,9 @@ def main():
                   f"from {mode} step {n} of a third pass (CUDA time, all steps together):")
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
                                             max_name_column_width=70))
+            print("\nthe same steps by host time (where launching them goes):")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows,
+                                            max_name_column_width=70))
 
 
 if __name__ == "__main__":
