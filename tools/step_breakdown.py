@@ -130,8 +130,8 @@ def run_pass(llm, timers, prompts, out_lens, profile_steps=0, profile_at=("decod
     """Run the requests to completion. With profile_steps, profile from just after the (N-1)-th step
     of MODE until profile_steps steps of MODE have run (other steps in between are profiled too).
     Returns (wall, profile, (first, last) profiled step)."""
-    ids = [llm.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
-           for p, n in zip(prompts, out_lens)]
+    for prompt, out_len in zip(prompts, out_lens):
+        llm.add_request(prompt, SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True))
     prof = prof_done = None
     window = (0, 0)
     mode, n = profile_at
