@@ -181,13 +181,13 @@ class ModelRunner:
     def _upload(self, dtype: torch.dtype, **parts) -> dict[str, torch.Tensor]:
         """One host -> device copy for all `parts` (each a list of numbers or of numpy arrays), from
         pinned memory on CUDA; returns views by name."""
-        arrays = {name: np.concatenate(v) if v and isinstance(v[0], np.ndarray) else v for name, v in parts.items()}
-        sizes = [len(v) for v in arrays.values()]
+        pieces = {name: v if v and isinstance(v[0], np.ndarray) else [v] for name, v in parts.items()}
+        sizes = [sum(len(p) for p in ps) for ps in pieces.values()]
         host = torch.empty(sum(sizes), dtype=dtype, pin_memory=self.device.type == "cuda")
-        np.concatenate([np.asarray(v, dtype=NUMPY[dtype]) for v in arrays.values()], out=host.numpy())
+        np.concatenate([np.asarray(p, dtype=NUMPY[dtype]) for ps in pieces.values() for p in ps], out=host.numpy())
         dev = host.to(self.device, non_blocking=True)
         out, at = {}, 0
-        for name, n in zip(arrays, sizes):
+        for name, n in zip(pieces, sizes):
             out[name] = dev[at:at + n]
             at += n
         return out
