@@ -28,7 +28,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/flexsgl-out}; mkdir -p "$OUT"
 python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 quiet() { grep -v -E "capturing|loaded |it/s\]|tok/s\]"; }
-declare -A LIMIT=([check]=300 [latency]=270 [attention]=150 [throughput]=240 [prefill]=240 [suite-kernels]=330
+declare -A LIMIT=([check]=420 [latency]=270 [attention]=150 [throughput]=240 [prefill]=240 [suite-kernels]=330
                   [suite-engine]=420
                   [gemv]=240 [profile]=200 [split-kv]=300 [attention-small]=200 [latency-compare]=480)
 for step in "${@:-check attention}"; do
