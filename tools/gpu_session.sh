@@ -14,6 +14,9 @@
 #   latency-compare  flexsgl bench latency, Qwen3-8B: fa3-prefill,fi-decode against auto (which adds
 #               triton-decode for small batches on SM90)
 #   throughput  flexsgl bench throughput, Qwen3-0.6B dummy, the default workload
+#   spread      the throughput workload's first engine in two fresh processes, then two more with
+#               the KV pool sized to the workload (--kv-cache-tokens 600000): is a run's speed a
+#               function of where its buffers land? (docs/BENCHMARKS.md, sixth session)
 #   prefill     flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
 #   suite-kernels  benchmarks/ attention kernels and the HF peers (pytest-benchmark), JSON in $OUT
 #   suite-engine   benchmarks/test_engine.py for $SUITE_BACKENDS (a -k expression; default the
@@ -30,7 +33,7 @@ python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log"
 quiet() { grep -v -E "capturing|loaded |it/s\]|tok/s\]"; }
 declare -A LIMIT=([check]=420 [latency]=270 [attention]=150 [throughput]=240 [prefill]=240 [suite-kernels]=330
                   [suite-engine]=420
-                  [gemv]=240 [profile]=200 [split-kv]=300 [attention-small]=200 [latency-compare]=480)
+                  [gemv]=240 [spread]=590 [profile]=200 [split-kv]=300 [attention-small]=200 [latency-compare]=480)
 for step in "${@:-check attention}"; do
   for s in $step; do
     log="$OUT/$s.log"; t0=$SECONDS
@@ -52,6 +55,11 @@ for step in "${@:-check attention}"; do
       attention) timeout "${LIMIT[$s]}" python tools/decode_attention_sweep.py ;;
       throughput) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload throughput --model qwen3-0.6b \
                     --json "$OUT/throughput.json" ;;
+      spread) for kv in "" 600000; do for i in 1 2; do
+                timeout 140 python -m flexsgl.cli bench --workload throughput --model qwen3-0.6b \
+                  ${kv:+--kv-cache-tokens $kv} --json "$OUT/spread-${kv:-default}-$i.json" 2>&1 \
+                  | grep -E "\] [a-z0-9,<=-]+: output" | sed "s/^/kv ${kv:-default}, process $i: /"
+              done; done ;;
       prefill) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload prefill --model qwen3-8b \
                  --max-batch-tokens 16384 --json "$OUT/prefill.json" ;;
       suite-kernels) FLEXSGL_BENCH_LINES="$OUT/benchmarks-kernels.jsonl" timeout -s INT "${LIMIT[$s]}" python -m pytest -q -p no:cacheprovider \
