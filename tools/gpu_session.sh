@@ -74,8 +74,8 @@ for step in "${@:-check attention}"; do
   done
 done
 echo; echo "== summary"; cat "$OUT/summary.txt"
-for s in check split-kv latency latency-compare throughput prefill; do
-  [ -f "$OUT/$s.log" ] && grep -E "passed|failed|\[flexsgl bench\] [a-z0-9,-]+: " "$OUT/$s.log" | tail -3
+for s in check split-kv latency latency-compare throughput spread prefill; do
+  [ -f "$OUT/$s.log" ] && grep -E "passed|failed|\[flexsgl bench\] [a-z0-9,<=-]+: " "$OUT/$s.log" | tail -4
 done
 [ -f "$OUT/attention.log" ] && tail -12 "$OUT/attention.log"
 [ -f "$OUT/attention-small.log" ] && tail -16 "$OUT/attention-small.log"
