@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import gc
-
 import torch
+
+from flexsgl import bench
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -30,12 +30,9 @@ def sync() -> None:
 
 
 def free_memory() -> None:
-    """Between engines: drop the last one's memory and compiled graphs."""
-    torch._dynamo.reset()  # compiled frames hold the last runner (and its model) alive
-    gc.unfreeze()  # flexsgl.bench.timed_pass froze the heap
-    gc.collect()
-    if CUDA:
-        torch.cuda.empty_cache()
+    """Between engines: drop the last one's memory and compiled graphs, and unfreeze the heap that
+    flexsgl.bench.timed_pass froze (flexsgl bench's own routine)."""
+    bench.free_memory(DEVICE)
 
 
 def repeated(fn, inner: int):
