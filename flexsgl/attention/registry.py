@@ -68,9 +68,9 @@ def sm_version(device: torch.device) -> int | None:
 
 
 def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa", head_dim: int | None = None,
-            dtype: str | None = None) -> str | None:
+            dtype: str | None = None, page_size: int | None = None) -> str | None:
     """Why `spec` cannot run on `device` for a model with this attention kind, head size and dtype
-    (None: not known yet), or None."""
+    and a cache of this page size (None: not known yet), or None."""
     if spec.sm is not None:
         sm = sm_version(device)
         if sm is None:
@@ -85,6 +85,8 @@ def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa", hea
         return f"it runs {' and '.join(spec.dtypes)}, and this engine runs {dtype}"
     if spec.package and importlib.util.find_spec(spec.package) is None:
         return f"the package {spec.package!r} is not installed"
+    if page_size is not None:  # the backend itself knows, once its package imports
+        return backend_class(spec).unsupported(page_size, device)
     return None
 
 
@@ -139,9 +141,7 @@ def resolve_override(override: str, device: torch.device, attention: str = "gqa"
             if spec is not None and phase not in spec.phases:
                 raise ValueError(f"Override {spec.name!r} does not run {phase}; it runs {', '.join(spec.phases)}.")
     for spec in {s.name: s for s in (prefill, decode, small) if s is not None}.values():
-        reason = why_not(spec, device, attention, head_dim, dtype)
-        if reason is None and page_size is not None:
-            reason = backend_class(spec).unsupported(page_size, device)
+        reason = why_not(spec, device, attention, head_dim, dtype, page_size)
         if reason:
             raise ValueError(f"Override {spec.name!r} cannot run here: {reason}.")
     return Choice(prefill, decode, small, small_max)
@@ -151,8 +151,7 @@ def auto_choice(device: torch.device, attention: str = "gqa", head_dim: int | No
                 dtype: str | None = None, page_size: int | None = None) -> str:
     def runs(names: str) -> bool:
         specs = [SPECS[n.partition("<=")[0]] for n in names.split(",")]
-        return all(why_not(s, device, attention, head_dim, dtype) is None
-                   and (page_size is None or backend_class(s).unsupported(page_size, device) is None) for s in specs)
+        return all(why_not(s, device, attention, head_dim, dtype, page_size) is None for s in specs)
 
     key = (sm_version(device), attention)
     names = AUTO.get(key, "flex")
