@@ -121,6 +121,9 @@ class GCPauses:
         else:
             self.by_gen[info["generation"]].append(time.perf_counter() - self._t)
 
+    def stop(self) -> None:
+        gc.callbacks.remove(self._on)
+
     def report(self) -> str:
         return ", ".join(f"gen {g}: {len(v)} x, {1e3 * sum(v):.1f} ms (max {1e3 * max(v):.1f})"
                          for g, v in sorted(self.by_gen.items())) or "none"
@@ -206,7 +209,7 @@ def main():
     timers.steps, timers.events = [], []
     pauses = GCPauses()
     wall, _, _ = run_pass(llm, timers, prompts, out_lens)
-    gc.callbacks.remove(pauses._on)
+    pauses.stop()
     gpu = timers.gpu_times() if llm.device.type == "cuda" else [None] * len(timers.steps)
     busy = sum(g for g in gpu if g is not None)
     print(f"\ntimed pass: {wall:.2f} s, {sum(out_lens) / wall:,.0f} output tok/s, {len(timers.steps)} steps, "
