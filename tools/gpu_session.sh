@@ -14,9 +14,9 @@
 #   latency-compare  flexsgl bench latency, Qwen3-8B: fa3-prefill,fi-decode against auto (which adds
 #               triton-decode for small batches on SM90)
 #   throughput  flexsgl bench throughput, Qwen3-0.6B dummy, the default workload
-#   spread      the throughput workload's first engine in two fresh processes, then two more with
-#               the KV pool sized to the workload (--kv-cache-tokens 600000): is a run's speed a
-#               function of where its buffers land? (docs/BENCHMARKS.md, sixth session)
+#   repeat      the throughput run in five fresh processes, one figure each (a single run says
+#               little: machines differ by ~2%, docs/BENCHMARKS.md, seventh session); on a fresh
+#               machine the first one compiles everything and may be cut by its 110 s limit
 #   prefill     flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
 #   suite-kernels  benchmarks/ attention kernels and the HF peers (pytest-benchmark), JSON in $OUT
 #   suite-engine   benchmarks/test_engine.py for $SUITE_BACKENDS (a -k expression; default the
@@ -30,10 +30,12 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/flexsgl-out}; mkdir -p "$OUT"
 python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-quiet() { grep -v -E "capturing|loaded |it/s\]|tok/s\]"; }
+# Progress bars redraw with carriage returns: split them off, so the line a bar shares with the
+# next message does not take that message with it.
+quiet() { tr '\r' '\n' | grep -v -E "capturing|loaded |it/s\]|tok/s\]|^ *$"; }
 declare -A LIMIT=([check]=420 [latency]=270 [attention]=150 [throughput]=240 [prefill]=240 [suite-kernels]=330
                   [suite-engine]=420
-                  [gemv]=240 [spread]=590 [profile]=200 [split-kv]=300 [attention-small]=200 [latency-compare]=480)
+                  [gemv]=240 [repeat]=590 [profile]=200 [split-kv]=300 [attention-small]=200 [latency-compare]=480)
 for step in "${@:-check attention}"; do
   for s in $step; do
     log="$OUT/$s.log"; t0=$SECONDS
@@ -55,11 +57,10 @@ for step in "${@:-check attention}"; do
       attention) timeout "${LIMIT[$s]}" python tools/decode_attention_sweep.py ;;
       throughput) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload throughput --model qwen3-0.6b \
                     --json "$OUT/throughput.json" ;;
-      spread) for kv in "" 600000; do for i in 1 2; do
-                timeout 140 python -m flexsgl.cli bench --workload throughput --model qwen3-0.6b \
-                  ${kv:+--kv-cache-tokens $kv} --json "$OUT/spread-${kv:-default}-$i.json" 2>&1 \
-                  | grep -E "\] [a-z0-9,<=-]+: output" | sed "s/^/kv ${kv:-default}, process $i: /"
-              done; done ;;
+      repeat) for i in 1 2 3 4 5; do
+                timeout 110 python -m flexsgl.cli bench --workload throughput --model qwen3-0.6b \
+                  --json "$OUT/repeat-$i.json" 2>&1 | grep -E "^output tok/s" | sed "s/^/process $i: /"
+              done ;;
       prefill) timeout "${LIMIT[$s]}" python -m flexsgl.cli bench --workload prefill --model qwen3-8b \
                  --max-batch-tokens 16384 --json "$OUT/prefill.json" ;;
       suite-kernels) FLEXSGL_BENCH_LINES="$OUT/benchmarks-kernels.jsonl" timeout -s INT "${LIMIT[$s]}" python -m pytest -q -p no:cacheprovider \
@@ -74,8 +75,8 @@ for step in "${@:-check attention}"; do
   done
 done
 echo; echo "== summary"; cat "$OUT/summary.txt"
-for s in check split-kv latency latency-compare throughput spread prefill; do
-  [ -f "$OUT/$s.log" ] && grep -E "passed|failed|\[flexsgl bench\] [a-z0-9,<=-]+: " "$OUT/$s.log" | tail -4
+for s in check split-kv latency latency-compare throughput repeat prefill; do
+  [ -f "$OUT/$s.log" ] && grep -E "passed|failed|^process [0-9]|\[flexsgl bench\] [a-z0-9,<=-]+: " "$OUT/$s.log" | tail -6
 done
 [ -f "$OUT/attention.log" ] && tail -12 "$OUT/attention.log"
 [ -f "$OUT/attention-small.log" ] && tail -16 "$OUT/attention-small.log"
