@@ -36,13 +36,14 @@ def bandwidth() -> float:
 def record_as_measured(request):
     """With FLEXSGL_BENCH_LINES=PATH, append each benchmark's figures to PATH (JSON lines) as soon as
     it finishes: pytest-benchmark writes its JSON only at the end, and a run stopped at a time limit
-    then keeps nothing."""
+    then keeps nothing. Every round's time is kept: a median can hide a round that compiled."""
     yield
     path = os.environ.get("FLEXSGL_BENCH_LINES")
     bench = request.node.funcargs.get("benchmark") if hasattr(request.node, "funcargs") else None
     stats = getattr(bench, "stats", None)
     if path and stats is not None and stats.stats.data:
         line = {"name": request.node.name, "group": bench.group, "median_s": stats.stats.median,
-                "rounds": stats.stats.rounds, "extra_info": bench.extra_info}
+                "rounds": stats.stats.rounds, "rounds_s": list(stats.stats.data),
+                "extra_info": bench.extra_info}
         with open(path, "a") as f:
             f.write(json.dumps(line, default=str) + "\n")
