@@ -10,9 +10,9 @@ import sys
 
 import torch
 
+from flexsgl.cli import app
+
 pad_gb = float(sys.argv[1])
 pad = torch.empty(int(pad_gb * 2**30), dtype=torch.uint8, device="cuda") if pad_gb > 0 else None
 sys.argv = ["flexsgl", "bench", *sys.argv[2:]]
-from flexsgl.cli import app  # noqa: E402
-
 app()
