@@ -13,7 +13,7 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
-from flexsgl.attention.base import ForwardBatch
+from flexsgl.attention.base import MIN_COMPILED_SIZE, ForwardBatch
 from flexsgl.attention.router import PhaseRouter, runs_flex
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 from flexsgl.graphs import GraphManager
@@ -117,21 +117,26 @@ class ModelRunner:
         ps = self.pool.page_size
         reqs, decode = batch.requests, batch.mode == "decode"
         n_real = len(reqs)
+        # Padding rows: one token each, written to the dummy page, attending to nothing of a request.
         pad = 0
         if decode and (self.compiled or self.graphs is not None):
             pad = next(b for b in self.buckets if b >= n_real) - n_real
+        elif self.compiled:  # a lone prompt gets a padding row: see MIN_COMPILED_SIZE
+            pad = max(0, MIN_COMPILED_SIZE - n_real)
+        tables = [r.pages for r in reqs] + [[DUMMY_PAGE]] * pad
+        seq_lens = [s + n for s, n in zip(batch.starts, batch.num_new)] + [1] * pad
+        q_lens = list(batch.num_new) + [1] * pad
         if decode:  # one token per request, at its next position
             ids, positions = [], list(batch.starts) + [0] * pad
             slots = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, batch.starts)] + [DUMMY_PAGE * ps] * pad
             offsets = list(range(n_real + pad))
         else:  # thousands of tokens: per-request numpy ranges (a per-token loop cost ~1.3 ms per 8k tokens)
-            ids = [np.asarray(r.fill_ids[s:s + n]) for r, s, n in zip(reqs, batch.starts, batch.num_new)]
-            positions = [np.arange(s, s + n) for s, n in zip(batch.starts, batch.num_new)]
-            slots = [np.asarray(r.pages)[p // ps] * ps + p % ps for r, p in zip(reqs, positions)]
-            offsets = [0, *accumulate(batch.num_new)][:-1]
-        tables = [r.pages for r in reqs] + [[DUMMY_PAGE]] * pad
-        seq_lens = [s + n for s, n in zip(batch.starts, batch.num_new)] + [1] * pad
-        q_lens = list(batch.num_new) + [1] * pad
+            one = np.zeros(1, dtype=np.int64)
+            ids = [np.asarray(r.fill_ids[s:s + n]) for r, s, n in zip(reqs, batch.starts, batch.num_new)] + [one] * pad
+            positions = [np.arange(s, s + n) for s, n in zip(batch.starts, batch.num_new)] + [one] * pad
+            slots = ([np.asarray(r.pages)[p // ps] * ps + p % ps for r, p in zip(reqs, positions)]
+                     + [one + DUMMY_PAGE * ps] * pad)
+            offsets = [0, *accumulate(q_lens)][:-1]
         width = max(len(t) for t in tables)
         if self.table_width and not self._narrow_table_ok(decode, n_real + pad):
             width = self.table_width  # a static-shape compiled step: the full width, one shape
@@ -140,6 +145,8 @@ class ModelRunner:
         logits_index = [o + n - 1 for o, n, s in zip(offsets, q_lens, batch.samples) if s]
         if decode:
             logits_index = list(range(n_real + pad))  # pad rows too: static shapes; sampled rows come first
+        elif self.compiled:  # rows past the sampled ones are computed and dropped: see MIN_COMPILED_SIZE
+            logits_index += [offsets[-1]] * (MIN_COMPILED_SIZE - len(logits_index))
         sp = [r.sampling for r in sampled]
 
         i32 = self._upload(torch.int32, page_table=table, seq_lens=seq_lens, q_lens=q_lens, q_offsets=offsets)

@@ -28,6 +28,12 @@ def test_compiled_engine_on_cpu_matches_hf(tmp_path, monkeypatch):
     check_against_hf(tmp_path, monkeypatch, "qwen3", False, 16, 8192, compile=True, steps=12)
 
 
+def test_compiled_lone_prompt_matches_hf(tmp_path, monkeypatch):
+    """One prompt in chunks of 48 tokens: compiled prefill steps of a lone request, one of which
+    samples nothing, which the runner pads with a dummy request and dummy logits rows."""
+    check_against_hf(tmp_path, monkeypatch, "qwen3", False, 16, 48, compile=True, steps=6, lengths=[70])
+
+
 @pytest.mark.parametrize("arch,compile", [("qwen3", True), ("llama", False)])
 def test_fused_rope_store_path_matches_hf(tmp_path, monkeypatch, arch, compile):
     """The path CUDA takes: q/k norm, RoPE and the K/V store in one custom op (its PyTorch body here;
@@ -36,12 +42,12 @@ def test_fused_rope_store_path_matches_hf(tmp_path, monkeypatch, arch, compile):
     check_against_hf(tmp_path, monkeypatch, arch, False, 16, 8192, compile=compile, steps=12)
 
 
-def check_against_hf(tmp_path, monkeypatch, arch, tie, page_size, max_batch_tokens, compile, steps):
+def check_against_hf(tmp_path, monkeypatch, arch, tie, page_size, max_batch_tokens, compile, steps,
+                     lengths=(1, 5, 16, 17, 33, 70, 129)):
     seed = random.randrange(1 << 30)
     hf = make_checkpoint(arch, tmp_path, seed, tie=tie)
     hf.config._attn_implementation = "eager"
     rng = random.Random(seed)
-    lengths = [1, 5, 16, 17, 33, 70, 129]
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in lengths]
 
     llm = LLM(str(tmp_path), device="cpu", page_size=page_size, max_batch_tokens=max_batch_tokens,

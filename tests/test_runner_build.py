@@ -75,3 +75,24 @@ def test_decode_rows_and_padding(llm, monkeypatch):
     assert fb.logits_index.tolist() == list(range(len(reqs) + pad)) and n_sampled == 3
     for r in reqs:
         llm.allocator.free(r.pages)
+
+
+def test_compiled_prefill_pads_a_lone_request(llm, monkeypatch):
+    """A compiled prefill step of one request gets a one-token dummy row, and a step that samples
+    nothing gets two dummy logits rows: no dimension the compiled step sees is 0 or 1."""
+    rng = random.Random(9)
+    reqs = requests(llm, rng, [53])
+    monkeypatch.setattr(llm.runner, "compiled", True)
+    for samples, n_logits in (([True], 1), ([False], 0)):
+        fb, _, _, n_sampled = llm.runner.build(ScheduledBatch("prefill", reqs, [0], [53], samples))
+        ids, pos, slots, _ = expected(reqs, [0], [53])
+        assert fb.batch_size == 2 and n_sampled == n_logits
+        assert fb.input_ids.tolist() == ids + [0]
+        assert fb.positions.tolist() == pos + [0]
+        assert fb.out_slots.tolist() == slots + [DUMMY_PAGE * PAGE]
+        assert fb.q_offsets.tolist() == [0, 53] and fb.q_lens.tolist() == [53, 1]
+        assert fb.seq_lens.tolist() == [53, 1]
+        assert fb.page_table[1].eq(DUMMY_PAGE).all()
+        assert fb.logits_index.tolist()[:n_logits] == [52][:n_logits] and fb.logits_index.numel() == 2
+    for r in reqs:
+        llm.allocator.free(r.pages)

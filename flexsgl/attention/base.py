@@ -7,6 +7,12 @@ from typing import Any, Protocol
 
 import torch
 
+# The smallest size a compiled prefill step gives each varying dimension (requests, tokens, rows
+# sampled, query blocks): torch.compile specialises a dimension of size 0 or 1, so a batch-1 or
+# one-block prefill after multi-request ones would recompile the whole model (~50 s for
+# Qwen3-0.6B with flex on an H200). The runner and the flex backend pad up to it.
+MIN_COMPILED_SIZE = 2
+
 
 @dataclass
 class ForwardBatch:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexsgl.attention.base import ForwardBatch
+from flexsgl.attention.base import MIN_COMPILED_SIZE, ForwardBatch
 from flexsgl.cache.pool import KVPool
 
 Q_BLOCK = 128
@@ -78,8 +78,8 @@ class FlexAttentionBackend:
             q_index = _query_index(fb) if fb.input_ids.device.type == "cpu" else None
         else:
             q_len = fb.max_q_len
-            if self.compiled:
-                q_len = -(-q_len // Q_BLOCK) * Q_BLOCK
+            if self.compiled:  # whole blocks, and at least two: see MIN_COMPILED_SIZE
+                q_len = max(-(-q_len // Q_BLOCK), MIN_COMPILED_SIZE) * Q_BLOCK
             q_index = _query_index(fb)
         block_mask, mask_state = self.block_mask(fb, q_len)
         return FlexMeta(block_mask, q_len, q_index, mask_state)
