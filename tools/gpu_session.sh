@@ -20,9 +20,11 @@
 #   prefill     flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
 #   suite-kernels  benchmarks/ attention kernels and the HF peers (pytest-benchmark), JSON in $OUT
 #   suite-engine   benchmarks/test_engine.py for $SUITE_BACKENDS (a -k expression; default the
-#                  kernel backends fa3, fi and fa3-prefill,fi-decode; flex prefill compiles too many
-#                  shapes for one call)
-# The suite steps stop with SIGINT at their limit and also write each benchmark as it finishes to
+#                  kernel backends fa3, fi and fa3-prefill,fi-decode). A row with flex prefill spends
+#                  ~2 x 50 s compiling prefill and, with flex decode, ~25 s per decode bucket: run
+#                  the flex rows on their own, e.g. SUITE_BACKENDS=flex (about 500 s)
+# The suite steps stop with SIGINT at their limit (an interrupted compile then fails as
+# BackendCompilerFailed: "Attempted to unset ProxyTorchDispatchMode", which hides the SIGINT) and also write each benchmark as it finishes to
 # $OUT/benchmarks-*.jsonl (benchmarks/conftest.py): pytest-benchmark's own JSON comes only at the
 # end, and an interrupted benchmark can keep it from being written at all.
 # Usage: bash tools/gpu_session.sh [STEP ...]   (set FLEXSGL_COMMIT; the tree travels without .git)
@@ -34,7 +36,7 @@ python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log"
 # next message does not take that message with it.
 quiet() { tr '\r' '\n' | grep -v -E "capturing|loaded |it/s\]|tok/s\]|^ *$"; }
 declare -A LIMIT=([check]=420 [latency]=270 [attention]=150 [throughput]=240 [prefill]=240 [suite-kernels]=330
-                  [suite-engine]=420
+                  [suite-engine]=570
                   [gemv]=240 [repeat]=590 [profile]=200 [split-kv]=300 [attention-small]=200 [latency-compare]=480)
 for step in "${@:-check attention}"; do
   for s in $step; do
