@@ -12,6 +12,7 @@ from itertools import accumulate, chain
 
 import numpy as np
 import torch
+import torch.fx.experimental._config as fx_config
 
 from flexsgl.attention.base import MIN_COMPILED_SIZE, ForwardBatch
 from flexsgl.attention.router import PhaseRouter, runs_flex
@@ -56,6 +57,11 @@ class ModelRunner:
         self.graphs: GraphManager | None = None
         if compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            # Duck sizing gives dimensions of equal size one symbol at the first compile, so one that
+            # happens to equal a static size is specialised with it and the next step recompiles:
+            # on an H200, prefill's 8 query blocks took the 8 KV heads' symbol (a second ~50 s
+            # compile), a decode batch equal to its token buffer's size took that buffer's.
+            fx_config.use_duck_shape = False
             # Prefill shapes vary every step: dynamic on CUDA. Inductor's CPU flex kernel miscompiles
             # some dynamic shapes (duplicate size symbols) and cannot take fused epilogues (batch 1),
             # so on the CPU it recompiles per shape and fuses nothing after attention.
