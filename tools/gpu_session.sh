@@ -21,8 +21,8 @@
 #   suite-kernels  benchmarks/ attention kernels and the HF peers (pytest-benchmark), JSON in $OUT
 #   suite-engine   benchmarks/test_engine.py for $SUITE_BACKENDS (a -k expression; default the
 #                  kernel backends fa3, fi and fa3-prefill,fi-decode). A row with flex prefill spends
-#                  ~2 x 50 s compiling prefill and, with flex decode, ~25 s per decode bucket: run
-#                  the flex rows on their own, e.g. SUITE_BACKENDS=flex (about 500 s)
+#                  ~60 s compiling prefill and, with flex decode, ~25 s per decode bucket: run the
+#                  flex rows on their own, e.g. SUITE_BACKENDS=flex (384 s on a fresh machine at ae9b945)
 # The suite steps stop with SIGINT at their limit (an interrupted compile then fails as
 # BackendCompilerFailed: "Attempted to unset ProxyTorchDispatchMode", which hides the SIGINT) and also write each benchmark as it finishes to
 # $OUT/benchmarks-*.jsonl (benchmarks/conftest.py): pytest-benchmark's own JSON comes only at the
