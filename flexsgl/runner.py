@@ -61,6 +61,7 @@ class ModelRunner:
             # happens to equal a static size is specialised with it and the next step recompiles:
             # on an H200, prefill's 8 query blocks took the 8 KV heads' symbol (a second ~50 s
             # compile), a decode batch equal to its token buffer's size took that buffer's.
+            # Process-wide, like the cache size limit above.
             fx_config.use_duck_shape = False
             # Prefill shapes vary every step: dynamic on CUDA. Inductor's CPU flex kernel miscompiles
             # some dynamic shapes (duplicate size symbols) and cannot take fused epilogues (batch 1),

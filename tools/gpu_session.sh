@@ -23,10 +23,11 @@
 #                  kernel backends fa3, fi and fa3-prefill,fi-decode). A row with flex prefill spends
 #                  ~60 s compiling prefill and, with flex decode, ~25 s per decode bucket: run the
 #                  flex rows on their own, e.g. SUITE_BACKENDS=flex (384 s on a fresh machine at ae9b945)
-# The suite steps stop with SIGINT at their limit (an interrupted compile then fails as
-# BackendCompilerFailed: "Attempted to unset ProxyTorchDispatchMode", which hides the SIGINT) and also write each benchmark as it finishes to
-# $OUT/benchmarks-*.jsonl (benchmarks/conftest.py): pytest-benchmark's own JSON comes only at the
-# end, and an interrupted benchmark can keep it from being written at all.
+# The suite steps stop with SIGINT at their limit; a compile it interrupts fails as
+# BackendCompilerFailed ("Attempted to unset ProxyTorchDispatchMode"), which hides the SIGINT.
+# They also write each benchmark as it finishes to $OUT/benchmarks-*.jsonl (benchmarks/conftest.py):
+# pytest-benchmark's own JSON comes only at the end, and an interrupted benchmark can keep it from
+# being written at all.
 # Usage: bash tools/gpu_session.sh [STEP ...]   (set FLEXSGL_COMMIT; the tree travels without .git)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:${PYTHONPATH:-}
