@@ -1,7 +1,7 @@
 """Where a benchmark pass's time goes, step by step: the engine suite's sequence on one engine.
 
-For each --override: one engine (Qwen3-0.6B dummy by default), then the suite's throughput rounds
-(the default workload, fresh prompts each round) and its batch-1 latency rounds. Each round prints
+For each --override: one engine (the suite's model, dummy weights), then the suite's throughput
+rounds and its latency rounds (benchmarks/common.py's workloads; fresh prompts each round). Each round prints
 its wall time, the time from its last token to its end, and every step whose launch (compiles
 happen there) or read-back took longer than --slow seconds, with the batch's shape. A step that
 raises prints the whole exception chain, so an error that a compile failure masks shows up.
@@ -13,15 +13,19 @@ Run it with TORCH_LOGS=recompiles to see why a step compiled.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
+import sys
 import time
 import traceback
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import DEVICE, LATENCY, MODEL, THROUGHPUT  # noqa: E402 - the suite's workloads, not a copy
 
-from flexsgl import LLM, SamplingParams
-from flexsgl.bench import freeze_heap, random_prompts
-from flexsgl.bench_env import sync
+from flexsgl import LLM, SamplingParams  # noqa: E402
+from flexsgl.bench import free_memory, freeze_heap, random_prompts  # noqa: E402
+from flexsgl.bench_env import sync  # noqa: E402
 
 
 def traced_pass(llm, prompts, out_lens, label: str, slow: float) -> None:
@@ -68,33 +72,31 @@ def traced_pass(llm, prompts, out_lens, label: str, slow: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--override", action="append", default=None)
-    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--model", default=MODEL)
     ap.add_argument("--throughput-rounds", type=int, default=2)
     ap.add_argument("--latency-rounds", type=int, default=4)
     ap.add_argument("--slow", type=float, default=0.3)
     a = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    small = device == "cpu"
-    n, lo, hi, n_in, n_out = (6, 16, 48, 32, 8) if small else (256, 100, 1024, 1024, 256)
+    rng = random.Random(0)  # the lengths test_engine.test_throughput draws
+    n = THROUGHPUT["num_prompts"]
+    in_lens = [rng.randint(*THROUGHPUT["input_len"]) for _ in range(n)]
+    out_lens = [rng.randint(*THROUGHPUT["output_len"]) for _ in range(n)]
+    b, n_in, n_out = LATENCY["batch_size"], LATENCY["input_len"], LATENCY["output_len"]
     for override in a.override or ["flex"]:
         print(f"== {override}", flush=True)
-        llm = LLM(a.model if not small else "tiny", device=device, load_format="dummy", override=override)
-        rng = random.Random(0)
-        in_lens = [rng.randint(lo, hi) for _ in range(n)]
-        out_lens = [rng.randint(lo if not small else 4, hi if not small else 12) for _ in range(n)]
-        seeds = iter(range(1, 1000))
+        llm = LLM(a.model, device=DEVICE.type, load_format="dummy", override=override)
+        seeds = itertools.count(1)
         try:
             for r in range(a.throughput_rounds):
                 prompts = random_prompts(random.Random(next(seeds)), in_lens, llm.config.vocab_size)
                 traced_pass(llm, prompts, out_lens, f"throughput round {r}", a.slow)
             for r in range(a.latency_rounds):
-                prompts = random_prompts(random.Random(next(seeds)), [n_in], llm.config.vocab_size)
-                traced_pass(llm, prompts, [n_out], f"latency round {r}", a.slow)
+                prompts = random_prompts(random.Random(next(seeds)), [n_in] * b, llm.config.vocab_size)
+                traced_pass(llm, prompts, [n_out] * b, f"latency round {r}", a.slow)
         except Exception:  # noqa: BLE001 - a diagnostic: show the whole chain, then go on to the next backend
             traceback.print_exc()
         del llm
-        torch.cuda.empty_cache() if device == "cuda" else None
-
+        free_memory(DEVICE)
 
 if __name__ == "__main__":
     main()
