@@ -33,7 +33,7 @@ def checkpoint(tmp_path_factory):
     import transformers
 
     if CUDA:
-        from flexsgl.config import PRESETS
+        from flexsgl.model.presets import PRESETS
 
         cfg = {k: v for k, v in PRESETS["qwen3-0.6b"]["config"].items() if k not in ("architectures", "model_type", "torch_dtype")}
         cfg.update(eos_token_id=None, bos_token_id=None)

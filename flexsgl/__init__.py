@@ -8,10 +8,11 @@ def _map_source_overrides() -> None:
     import sys
     from pathlib import Path
 
-    if importlib.util.find_spec("flexsgl.overrides") is not None:
-        return
     init = Path(__file__).resolve().parent.parent / "overrides" / "__init__.py"
-    if init.exists():
+    found = importlib.util.find_spec("flexsgl.overrides")
+    if found is not None and (not init.exists() or Path(found.origin).resolve() == init):
+        return  # installed, or this checkout's own folder: nothing to map
+    if init.exists():  # a checkout beside another's editable install maps its own overrides
         spec = importlib.util.spec_from_file_location("flexsgl.overrides", init,
                                                       submodule_search_locations=[str(init.parent)])
         module = importlib.util.module_from_spec(spec)

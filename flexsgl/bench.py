@@ -112,7 +112,7 @@ def parse_lengths(text: str, what: str) -> list[int]:
 def plan(args: BenchArgs) -> Plan:
     """Check every argument and every override before anything loads; ValueError says what is wrong."""
     from flexsgl.attention.registry import resolve_override
-    from flexsgl.config import PRESETS
+    from flexsgl.model.presets import PRESETS
     from flexsgl.model.loader import resolve
 
     w = args.workload

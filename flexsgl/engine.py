@@ -10,7 +10,7 @@ import torch
 from flexsgl.attention.registry import resolve_override
 from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import KVPool, PageAllocator
-from flexsgl.config import DEFAULT_MODEL
+from flexsgl.model.presets import DEFAULT_MODEL
 from flexsgl.model.loader import DTYPES, build_model, resolve
 from flexsgl.request import FinishReason, Request, RequestOutput, SamplingParams
 from flexsgl.runner import ModelRunner

@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from flexsgl.bench_env import commit
 from flexsgl.cli import app
-from flexsgl.config import PRESETS, ModelConfig
+from flexsgl.model.config import ModelConfig
+from flexsgl.model.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["bench", "--device", "cpu", "--model", "tiny"]

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flexsgl import LLM, SamplingParams
-from flexsgl.config import DEFAULT_MODEL, EMBEDDED
+from flexsgl.model.presets import DEFAULT_MODEL, EMBEDDED
 
 PATH = EMBEDDED[DEFAULT_MODEL]
 PROMPTS = ["Return the", "Create a new", "This module provides", "Raise ValueError if", "The default is",

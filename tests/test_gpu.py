@@ -42,7 +42,7 @@ def test_bf16_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size):
 
 def test_bf16_engine_at_batch_1_tracks_hf(tmp_path, monkeypatch):
     """One request at a time: decode replays the batch-1 graph, whose projections run the
-    matrix-vector kernel (flexsgl/model/gemv.py) instead of cuBLAS."""
+    matrix-vector kernel (flexsgl/kernels/gemv.py) instead of cuBLAS."""
     check_engine_tracks_hf(tmp_path, monkeypatch, "qwen3", 64, override="flex", one_at_a_time=True)
 
 

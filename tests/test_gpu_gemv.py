@@ -1,9 +1,9 @@
-"""The batch-1 projection kernel (flexsgl/model/gemv.py) against float64, on the GPU.
+"""The batch-1 projection kernel (flexsgl/kernels/gemv.py) against float64, on the GPU.
 
 Every prologue (none, RMSNorm, SiLU gate) with and without bias and residual, on shapes where K is
 a multiple of the tile and where it is not, N a multiple of the row block and not, and one of each
 tile configuration the engine picks; bfloat16 and float16, and bfloat16 launched with PDL
-(flexsgl/model/launch.py). The output is poisoned with NaN first,
+(flexsgl/kernels/launch.py). The output is poisoned with NaN first,
 so an unwritten element fails. bf16 operands with a float32 accumulator land well under 1e-2.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexsgl.model import gemv
+from flexsgl.kernels import gemv
 from flexsgl.model.layers import RMSNorm
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flexsgl import LLM, SamplingParams
-from flexsgl.model import rope_store
+from flexsgl.kernels import rope_store
 from tests.hf_models import capture_logits, hf_reference, make_checkpoint
 
 STEPS = 40

@@ -1,4 +1,4 @@
-"""The fused q/k norm + RoPE + K/V store (flexsgl/model/rope_store.py).
+"""The fused q/k norm + RoPE + K/V store (flexsgl/kernels/rope_store.py).
 
 On the CPU: the custom op (its PyTorch body) compiled with fullgraph writes the pool in place, with
 no copy of the cache, and only at the given slots. On the GPU: the Triton kernel against a float64
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from flexsgl.model import rope_store
+from flexsgl.kernels import rope_store
 from flexsgl.model.layers import RotaryEmbedding
 
 

@@ -1,5 +1,5 @@
 """Bandwidth of a model's projections at decode batch 1: cuBLAS (F.linear) against flexsgl's Triton
-matrix-vector kernel (flexsgl/model/gemv.py) over a sweep of its tile configurations.
+matrix-vector kernel (flexsgl/kernels/gemv.py) over a sweep of its tile configurations.
 
 At batch 1 a projection reads its weight once and does two flops per weight, so the figure that
 matters is weight bytes over time. Two timings:
@@ -18,8 +18,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from flexsgl.config import PRESETS, ModelConfig
-from flexsgl.model import gemv
+from flexsgl.model.config import ModelConfig
+from flexsgl.model.presets import PRESETS
+from flexsgl.kernels import gemv
 
 SWEEP = {"block_n": (4, 8, 16, 32), "block_k": (256, 512, 1024), "warps": (4, 8), "stages": (1, 3)}
 # tiles tried per projection inside the chained, PDL-launched layer (--chain-sweep)

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flexsgl import LLM, SamplingParams
-from flexsgl.model.launch import pdl
+from flexsgl.kernels.launch import pdl
 
 
 def main():
@@ -63,7 +63,7 @@ def main():
               f"device time {kernels / 1e3 / args.steps:.3f} ms per step (kernels summed), "
               f"wall {1e3 * wall / args.steps:.3f} ms per step under the profiler, {len(ids)} requests")
         if pdl(torch.device("cuda")):
-            print("flexsgl's kernels launched with PDL (flexsgl/model/launch.py): each starts while the one before "
+            print("flexsgl's kernels launched with PDL (flexsgl/kernels/launch.py): each starts while the one before "
                   "runs, so their durations include that wait and the sum overstates device time; "
                   "FLEXSGL_PDL=0 gives a per-kernel breakdown")
 

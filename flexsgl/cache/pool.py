@@ -84,7 +84,7 @@ class KVPool:
 
     def store(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None, slots: torch.Tensor) -> None:
         """Write k, v `[tokens, Hkv, D]` into their slots; None: the caller wrote them (the model's
-        fused RoPE kernel, flexsgl/model/rope_store.py)."""
+        fused RoPE kernel, flexsgl/kernels/rope_store.py)."""
         if k is not None:
             write_kv(self.k[layer], self.v[layer], k, v, slots)
 

@@ -42,7 +42,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 class RotaryEmbedding(nn.Module):
     """The cos/sin tables of non-interleaved (rotate-half) RoPE, indexed by absolute position;
-    `rotate` below applies them (or the fused kernel in flexsgl/model/rope_store.py)."""
+    `rotate` below applies them (or the fused kernel in flexsgl/kernels/rope_store.py)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -64,7 +64,7 @@ def rotate(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *xs: t
 
 class GatedMLP(nn.Module):
     """The SwiGLU MLP's projections: gate and up fused into one, then down. A decoder layer runs
-    them through flexsgl.model.gemv, with the norm before and the residual add after folded in."""
+    them through flexsgl.kernels.gemv, with the norm before and the residual add after folded in."""
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flexsgl.config import EMBEDDED, PRESETS, ModelConfig
-from flexsgl.model import MODELS
+from flexsgl.model.config import ModelConfig, model_class
+from flexsgl.model.presets import EMBEDDED, PRESETS
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -84,7 +84,7 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
     """Build the model on `device` in `dtype`, with weights from `src` (or seeded random ones)."""
     cfg = src.config
     with torch.device("meta"):
-        model = MODELS[cfg.architecture](cfg)
+        model = model_class(cfg.architecture)(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary.__init__(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
     model.model.rotary.to(device)

@@ -25,7 +25,7 @@ import functools
 import torch
 
 from flexsgl.cache.pool import write_kv
-from flexsgl.model.launch import pdl
+from flexsgl.kernels.launch import pdl
 from flexsgl.model.layers import RotaryEmbedding, rms_norm, rotate
 
 

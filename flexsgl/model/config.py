@@ -1,14 +1,37 @@
-"""Model configuration read from an HF `config.json`, and named presets with embedded configs."""
+"""A model's configuration, read from an HF `config.json`, and the architectures flexsgl serves."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# HF architectures this engine implements, mapped to whether the attention has q/k RMSNorm.
-ARCHITECTURES = {"Qwen3ForCausalLM": True, "LlamaForCausalLM": False}
-MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """An HF architecture flexsgl serves: its `model_type`, the module:class that builds it (imported
+    when a model is built) and how it configures that class."""
+
+    model_type: str
+    target: str
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE
+
+
+DECODER = "flexsgl.model.decoder:DecoderForCausalLM"
+# The one architecture registry: HF architecture name -> what flexsgl builds for it. Llama 3 is the
+# Qwen3 decoder without q/k norm.
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": Architecture("qwen3", DECODER, qk_norm=True),
+    "LlamaForCausalLM": Architecture("llama", DECODER, qk_norm=False),
+}
+
+
+def model_class(architecture: str) -> type:
+    """The class that builds models of `architecture` (a key of ARCHITECTURES)."""
+    module, cls = ARCHITECTURES[architecture].target.split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 @dataclass(frozen=True)
@@ -33,11 +56,12 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return ARCHITECTURES[self.architecture]
+        return ARCHITECTURES[self.architecture].qk_norm
 
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
-        arch = (d.get("architectures") or [MODEL_TYPES.get(d.get("model_type"), "?")])[0]
+        by_type = {a.model_type: name for name, a in ARCHITECTURES.items()}
+        arch = (d.get("architectures") or [by_type.get(d.get("model_type"), "?")])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(
                 f"Model architecture {arch!r} is not supported; flexsgl runs {', '.join(ARCHITECTURES)}."
@@ -84,39 +108,3 @@ class ModelConfig:
         layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * layer + self.vocab_size * h + head + h
-
-
-def _qwen3(hidden, layers, heads, kv, inter, tie, vocab=151936, max_pos=40960, head_dim=128):
-    return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
-        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": max_pos,
-        "tie_word_embeddings": tie, "eos_token_id": 151645, "torch_dtype": "bfloat16",
-    }
-
-
-# Named presets: embedded configs so `--load-format dummy` works offline. `hub` is where real weights live.
-PRESETS: dict[str, dict] = {
-    "qwen3-0.6b": {"hub": "Qwen/Qwen3-0.6B", "config": _qwen3(1024, 28, 16, 8, 3072, True)},
-    "qwen3-8b": {"hub": "Qwen/Qwen3-8B", "config": _qwen3(4096, 36, 32, 8, 12288, False)},
-    "llama3-8b": {
-        "hub": "meta-llama/Meta-Llama-3.1-8B",
-        "config": {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
-        },
-    },
-    # A few hundred thousand parameters: seeded random weights, runs anywhere in a blink.
-    "tiny": {"hub": None, "config": {**_qwen3(128, 2, 4, 2, 256, True, vocab=512, max_pos=4096, head_dim=32),
-                                     "eos_token_id": None, "torch_dtype": "float32"}},
-}
-# Models shipped inside the package, by name. tiny-docs: a 3.4M-parameter Qwen3 trained by
-# tools/train_tiny.py on the standard library's docstrings (see its training.json).
-EMBEDDED = {"tiny-docs": Path(__file__).parent / "data" / "tiny-docs"}
-DEFAULT_MODEL = "tiny-docs"

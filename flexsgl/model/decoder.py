@@ -1,4 +1,4 @@
-"""Qwen3 (and, with q/k norm off, Llama 3): a dense GQA decoder in plain PyTorch.
+"""The dense GQA decoder that serves Qwen3 and, with q/k norm off (ModelConfig.qk_norm), Llama 3.
 
 Parameter names follow HF's except that q/k/v and gate/up projections are fused; the loader maps
 HF tensors into slices of the fused weights. Tokens arrive packed, `[tokens]`; attention goes
@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flexsgl.config import ModelConfig
-from flexsgl.model import gemv, rope_store
+from flexsgl.model.config import ModelConfig
+from flexsgl.kernels import gemv, rope_store
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
-    """The q/k/v and o projections (DecoderLayer runs them through flexsgl.model.gemv) and `attend`,
-    everything between them: q/k norm, RoPE and the K/V store (flexsgl.model.rope_store), and the
+    """The q/k/v and o projections (DecoderLayer runs them through flexsgl.kernels.gemv) and `attend`,
+    everything between them: q/k norm, RoPE and the K/V store (flexsgl.kernels.rope_store), and the
     attention backend."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
@@ -65,7 +65,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
 
 
-class Qwen3ForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     # HF checkpoint name fragment -> (our fused parameter fragment, shard index)
     packed_weights = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

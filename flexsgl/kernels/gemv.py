@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexsgl.model.launch import pdl
+from flexsgl.kernels.launch import pdl
 
 PLAIN, RMS_NORM, SILU_GATE = 0, 1, 2  # what the kernel does to x on the way in
 

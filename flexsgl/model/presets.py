@@ -1,0 +1,42 @@
+"""Named models: presets with embedded configs (so `--load-format dummy` works offline) and models
+shipped inside the package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _qwen3(hidden, layers, heads, kv, inter, tie, vocab=151936, max_pos=40960, head_dim=128):
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": max_pos,
+        "tie_word_embeddings": tie, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    }
+
+
+# Named presets: embedded configs so `--load-format dummy` works offline. `hub` is where real weights live.
+PRESETS: dict[str, dict] = {
+    "qwen3-0.6b": {"hub": "Qwen/Qwen3-0.6B", "config": _qwen3(1024, 28, 16, 8, 3072, True)},
+    "qwen3-8b": {"hub": "Qwen/Qwen3-8B", "config": _qwen3(4096, 36, 32, 8, 12288, False)},
+    "llama3-8b": {
+        "hub": "meta-llama/Meta-Llama-3.1-8B",
+        "config": {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
+        },
+    },
+    # A few hundred thousand parameters: seeded random weights, runs anywhere in a blink.
+    "tiny": {"hub": None, "config": {**_qwen3(128, 2, 4, 2, 256, True, vocab=512, max_pos=4096, head_dim=32),
+                                     "eos_token_id": None, "torch_dtype": "float32"}},
+}
+# Models shipped inside the package, by name. tiny-docs: a 3.4M-parameter Qwen3 trained by
+# tools/train_tiny.py on the standard library's docstrings (see its training.json).
+EMBEDDED = {"tiny-docs": Path(__file__).parent.parent / "data" / "tiny-docs"}
+DEFAULT_MODEL = "tiny-docs"
