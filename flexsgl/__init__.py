@@ -17,6 +17,7 @@ def _map_source_overrides() -> None:
                                                       submodule_search_locations=[str(init.parent)])
         module = importlib.util.module_from_spec(spec)
         sys.modules["flexsgl.overrides"] = module
+        setattr(sys.modules[__name__], "overrides", module)
         spec.loader.exec_module(module)
 
 
