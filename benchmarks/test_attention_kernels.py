@@ -44,7 +44,6 @@ def paged_batch(phase: str, bs: int, n: int, seed: int = 0):
     tables, positions, slots, q_lens, offsets = [], [], [], [], []
     for _ in range(bs):
         pages = alloc.alloc(pages_per_req)
-        pool.set_page_positions(pages, 0)
         new = range(n - 1, n) if phase == "decode" else range(n)
         offsets.append(len(positions))
         positions += new

@@ -9,6 +9,10 @@ import time
 
 import typer
 
+from flexsgl.cli_options import engine_options, fail
+from flexsgl.config import EngineConfig
+from flexsgl.log import logger
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="flexsgl: LLM inference on torch.compile + FlexAttention over a paged KV cache.")
 
@@ -16,11 +20,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 @app.callback()
 def main() -> None:
     """Keeps `generate` a subcommand while it is the only one."""
-
-
-def fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 class TokenPrinter:
@@ -50,9 +49,9 @@ class TokenPrinter:
 
 
 @app.command()
+@engine_options
 def generate(
     prompts: list[str] = typer.Argument(None, help="One or more prompts."),
-    model: str = typer.Option(None, help="Preset, local HF model directory or hub id (default: the embedded model)."),
     max_new_tokens: int = typer.Option(32, help="Most tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, help="0 for greedy."),
     top_k: int = typer.Option(0, help="0 turns top-k off."),
@@ -60,34 +59,22 @@ def generate(
     min_p: float = typer.Option(0.0),
     seed: int = typer.Option(None, help="Sampling seed (per request)."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past EOS."),
-    device: str = typer.Option(None, help="cuda or cpu (default: cuda when there is one)."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
-    load_format: str = typer.Option("auto", help="auto, safetensors or dummy (random weights)."),
-    override: str = typer.Option("auto", help="Attention backend(s): a name, auto, or PREFILL,DECODE "
-                                 "(see `flexsgl backends`)."),
-    page_size: int = typer.Option(64, help="Tokens per KV page."),
-    kv_cache_tokens: int = typer.Option(None, help="KV cache size in tokens (default: sized from free memory)."),
-    compile: bool = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: on CUDA)."),
-    cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
-                                     help="Replay decode steps from CUDA graphs (default: on CUDA)."),
     json_out: bool = typer.Option(False, "--json", help="Print the outputs as JSON instead of streaming text."),
+    *, engine: EngineConfig,
 ) -> None:
     """Generate continuations of PROMPTS; one prompt streams its tokens as they come."""
     from flexsgl import LLM, SamplingParams
 
     if not prompts:
         fail("Give at least one prompt, e.g. flexsgl generate \"Return the\".")
-    say = (lambda msg: None) if json_out else (lambda msg: typer.echo(f"[flexsgl] {msg}", err=True))
     try:
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                   top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos)
         t0 = time.perf_counter()
         # The batch is known: run it all at once, and capture (and compile) decode graphs only
         # for the batch sizes it can reach, not for a server's 256.
-        llm = LLM(model, device=device, dtype=dtype, override=override, load_format=load_format,
-                  page_size=page_size, kv_cache_tokens=kv_cache_tokens, compile=compile,
-                  cuda_graphs=cuda_graphs, max_running=min(len(prompts), 256), progress=say)
-        say(f"ready in {time.perf_counter() - t0:.1f}s")
+        llm = LLM(engine.replace(max_running_requests=min(len(prompts), engine.max_running_requests)))
+        logger.info(f"ready in {time.perf_counter() - t0:.1f}s")
         stream = len(prompts) == 1 and not json_out
         t1 = time.perf_counter()
         printer = TokenPrinter(llm, prompts[0]) if stream else None
@@ -111,7 +98,7 @@ def generate(
             typer.echo(f"{p} [{o.error}]" if o.error else f"{p}{shown}")
             typer.echo("---")
     n = sum(len(o.token_ids) for o in outs)
-    say(f"{n} tokens in {elapsed:.2f}s ({n / max(elapsed, 1e-9):.1f} tok/s); finish: "
+    logger.info(f"{n} tokens in {elapsed:.2f}s ({n / max(elapsed, 1e-9):.1f} tok/s); finish: "
         + ", ".join(sorted({o.finish_reason for o in outs})))
 
 
@@ -169,15 +156,16 @@ def bench(
 
 
 @app.command()
-def backends(device: str = typer.Option(None, help="cuda or cpu (default: cuda when there is one).")) -> None:
+def backends(device: str = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when there is one).")) -> None:
     """List every attention backend: its phases, whether it runs on this machine, and if not, why."""
     import torch
 
     from flexsgl.attention.registry import table
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        fail("Device 'cuda' was asked for, but this machine has no CUDA GPU.")
+    try:
+        dev = EngineConfig(device=device).torch_device
+    except ValueError as e:
+        fail(str(e))
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     typer.echo(f"attention backends on {where} (models served here: Qwen3, Llama = GQA)")
     rows = [("name", "phases", "runs here", "why not / about")]

@@ -10,8 +10,10 @@ import torch
 from flexsgl.attention.registry import resolve_override
 from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import KVPool, PageAllocator
-from flexsgl.model.presets import DEFAULT_MODEL
+from flexsgl.config import EngineConfig
+from flexsgl.log import logger
 from flexsgl.model.loader import DTYPES, build_model, resolve
+from flexsgl.model.presets import DEFAULT_MODEL
 from flexsgl.request import FinishReason, Request, RequestOutput, SamplingParams
 from flexsgl.runner import ModelRunner
 from flexsgl.scheduler import Scheduler
@@ -20,95 +22,98 @@ from flexsgl.tokenizer import load_tokenizer
 CPU_DEFAULT_KV_TOKENS = 16384
 
 
-class LLM:
-    def __init__(self, model: str | None = None, device: str | None = None, dtype: str | None = None,
-                 override: str = "auto", load_format: str = "auto", page_size: int = 64,
-                 kv_cache_tokens: int | None = None, max_batch_tokens: int = 8192, *,
-                 max_running: int = 256, compile: bool | None = None, cuda_graphs: bool | None = None,
-                 graph_batch_sizes: Sequence[int] | None = None, seed: int = 0,
-                 gpu_memory_fraction: float = 0.85,
-                 shuffle_pages: int | None = None, progress: Callable[[str], None] | None = None):
-        """Load `model` (a preset, a local HF directory or a hub id; None for the embedded default).
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory the device can still give: free GPU memory, or the host's available memory (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
-        kv_cache_tokens: KV cache size; None sizes it from free memory after the weights load
-            (gpu_memory_fraction of it on CUDA, less room for one step's activations; 16k on CPU).
-        override: attention backend(s): a name, `auto`, or `PREFILL,DECODE` (see `flexsgl backends`).
-        compile: torch.compile the model (default: on CUDA, not on CPU).
-        cuda_graphs: capture decode steps as CUDA graphs (default: on CUDA); graph_batch_sizes: the
-            batch sizes to capture (default: the decode buckets up to max_running).
-        shuffle_pages: hand out KV pages in an order shuffled with this seed (tests).
-        progress: called with a short message at each loading stage.
-        """
-        say = progress or (lambda msg: None)
-        if page_size < 1:
-            raise ValueError(f"page_size must be at least 1, got {page_size}.")
-        if max_batch_tokens < 1 or max_running < 1:
-            raise ValueError("max_batch_tokens and max_running must be at least 1.")
-        if not 0.0 < gpu_memory_fraction <= 1.0:
-            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}.")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("Device 'cuda' was asked for, but this machine has no CUDA GPU.")
-        self.src = resolve(model or DEFAULT_MODEL, load_format)
-        self.config = cfg = self.src.config
-        self.dtype = self._pick_dtype(dtype)
-        # Refuses before the model loads, with the reason.
+
+class LLM:
+    def __init__(self, model: str | EngineConfig | None = None, **options):
+        """Load `model` (a preset, a local HF directory or a hub id; None for the embedded default)
+        with engine `options`: the fields of EngineConfig (flexsgl/config.py), e.g.
+        `LLM("qwen3-0.6b", load_format="dummy", max_total_tokens=65536, override="fa3")`, or an
+        EngineConfig itself. Bad options raise ValueError before anything loads."""
+        if isinstance(model, EngineConfig):
+            if options:
+                raise ValueError("Pass an EngineConfig or keyword options, not both.")
+            self.engine_config = cfg = model
+        else:
+            self.engine_config = cfg = EngineConfig.from_options(model, **options)
+        self.device = cfg.torch_device
+        self.src = resolve(cfg.model or DEFAULT_MODEL, cfg.load_format)
+        self.config = mcfg = self.src.config
+        self.dtype = self._pick_dtype(cfg.dtype)
         dtype_name = str(self.dtype).removeprefix("torch.")
-        choice = resolve_override(override, self.device, "gqa", page_size, cfg.head_dim, dtype_name)
-        graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        if graphs and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, and this engine runs on {self.device.type}.")
-        say(f"loading {self.src.name} ({self.src.load_format}, {cfg.num_params() / 1e6:.1f}M params, "
-            f"{dtype_name}, {self.device})")
-        self.model = build_model(self.src, self.device, self.dtype, seed, progress=lambda f: say(f"loaded {f}"))
+        # Refuses before the model loads, with the reason.
+        choice = resolve_override(cfg.override, self.device, "gqa", cfg.page_size, mcfg.head_dim, dtype_name)
+        if cfg.cuda_graph_bs is not None and not cfg.cuda_graphs:
+            raise ValueError("cuda_graph_bs was given, but CUDA graphs are off: they need a CUDA device "
+                             f"(this engine runs on {self.device.type}) and disable_cuda_graph unset.")
+        logger.info(f"loading {self.src.name} ({self.src.load_format}, {mcfg.num_params() / 1e6:.1f}M params, "
+                    f"{dtype_name}, {self.device})")
+        self.model = build_model(self.src, self.device, self.dtype, cfg.random_seed)
         self.tokenizer = load_tokenizer(self.src)
-        num_pages = self._num_pages(kv_cache_tokens, page_size, max_batch_tokens, max_running, gpu_memory_fraction)
-        self.pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+        num_pages = self._num_pages(cfg)
+        self.pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                            self.dtype, self.device)
-        self.allocator = PageAllocator(num_pages, shuffle_seed=shuffle_pages)
-        say(f"KV cache: {num_pages - 1} pages of {page_size} tokens")
-        self.compile = self.device.type == "cuda" if compile is None else compile
+        self.allocator = PageAllocator(num_pages)
+        logger.info(f"KV cache: {num_pages - 1} pages of {cfg.page_size} tokens")
+        self.compile = self.device.type == "cuda" if cfg.compile is None else cfg.compile
         if self.compile:
-            say("torch.compile on: the first step of each new batch shape compiles kernels first "
-                "(tens of seconds for a large model)")
-        self.backends = PhaseRouter(choice, self.pool, cfg.num_heads, self.compile)
-        say(f"attention: {choice.label}")
-        self.scheduler = Scheduler(self.pool, self.allocator, max_batch_tokens, max_running)
-        self.runner = ModelRunner(self.model, self.pool, self.backends, self.device, max_running,
-                                  cfg.max_position, self.compile)
-        if graphs:
-            self.runner.capture_graphs(graph_batch_sizes, say)
+            logger.info("torch.compile on: the first step of each new batch shape compiles kernels first "
+                        "(tens of seconds for a large model)")
+        self.backends = PhaseRouter(choice, self.pool, mcfg.num_heads, self.compile)
+        logger.info(f"attention: {choice.label}")
+        self.scheduler = Scheduler(cfg.page_size, self.allocator, cfg.max_num_batched_tokens,
+                                   cfg.max_running_requests)
+        self.runner = ModelRunner(self.model, self.pool, self.backends, self.device, cfg.max_running_requests,
+                                  mcfg.max_position, self.compile)
+        if cfg.cuda_graphs:
+            self.runner.capture_graphs(cfg.cuda_graph_bs)
         self._ids = itertools.count()
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._done: list[Request] = []  # finished, to be returned by the next step()
         self._pending = None  # the launched step not yet read back
 
-    def _pick_dtype(self, dtype: str | None) -> torch.dtype:
-        if dtype in (None, "auto"):
+    def _pick_dtype(self, dtype: str) -> torch.dtype:
+        if dtype == "auto":
             if self.device.type == "cpu":
                 return torch.float32
             return torch.float16 if self.config.torch_dtype == "float16" else torch.bfloat16
-        if dtype not in DTYPES:
-            raise ValueError(f"Unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}.")
         return DTYPES[dtype]
 
-    def _num_pages(self, kv_tokens: int | None, page_size: int, max_batch_tokens: int, max_running: int,
-                   fraction: float) -> int:
-        cfg = self.config
+    def _num_pages(self, cfg: EngineConfig) -> int:
+        mcfg, ps = self.config, cfg.page_size
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        per_token = mcfg.kv_bytes_per_token(itemsize)
+        kv_tokens = cfg.max_total_tokens
         if kv_tokens is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                itemsize = torch.tensor([], dtype=self.dtype).element_size()
                 # Room for one step's activations: the widest layer over the token budget, and logits.
-                act = max_batch_tokens * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * itemsize * 2
-                act += max_running * cfg.vocab_size * 4 * 4 + (1 << 30)
-                kv_tokens = int((free * fraction - act) // cfg.kv_bytes_per_token(itemsize))
+                act = cfg.max_num_batched_tokens * (2 * mcfg.intermediate_size + 4 * mcfg.hidden_size) * itemsize * 2
+                act += cfg.max_running_requests * mcfg.vocab_size * 4 * 4 + (1 << 30)
+                kv_tokens = int((free * cfg.mem_fraction_static - act) // per_token)
             else:
                 kv_tokens = CPU_DEFAULT_KV_TOKENS
-        if kv_tokens < page_size:
-            raise ValueError(f"The KV cache must hold at least one page ({page_size} tokens); it would hold "
+        if kv_tokens < ps:
+            raise ValueError(f"The KV cache must hold at least one page ({ps} tokens); it would hold "
                              f"{max(kv_tokens, 0)}.")
-        return KVPool.num_pages_for(kv_tokens, page_size) + 1  # + the dummy page
+        num_pages = KVPool.num_pages_for(kv_tokens, ps) + 1  # + the dummy page
+        need, free = num_pages * ps * per_token, free_memory_bytes(self.device)
+        if free is not None and need > free:
+            raise ValueError(f"A KV cache of {kv_tokens} tokens needs {need / 2**30:.1f} GiB, and the "
+                             f"{self.device.type} has {free / 2**30:.1f} GiB free; lower max_total_tokens.")
+        return num_pages
 
     # ---- requests
 

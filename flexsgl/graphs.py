@@ -24,6 +24,7 @@ import torch
 
 from flexsgl.attention.base import ForwardBatch
 from flexsgl.cache.pool import DUMMY_PAGE
+from flexsgl.log import progress
 
 # Inputs that change from step to step; q_lens, q_offsets and logits_index are fixed for decode.
 STEP_INPUTS = ("input_ids", "positions", "out_slots", "page_table", "seq_lens")
@@ -81,11 +82,9 @@ class GraphManager:
         static.host_seq_lens, static.host_q_lens, static.host_pages = fb.host_seq_lens, fb.host_q_lens, fb.host_pages
         self.backend.fill_graph(bs, static)
 
-    def capture(self, progress: Callable[[str], None] | None = None) -> None:
-        say = progress or (lambda msg: None)
+    def capture(self) -> None:
         pool = None if self.emulate else torch.cuda.graph_pool_handle()
-        for i, bs in enumerate(self.sizes):
-            say(f"capturing decode graph {i + 1}/{len(self.sizes)} (batch {bs})")
+        for bs in progress(self.sizes, desc="capturing decode graphs", unit="graph"):
             fb = self.batches[bs] = self.static_batch(bs)
             self.backend.bind_graph(bs, fb)
             self.fill(bs, self.dummy_batch(bs))

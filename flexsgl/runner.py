@@ -7,28 +7,23 @@ host reads a step's tokens only after it has launched the next one (see schedule
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from itertools import accumulate, chain
 
 import numpy as np
 import torch
-import torch.fx.experimental._config as fx_config
 
-from flexsgl.attention.base import MIN_COMPILED_SIZE, ForwardBatch
-from flexsgl.attention.router import PhaseRouter, runs_flex
+from flexsgl.attention.base import ForwardBatch
+from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
+from flexsgl.compile import MIN_COMPILED_SIZE, compile_steps, decode_buckets
 from flexsgl.graphs import GraphManager
+from flexsgl.log import logger
 from flexsgl.sampling import SamplingTensors, sample
 from flexsgl.scheduler import ScheduledBatch
 
 NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}  # _upload's host dtypes
-
-# Decode batch sizes that compiled steps pad to and that CUDA graphs are captured for. Compiled flex
-# decode compiles once per size, so it gets few; a kernel override compiles once for every size (its
-# attention is one opaque op), so it gets SGLang's spacing (8 apart to 64, then 16): a padded row
-# costs its share of every projection, and a batch of 200 padded to 256 wastes 28% of them.
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-FINE_DECODE_BUCKETS = (1, 2, 4, *range(8, 64, 8), *range(64, 256, 16), 256, 320, 384, 448, 512)
 
 
 @dataclass
@@ -52,46 +47,39 @@ class ModelRunner:
         self.token_buf = torch.zeros(max_running, dtype=torch.long, device=device)  # last token per slot
         # Compiled steps keep shapes few: decode batches padded to buckets, page tables full width.
         self.table_width = KVPool.num_pages_for(max_len, pool.page_size) if compile else None
-        buckets = DECODE_BUCKETS if runs_flex(backends.decode) else FINE_DECODE_BUCKETS
-        self.buckets = [b for b in buckets if b < max_running] + [max_running]
+        self.buckets = decode_buckets(backends.decode.compiles_per_shape, max_running)
         self.graphs: GraphManager | None = None
+        self._prefill, self._decode = self._prefill_forward, self._decode_forward
         if compile:
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            # Duck sizing gives dimensions of equal size one symbol at the first compile, so one that
-            # happens to equal a static size is specialised with it and the next step recompiles:
-            # on an H200, prefill's 8 query blocks took the 8 KV heads' symbol (a second ~50 s
-            # compile), a decode batch equal to its token buffer's size took that buffer's.
-            # Process-wide, like the cache size limit above.
-            fx_config.use_duck_shape = False
-            # Prefill shapes vary every step: dynamic on CUDA. Inductor's CPU flex kernel miscompiles
-            # some dynamic shapes (duplicate size symbols) and cannot take fused epilogues (batch 1),
-            # so on the CPU it recompiles per shape and fuses nothing after attention.
-            cpu = device.type == "cpu"
-            opts = {"epilogue_fusion": False} if cpu else None
-            self._prefill = torch.compile(self._prefill_forward, dynamic=not cpu, options=opts)
-            # Flex decode compiles per batch bucket (its split-KV decode kernel wants a static batch);
-            # a kernel override is one opaque op, so one compile with a symbolic batch serves all.
-            dynamic = not cpu and not runs_flex(backends.decode)
-            self._decode = torch.compile(self._decode_forward, dynamic=dynamic, options=opts)
-        else:
-            self._prefill, self._decode = self._prefill_forward, self._decode_forward
+            self._prefill, self._decode = compile_steps(self._prefill_forward, self._decode_forward, device,
+                                                        backends.decode.compiles_per_shape)
 
-    def capture_graphs(self, sizes=None, progress=None, emulate: bool = False) -> None:
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling so far."""
+        return sum(getattr(step, "compile_s", 0.0) for step in (self._prefill, self._decode))
+
+    def capture_graphs(self, sizes=None, emulate: bool = False) -> None:
         """Capture decode steps as CUDA graphs for `sizes` (default: the decode buckets).
         emulate: run the static-buffer path without recording (CPU tests)."""
-        say = progress or (lambda msg: None)
         backend = self.backends.decode
         if not backend.graphable:
-            say(f"CUDA graphs off: the {backend.name} decode backend cannot be captured; decode runs without them")
+            logger.info(f"CUDA graphs off: the {backend.name} decode backend cannot be captured; "
+                        "decode runs without them")
             return
         sizes = sorted(set(sizes or self.buckets))
         if sizes[-1] > self.buckets[-1]:
-            raise ValueError(f"Graph batch sizes go up to max_running ({self.buckets[-1]}), got {sizes[-1]}.")
+            raise ValueError(f"CUDA graph batch sizes go up to max_running_requests ({self.buckets[-1]}), "
+                             f"got {sizes[-1]}.")
         self.table_width = self.table_width or KVPool.num_pages_for(self.max_len, self.pool.page_size)
         self.graphs = GraphManager(self._decode, backend, self.device, sizes, self.table_width,
                                    self.pool.num_pages, self.pool.page_size, emulate=emulate)
+        compiled_before, t0 = self.compile_s, time.perf_counter()
         with torch.inference_mode():
-            self.graphs.capture(say)
+            self.graphs.capture()
+        took, compiling = time.perf_counter() - t0, self.compile_s - compiled_before
+        logger.info(f"captured {len(sizes)} decode graphs in {took:.1f}s"
+                    + (f" ({compiling:.1f}s of it compiling)" if compiling else ""))
         # Decode batches pad to a captured size; larger ones to the compile buckets above it.
         self.buckets = sizes + [b for b in self.buckets if b > sizes[-1]]
 
@@ -190,7 +178,7 @@ class ModelRunner:
         if decode and self.graphs is not None and bs in self.graphs.batches:
             return True
         backend = self.backends.decode if decode else self.backends.prefill
-        return self.device.type == "cuda" and not runs_flex(backend)
+        return self.device.type == "cuda" and not backend.compiles_per_shape
 
     def _upload(self, dtype: torch.dtype, **parts) -> dict[str, torch.Tensor]:
         """One host -> device copy for all `parts` (each a list of numbers or of numpy arrays), from

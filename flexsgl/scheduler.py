@@ -38,9 +38,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, allocator: PageAllocator, max_batch_tokens: int, max_running: int):
-        self.pool, self.allocator = pool, allocator
-        self.ps = pool.page_size
+    def __init__(self, page_size: int, allocator: PageAllocator, max_batch_tokens: int, max_running: int):
+        self.allocator = allocator
+        self.ps = page_size
         self.cache = RadixCache(self.ps)
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
@@ -96,7 +96,6 @@ class Scheduler:
         pages = self._take_pages(n)
         if pages is None:
             return False
-        self.pool.set_page_positions(pages, len(r.pages))
         r.pages += pages
         return True
 

@@ -47,6 +47,7 @@ class FA3Meta:
 class FA3Backend:
     name = "fa3"
     graphable = True
+    compiles_per_shape = False
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
         self.pool = pool
@@ -67,7 +68,7 @@ class FA3Backend:
             meta.max_seqlen_q, self.pool.page_size)
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
-        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.pool.page_pos.device)
+        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.pool.device)
 
     def bind_graph(self, bs: int, fb: ForwardBatch) -> None:
         fb.attn = FA3Meta(self.cu_seqlens_q[:bs + 1], 1)

@@ -69,12 +69,13 @@ class FlashInferDecodeBackend:
 
     name = "fi-decode"
     graphable = True
+    compiles_per_shape = False
 
     def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
         import flashinfer
 
         self.flashinfer = flashinfer
-        self.pool, self.device = pool, pool.page_pos.device
+        self.pool, self.device = pool, pool.device
         self.hq, self.hkv, self.d = num_heads, pool.k[0].shape[1], pool.k[0].shape[2]
         self.dtype = pool.k[0].dtype
         # Tensor cores whenever KV heads are shared. SGLang's rule (from 4 query heads per KV head) cost

@@ -171,11 +171,12 @@ class TritonDecodeBackend:
 
     name = "triton-decode"
     graphable = True
+    compiles_per_shape = False
 
     def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
         self.pool, self.hq = pool, num_heads
         self.hkv = pool.k[0].shape[1]
-        self.counter = torch.zeros(0, dtype=torch.int32, device=pool.page_pos.device)
+        self.counter = torch.zeros(0, dtype=torch.int32, device=pool.device)
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:

@@ -15,9 +15,10 @@ import torch
 class TrtllmMLABackend:
     name = "trtllm-mla"
     graphable = True
+    compiles_per_shape = False
 
     def __init__(self, pool, num_heads: int | None = None, compiled: bool = False):
-        raise NotImplementedError(self.unsupported(0, pool.page_pos.device))
+        raise NotImplementedError(self.unsupported(0, pool.device))
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:

@@ -20,7 +20,6 @@ def random_paged_batch(pool: KVPool, alloc: PageAllocator, specs, hq: int, devic
     for prefix, new in specs:
         total = prefix + new
         pages = alloc.alloc(KVPool.num_pages_for(total, ps))
-        pool.set_page_positions(pages, 0)
         # Rounded to the pool's dtype, so the reference sees exactly what the kernel reads.
         kfull = torch.randn(total, hkv, d, dtype=torch.float64).to(dtype).double()
         vfull = torch.randn(total, hkv, d, dtype=torch.float64).to(dtype).double()

@@ -23,10 +23,16 @@ BAD = {
     "prompt-too-long": ["x" * 5000],
     "prompt-plus-output-too-long": ["Hello", "--max-new-tokens", "5000"],
     "no-prompt": [],
+    "unknown-device": ["Hello", "--device", "tpu"],
+    "kv-cache-beyond-memory": ["Hello", "--max-total-tokens", "99999999999"],
+    "unknown-log-level": ["Hello", "--log-level", "loud"],
+    "bad-graph-sizes": ["Hello", "--cuda-graph-bs", "1,x"],
+    "old-and-new-flag": ["Hello", "--kv-cache-tokens", "4096", "--max-total-tokens", "8192"],
 }
 GOOD = {
     "json": ["Hello", "--max-new-tokens", "4", "--json"],
     "stream": ["Hello", "--max-new-tokens", "4"],
+    "deprecated-flag": ["Hello", "--max-new-tokens", "4", "--json", "--kv-cache-tokens", "4096"],
 }
 
 
@@ -60,6 +66,13 @@ def test_stream_prints_prompt_then_text(runs):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Hello"), r.stdout
     assert r.stdout == "Hello" + text + "\n", r.stdout
+
+
+def test_deprecated_flag_warns_and_still_works(runs):
+    r = runs["deprecated-flag"]
+    assert r.returncode == 0, r.stderr
+    assert "warning: --kv-cache-tokens is deprecated; use --max-total-tokens." in r.stderr.splitlines()
+    assert json.loads(r.stdout)[0]["token_ids"] == json.loads(runs["json"].stdout)[0]["token_ids"]
 
 
 @pytest.mark.parametrize("name", BAD)

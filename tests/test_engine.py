@@ -30,8 +30,9 @@ def test_continuous_batching_matches_each_request_alone(checkpoint):
     prompts = [[rng.randrange(300) for _ in range(rng.randrange(1, 60))] for _ in range(n)]
     params = [SamplingParams(max_new_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 0.9]),
                              top_p=rng.choice([1.0, 0.8]), seed=rng.randrange(1 << 20)) for _ in range(n)]
-    llm = LLM(str(path), device="cpu", page_size=16, kv_cache_tokens=16 * 12, max_running=3,
-              max_batch_tokens=64, shuffle_pages=seed)
+    llm = LLM(str(path), device="cpu", page_size=16, max_total_tokens=16 * 12, max_running_requests=3,
+              max_num_batched_tokens=64)
+    llm.allocator.shuffle(seed)
     together = llm.generate(prompts, params)
     assert_no_page_leak(llm)
     for p, sp, out in zip(prompts, params, together):
@@ -77,7 +78,7 @@ def test_stop_token_ids_and_eos(checkpoint, tmp_path):
 def test_requests_that_cannot_fit_are_refused_while_the_rest_run(tmp_path):
     hf = make_checkpoint("llama", tmp_path, random.randrange(1 << 30))
     ctx = hf.config.max_position_embeddings
-    llm = LLM(str(tmp_path), device="cpu", page_size=64, kv_cache_tokens=ctx // 2)
+    llm = LLM(str(tmp_path), device="cpu", page_size=64, max_total_tokens=ctx // 2)
     short = [random.randrange(300) for _ in range(5)]
     long = [random.randrange(300) for _ in range(ctx * 3 // 4)]
     over_ctx, over_cache, fits = llm.generate([short, long, short], [greedy(ctx), greedy(3), greedy(3)])

@@ -55,8 +55,9 @@ def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, 
     rng = random.Random(seed)
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 9, 64, 65, 200, 333)]
     steps = 32
-    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", page_size=page_size, shuffle_pages=seed,
-              kv_cache_tokens=32768, graph_batch_sizes=[1, 2, 8], **llm_kw)
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", page_size=page_size,
+              max_total_tokens=32768, cuda_graph_bs=[1, 2, 8], **llm_kw)
+    llm.allocator.shuffle(seed)
     assert llm.compile and sorted(llm.runner.graphs.graphs) == [1, 2, 8]
     seen = capture_logits(llm, monkeypatch)
     sp = SamplingParams(max_new_tokens=steps, temperature=0.0)

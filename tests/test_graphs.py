@@ -32,8 +32,9 @@ def test_decode_through_graph_buffers_matches_hf(checkpoint, compiled):
     n = 6
     prompts = [[rng.randrange(320) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
     steps = [rng.randrange(2, 14) for _ in range(n)]  # requests finish at different steps: batches shrink
-    llm = LLM(path, device="cpu", page_size=4, kv_cache_tokens=400, max_running=8, shuffle_pages=seed,
+    llm = LLM(path, device="cpu", page_size=4, max_total_tokens=400, max_running_requests=8,
               compile=compiled)
+    llm.allocator.shuffle(seed)
     llm.runner.capture_graphs([1, 2, 4, 8] if not compiled else [2, 8], emulate=True)
     assert sorted(llm.runner.graphs.batches) == ([1, 2, 4, 8] if not compiled else [2, 8])
     replays = 0
@@ -54,22 +55,22 @@ def test_decode_through_graph_buffers_matches_hf(checkpoint, compiled):
 
 def test_graph_sizes_beyond_max_running_are_refused(checkpoint):
     path, _, _ = checkpoint
-    llm = LLM(path, device="cpu", page_size=4, kv_cache_tokens=64, max_running=4)
+    llm = LLM(path, device="cpu", page_size=4, max_total_tokens=64, max_running_requests=4)
     with pytest.raises(ValueError, match="max_running"):
         llm.runner.capture_graphs([2, 8], emulate=True)
 
 
-def test_cuda_graphs_on_cpu_are_refused_before_loading(monkeypatch):
+def test_graph_sizes_on_cpu_are_refused_before_loading(monkeypatch):
     import flexsgl.engine
 
     monkeypatch.setattr(flexsgl.engine, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
-    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
-        LLM("tiny", load_format="dummy", device="cpu", cuda_graphs=True)
+    with pytest.raises(ValueError, match="CUDA graphs are off: they need a CUDA device"):
+        LLM("tiny", load_format="dummy", device="cpu", cuda_graph_bs=[1, 2])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
 def test_graphs_default_off_on_cpu(checkpoint):
-    llm = LLM(checkpoint[0], device="cpu", kv_cache_tokens=64)
+    llm = LLM(checkpoint[0], device="cpu", max_total_tokens=64)
     assert llm.runner.graphs is None
 
 
@@ -101,8 +102,9 @@ def test_small_batch_decode_backend_serves_its_sizes(checkpoint, monkeypatch):
     rng = random.Random(seed + 1)
     prompts = [[rng.randrange(320) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
     steps = [rng.randrange(2, 14) for _ in range(6)]
-    llm = LLM(path, device="cpu", page_size=4, kv_cache_tokens=400, max_running=8, shuffle_pages=seed,
+    llm = LLM(path, device="cpu", page_size=4, max_total_tokens=400, max_running_requests=8,
               compile=False, override="flex,flex,flex-small<=2")
+    llm.allocator.shuffle(seed)
     llm.runner.capture_graphs([1, 2, 4, 8], emulate=True)
     assert sorted(SmallBatchFlex.bound) == [1, 2]
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=s, temperature=0.0) for s in steps])

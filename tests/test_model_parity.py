@@ -50,8 +50,8 @@ def check_against_hf(tmp_path, monkeypatch, arch, tie, page_size, max_batch_toke
     rng = random.Random(seed)
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in lengths]
 
-    llm = LLM(str(tmp_path), device="cpu", page_size=page_size, max_batch_tokens=max_batch_tokens,
-              shuffle_pages=seed, compile=compile)
+    llm = LLM(str(tmp_path), device="cpu", page_size=page_size, max_num_batched_tokens=max_batch_tokens, compile=compile)
+    llm.allocator.shuffle(seed)
     seen = capture_logits(llm, monkeypatch)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))
     for i, prompt in enumerate(prompts):

@@ -14,8 +14,8 @@ PAGE = 16
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny", load_format="dummy", device="cpu", page_size=PAGE, kv_cache_tokens=64 * PAGE,
-               max_running=8, compile=False)
+    return LLM("tiny", load_format="dummy", device="cpu", page_size=PAGE, max_total_tokens=64 * PAGE,
+               max_running_requests=8, compile=False)
 
 
 def requests(llm, rng, lens):

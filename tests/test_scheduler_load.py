@@ -37,15 +37,15 @@ def test_500_requests_under_memory_pressure_match_each_run_alone(model_dir):
     rng = random.Random(seed)
     prompts, params = workload(rng, 500)
     # 24 pages of 4 tokens: a few requests at a time, so the cache is evicted and requests preempted.
-    llm = LLM(path, device="cpu", page_size=4, kv_cache_tokens=96, max_running=12, max_batch_tokens=40,
-              shuffle_pages=seed)
+    llm = LLM(path, device="cpu", page_size=4, max_total_tokens=96, max_running_requests=12, max_num_batched_tokens=40)
+    llm.allocator.shuffle(seed)
     outs = llm.generate(prompts, params)
     stats = llm.stats()
     assert stats["preemptions"] > 0 and stats["evicted_pages"] > 0 and stats["prefix_hit_tokens"] > 0, stats
     assert stats["finished_length"] + stats.get("finished_stop", 0) == len(prompts)
     assert_no_page_leak(llm)
 
-    alone = LLM(path, device="cpu", page_size=4, kv_cache_tokens=4096, max_running=1)
+    alone = LLM(path, device="cpu", page_size=4, max_total_tokens=4096, max_running_requests=1)
     for i, (p, sp, out) in enumerate(zip(prompts, params, outs)):
         ref = alone.generate([p], sp)[0]
         assert out.token_ids == ref.token_ids, f"request {i} (seed={seed}, stats={stats})"
@@ -58,7 +58,7 @@ def test_chunked_prefill_gives_the_same_tokens(model_dir):
     prompts = [[rng.randrange(300) for _ in range(rng.randrange(20, 200))] for _ in range(8)]
     sp = SamplingParams(max_new_tokens=6, temperature=0.0)
     whole = LLM(path, device="cpu", page_size=16).generate(prompts, sp)
-    chunked_llm = LLM(path, device="cpu", page_size=16, max_batch_tokens=24)
+    chunked_llm = LLM(path, device="cpu", page_size=16, max_num_batched_tokens=24)
     chunked = chunked_llm.generate(prompts, sp)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in whole], f"seed={seed}"
     assert chunked_llm.stats()["prefill_steps"] >= sum(len(p) for p in prompts) // 24
@@ -79,7 +79,7 @@ def test_prefix_cache_reuses_pages_and_reports_cached_tokens(model_dir):
 def test_abort_running_and_waiting_requests(model_dir):
     path, seed = model_dir
     rng = random.Random(seed + 3)
-    llm = LLM(path, device="cpu", page_size=8, max_running=2)
+    llm = LLM(path, device="cpu", page_size=8, max_running_requests=2)
     ids = [llm.add_request([rng.randrange(300) for _ in range(10)], SamplingParams(max_new_tokens=30))
            for _ in range(4)]
     outs = {}

@@ -7,12 +7,6 @@ from typing import Any, Protocol
 
 import torch
 
-# The smallest size a compiled prefill step gives each varying dimension (requests, tokens, rows
-# sampled, query blocks): torch.compile specialises a dimension of size 0 or 1, so a batch-1 or
-# one-block prefill after multi-request ones would recompile the whole model (~50 s for
-# Qwen3-0.6B with flex on an H200). The runner and the flex backend pad up to it.
-MIN_COMPILED_SIZE = 2
-
 
 @dataclass
 class ForwardBatch:
@@ -57,7 +51,9 @@ class ForwardBatch:
 
 
 class AttentionBackend(Protocol):
-    """What every backend implements. Constructed as `Backend(pool, num_heads=..., compiled=...)`.
+    """Everything a backend implements, and everything the engine asks of one. Constructed as
+    `Backend(pool, num_heads=..., compiled=...)`; the registry (registry.py) declares what it needs
+    (phases, GPUs, packages, head sizes, dtypes) before it is built.
 
     Decode steps replayed from CUDA graphs use the three graph hooks: capture is
     `bind_graph(bs, static_fb)` then `fill_graph(bs, dummy_fb)` then record; replay is
@@ -67,6 +63,13 @@ class AttentionBackend(Protocol):
 
     name: str
     graphable: bool  # False: say so, and decode runs without graphs
+    # True: a compiled step that runs it recompiles per batch shape (flex's kernels want static
+    # shapes), so decode gets few buckets (flexsgl/compile.py); False: one opaque op, any shape.
+    compiles_per_shape: bool
+
+    @staticmethod
+    def unsupported(page_size: int, device: torch.device) -> str | None:
+        """Why the backend cannot run with pages of this size on this device, or None."""
 
     def prepare(self, fb: ForwardBatch) -> None:
         """Build this step's metadata into fb.attn (eager path)."""

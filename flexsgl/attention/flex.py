@@ -10,7 +10,9 @@ the CPU, compiled, x pool pages: Inductor's CPU kernel wants full-width index ro
 
 The mask_mod is correct on its own over the whole pool (eager flex evaluates it everywhere):
 a KV slot is visible to request b's query row iff its page is b's page at the logical index
-`page_pos[page]`, and its position is not after the query's.
+`page_pos[page]`, and its position is not after the query's. `page_pos[p]` is the logical index page
+p holds in the requests using it (a page shared through a prefix is at the same index in each of
+them); the backend writes it on the device from each step's page table, before the step runs.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexsgl.attention.base import MIN_COMPILED_SIZE, ForwardBatch
-from flexsgl.cache.pool import KVPool
+from flexsgl.attention.base import ForwardBatch
+from flexsgl.cache.pool import DUMMY_PAGE, KVPool
+from flexsgl.compile import MIN_COMPILED_SIZE
 
 Q_BLOCK = 128
 
@@ -49,6 +52,7 @@ class FlexMeta:
 class FlexAttentionBackend:
     name = "flex"
     graphable = True
+    compiles_per_shape = True
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
         """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
@@ -56,8 +60,9 @@ class FlexAttentionBackend:
         self.pool = pool
         self.compiled = compiled
         ps = pool.page_size
+        self.page_pos = torch.zeros(pool.num_pages, dtype=torch.int32, device=pool.device)
         self.kernel_options = None
-        if pool.page_pos.device.type == "cuda" and ps % 128:  # the kernel's KV tile (up to 128) must divide a page
+        if pool.device.type == "cuda" and ps % 128:  # the kernel's KV tile (up to 128) must divide a page
             self.kernel_options = {"BLOCK_N": math.gcd(ps, 64)}
 
     @staticmethod
@@ -72,6 +77,7 @@ class FlexAttentionBackend:
         fb.attn = self.metadata(fb)
 
     def metadata(self, fb: ForwardBatch) -> FlexMeta:
+        self.record_page_positions(fb.page_table)
         if fb.mode == "decode":
             q_len = 1
             # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
@@ -95,6 +101,14 @@ class FlexAttentionBackend:
     def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
         for dst, src in zip(self.graph_meta[bs].step_tensors(), self.metadata(fb).step_tensors()):
             dst.copy_(src)
+
+    def record_page_positions(self, page_table: torch.Tensor) -> None:
+        """page_pos[page_table[b, j]] = j for every entry, on the device. Padding entries all name the
+        dummy page, which padding rows read at index 0."""
+        b, w = page_table.shape
+        logical = torch.arange(w, dtype=torch.int32, device=page_table.device).expand(b, w)
+        self.page_pos.scatter_(0, page_table.reshape(-1).long(), logical.reshape(-1))
+        self.page_pos[DUMMY_PAGE] = 0
 
     def block_mask(self, fb: ForwardBatch, q_len: int) -> tuple[BlockMask, list[torch.Tensor]]:
         ps = self.pool.page_size
@@ -138,7 +152,7 @@ class FlexAttentionBackend:
         ), mask_state
 
     def mask_mod(self, page_table: torch.Tensor, prefix: torch.Tensor):
-        ps, page_pos, w = self.pool.page_size, self.pool.page_pos, page_table.shape[1]
+        ps, page_pos, w = self.pool.page_size, self.page_pos, page_table.shape[1]
 
         def paged_causal(b, h, q_idx, kv_idx):
             page = kv_idx // ps

@@ -26,11 +26,6 @@ class PhaseRouter:
         return self.decode if fb.mode == "decode" else self.prefill
 
 
-def runs_flex(backend) -> bool:
-    """Whether compiled flex serves (part of) this backend's batches: it compiles per shape."""
-    return getattr(backend, "uses_flex", backend.name == "flex")
-
-
 class DecodeBySize:
     """One decode backend over two: `small` takes batches of up to `max_small` requests, `large` the
     rest. Every protocol call goes to the one that owns the batch size, graph hooks included, so a
@@ -41,7 +36,7 @@ class DecodeBySize:
         self.pool = large.pool
         self.name = f"{large.name},{small.name}<={max_small}"
         self.graphable = small.graphable and large.graphable
-        self.uses_flex = "flex" in (small.name, large.name)
+        self.compiles_per_shape = small.compiles_per_shape or large.compiles_per_shape
 
     def owner(self, bs: int):
         return self.small if bs <= self.max_small else self.large

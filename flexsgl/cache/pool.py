@@ -6,10 +6,6 @@ tensor per layer that compiled graphs see: a scatter into that tensor is done in
 scatter through a view of it is functionalised into a copy of the whole cache per layer and step
 (seen on an H200: 2 ms per layer at 1M slots). Page 0 is reserved as the dummy page: padded batch
 rows write there and read only there, so real pages are never touched by padding.
-
-`page_pos[p]` is the logical page index that page p holds in the requests using it (a page shared
-through a prefix is at the same index in each of them). FlexAttention's mask reads it to turn a
-physical KV index back into a position.
 """
 
 from __future__ import annotations
@@ -35,11 +31,13 @@ class OutOfPagesError(RuntimeError):
 class PageAllocator:
     """Free-page bookkeeping on the host. Hands out the lowest free pages first (or shuffled, for tests)."""
 
-    def __init__(self, num_pages: int, shuffle_seed: int | None = None):
+    def __init__(self, num_pages: int):
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, DUMMY_PAGE, -1))  # a stack: pop() gives the lowest page
-        if shuffle_seed is not None:
-            random.Random(shuffle_seed).shuffle(self._free)
+
+    def shuffle(self, seed: int) -> None:
+        """Hand out the free pages in an order shuffled with `seed` (tests: pages in any order)."""
+        random.Random(seed).shuffle(self._free)
 
     @property
     def num_free(self) -> int:
@@ -66,21 +64,11 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device | str):
         self.page_size = page_size
         self.num_pages = num_pages
+        self.device = torch.device(device)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         # Zeroed, not empty: masked slots still enter P @ V as p=0 times v, and 0 * NaN is NaN.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.page_pos = torch.zeros(num_pages, dtype=torch.int32, device=device)
-
-    def set_page_positions(self, pages: list[int], first_index: int) -> None:
-        """Record that `pages` hold logical page indices first_index, first_index + 1, ... (host -> device copy)."""
-        if pages:
-            # From pinned memory: a copy from pageable memory would wait for the device to drain.
-            pin = self.page_pos.device.type == "cuda"
-            idx = torch.tensor(pages, dtype=torch.long, pin_memory=pin)
-            vals = torch.arange(first_index, first_index + len(pages), dtype=torch.int32, pin_memory=pin)
-            dev = self.page_pos.device
-            self.page_pos.index_copy_(0, idx.to(dev, non_blocking=True), vals.to(dev, non_blocking=True))
 
     def store(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None, slots: torch.Tensor) -> None:
         """Write k, v `[tokens, Hkv, D]` into their slots; None: the caller wrote them (the model's

@@ -1,0 +1,84 @@
+"""Compile policy: what the engine compiles, with which torch settings, and at which shapes.
+
+- Prefill steps compile once with dynamic shapes on CUDA. On the CPU, Inductor's flex kernel
+  miscompiles some dynamic shapes (duplicate size symbols) and cannot take fused epilogues
+  (batch 1), so there each shape compiles on its own and nothing is fused after attention.
+- Decode steps pad to a batch bucket (DECODE_BUCKETS / FINE_DECODE_BUCKETS) and CUDA graphs are
+  captured per bucket. A backend that compiles per shape (flex: its split-KV decode kernel wants a
+  static batch) compiles once per bucket and gets few buckets; a kernel override is one opaque op,
+  so one compile with a symbolic batch serves every size and it gets SGLang's finer spacing.
+- No varying dimension of a compiled prefill step is 0 or 1 (MIN_COMPILED_SIZE): torch.compile
+  specialises such a dimension, so a batch-1 or one-block prefill after multi-request ones would
+  recompile the whole model (~50 s for Qwen3-0.6B with flex on an H200). The runner pads requests
+  and sampled rows, flex pads query blocks.
+- Torch settings hold only while a compiled step runs (dynamo traces and recompiles inside the
+  call), not process-wide: a recompile limit for the buckets, and no duck sizing. Duck sizing
+  gives dimensions of equal size one symbol at the first compile, so one that happens to equal a
+  static size is specialised with it and the next step recompiles (on an H200, prefill's 8 query
+  blocks took the 8 KV heads' symbol, a decode batch equal to its token buffer's size took that
+  buffer's).
+
+Compiled artifacts are cached by Inductor and AOTAutograd under torch's cache directory
+(TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_$USER); deleting it clears them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+import torch.fx.experimental._config as fx_config
+
+from flexsgl.log import logger
+
+MIN_COMPILED_SIZE = 2
+# SGLang's spacing for a kernel override: 8 apart to 64, then 16 to 256. A padded row costs its share
+# of every projection, and a batch of 200 padded to 256 wastes 28% of them.
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+FINE_DECODE_BUCKETS = (1, 2, 4, *range(8, 64, 8), *range(64, 256, 16), 256, 320, 384, 448, 512)
+RECOMPILE_LIMIT = 64  # one compile per decode bucket and per prefill shape on the CPU
+
+
+def decode_buckets(compiles_per_shape: bool, max_running: int) -> list[int]:
+    """The batch sizes a decode step pads to, up to max_running."""
+    buckets = DECODE_BUCKETS if compiles_per_shape else FINE_DECODE_BUCKETS
+    return [b for b in buckets if b < max_running] + [max_running]
+
+
+@contextlib.contextmanager
+def settings():
+    """The torch settings compiled steps trace and run under."""
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    with torch._dynamo.config.patch(recompile_limit=limit), fx_config.patch(use_duck_shape=False):
+        yield
+
+
+class CompiledStep:
+    """A step function under torch.compile, run inside `settings()`; logs each compile and how long it took."""
+
+    def __init__(self, fn: Callable, name: str, dynamic: bool, cpu: bool):
+        opts = {"epilogue_fusion": False} if cpu else None
+        self.name = name
+        self.fn = torch.compile(fn, dynamic=dynamic, options=opts)
+        self.compile_s = 0.0  # seconds spent in calls that compiled
+
+    def __call__(self, *args):
+        counts = torch._dynamo.utils.counters["stats"]
+        before = counts["unique_graphs"]
+        t0 = time.perf_counter()
+        with settings():
+            out = self.fn(*args)
+        if counts["unique_graphs"] != before:
+            took = time.perf_counter() - t0
+            self.compile_s += took
+            logger.info(f"compiled the {self.name} step in {took:.1f}s")
+        return out
+
+
+def compile_steps(prefill: Callable, decode: Callable, device: torch.device, decode_compiles_per_shape: bool):
+    """(prefill, decode) step functions compiled by this policy."""
+    cpu = device.type == "cpu"
+    return (CompiledStep(prefill, "prefill", dynamic=not cpu, cpu=cpu),
+            CompiledStep(decode, "decode", dynamic=not cpu and not decode_compiles_per_shape, cpu=cpu))
