@@ -62,7 +62,7 @@ class LLM:
                     f"{dtype_name}, {self.device})")
         self.model = build_model(self.src, self.device, self.dtype, cfg.random_seed)
         self.tokenizer = load_tokenizer(self.src)
-        num_pages = self._num_pages(cfg)
+        num_pages = self._num_pages(cfg, choice.max_pool_elements(self.device))
         self.pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                            self.dtype, self.device)
         self.allocator = PageAllocator(num_pages)
@@ -91,7 +91,7 @@ class LLM:
             return torch.float16 if self.config.torch_dtype == "float16" else torch.bfloat16
         return DTYPES[dtype]
 
-    def _num_pages(self, cfg: EngineConfig) -> int:
+    def _num_pages(self, cfg: EngineConfig, max_elements: int | None) -> int:
         mcfg, ps = self.config, cfg.page_size
         itemsize = torch.tensor([], dtype=self.dtype).element_size()
         per_token = mcfg.kv_bytes_per_token(itemsize)
@@ -105,6 +105,12 @@ class LLM:
                 kv_tokens = int((free * cfg.mem_fraction_static - act) // per_token)
             else:
                 kv_tokens = CPU_DEFAULT_KV_TOKENS
+        if max_elements is not None:  # the attention backends' own limit (e.g. flex's 32-bit indexing)
+            most = (max_elements // (mcfg.num_kv_heads * mcfg.head_dim) // ps - 1) * ps
+            if cfg.max_total_tokens is not None and kv_tokens > most:
+                raise ValueError(f"max_total_tokens {kv_tokens} is more than these attention backends can index "
+                                 f"({most} tokens of this model per pool); lower it.")
+            kv_tokens = min(kv_tokens, most)
         if kv_tokens < ps:
             raise ValueError(f"The KV cache must hold at least one page ({ps} tokens); it would hold "
                              f"{max(kv_tokens, 0)}.")

@@ -53,6 +53,10 @@ class FA3Backend:
         self.pool = pool
 
     @staticmethod
+    def max_pool_elements(device: torch.device) -> int | None:
+        return None
+
+    @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:
         return None
 

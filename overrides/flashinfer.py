@@ -94,6 +94,10 @@ class FlashInferDecodeBackend:
         _BACKENDS[self.handle] = weakref.ref(self)
 
     @staticmethod
+    def max_pool_elements(device: torch.device) -> int | None:
+        return None
+
+    @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:
         return None
 

@@ -179,6 +179,10 @@ class TritonDecodeBackend:
         self.counter = torch.zeros(0, dtype=torch.int32, device=pool.device)
 
     @staticmethod
+    def max_pool_elements(device: torch.device) -> int | None:
+        return None
+
+    @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:
         if page_size < 16 or page_size & (page_size - 1):
             return f"its kernel reads pages of a power-of-two size from 16 tokens, and the page size is {page_size}"

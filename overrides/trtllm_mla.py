@@ -21,6 +21,10 @@ class TrtllmMLABackend:
         raise NotImplementedError(self.unsupported(0, pool.device))
 
     @staticmethod
+    def max_pool_elements(device: torch.device) -> int | None:
+        return None
+
+    @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:
         return ("flexsgl has no MLA model or latent KV pool yet, which TRT-LLM MLA decode needs "
                 "(DeepSeek-V2 support is not built)")

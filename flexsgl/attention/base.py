@@ -71,6 +71,10 @@ class AttentionBackend(Protocol):
     def unsupported(page_size: int, device: torch.device) -> str | None:
         """Why the backend cannot run with pages of this size on this device, or None."""
 
+    @staticmethod
+    def max_pool_elements(device: torch.device) -> int | None:
+        """The most elements one layer's K (or V) pool tensor may hold for this backend (None: any)."""
+
     def prepare(self, fb: ForwardBatch) -> None:
         """Build this step's metadata into fb.attn (eager path)."""
 
