@@ -17,9 +17,12 @@ import random
 
 import pytest
 import torch
+import transformers
+
 
 from flexsgl import LLM, SamplingParams
 from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.model.presets import DEFAULT_MODEL, EMBEDDED, PRESETS
 from tests.hf_models import capture_logits, make_checkpoint
 from tests.test_flex_attention import CASES, run_backend_case
 
@@ -47,24 +50,32 @@ def test_bf16_engine_at_batch_1_tracks_hf(tmp_path, monkeypatch):
 
 
 def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, one_at_a_time=False, **llm_kw):
-    """The compiled bf16 engine, decode replayed from CUDA graphs, against HF float32 and bf16.
-    one_at_a_time: run the prompts one after another (decode at batch 1) instead of together."""
+    """The compiled bf16 engine, decode replayed from CUDA graphs, against HF float32 and bf16, on a
+    tiny random checkpoint of `arch`."""
     seed = random.randrange(1 << 30)
-    hf = make_checkpoint(arch, tmp_path, seed, head_dim=head_dim)
-    hf.config._attn_implementation = "eager"
+    make_checkpoint(arch, tmp_path, seed, head_dim=head_dim)
+    check_tracks_hf(str(tmp_path), monkeypatch, seed, page_size, one_at_a_time,
+                    max_total_tokens=32768, cuda_graph_bs=[1, 2, 8], **llm_kw)
+
+
+def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, **llm_kw):
+    """The bf16 engine on the HF checkpoint at `path` against transformers in float32 and bf16.
+    one_at_a_time: run the prompts one after another (decode at batch 1) instead of together."""
+    hf32, hf16 = (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt).cuda().eval()
+                  for dt in (torch.float32, torch.bfloat16))
+    for hf in (hf32, hf16):
+        hf.config._attn_implementation = "eager"
     rng = random.Random(seed)
-    prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 9, 64, 65, 200, 333)]
+    prompts = [[rng.randrange(hf32.config.vocab_size) for _ in range(n)] for n in (1, 9, 64, 65, 200, 333)]
     steps = 32
-    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", page_size=page_size,
-              max_total_tokens=32768, cuda_graph_bs=[1, 2, 8], **llm_kw)
+    llm = LLM(path, device="cuda", dtype="bfloat16", page_size=page_size, **llm_kw)
     llm.allocator.shuffle(seed)
-    assert llm.compile and sorted(llm.runner.graphs.graphs) == [1, 2, 8]
+    graphs = sorted(llm_kw["cuda_graph_bs"]) if llm_kw.get("cuda_graph_bs") else []
+    assert sorted(llm.runner.graphs.graphs if llm.runner.graphs else []) == graphs
+    assert llm.compile == llm_kw.get("compile", True)
     seen = capture_logits(llm, monkeypatch)
     sp = SamplingParams(max_new_tokens=steps, temperature=0.0)
     outs = [llm.generate(p, sp)[0] for p in prompts] if one_at_a_time else llm.generate(prompts, sp)
-    hf32 = hf.cuda().float()
-    hf16 = make_checkpoint(arch, tmp_path / "copy", seed, head_dim=head_dim).cuda().to(torch.bfloat16)
-    hf16.config._attn_implementation = "eager"
     decisive_steps = 0
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         assert len(out.token_ids) == steps
@@ -85,3 +96,32 @@ def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, 
         assert agree[decisive].all(), f"prompt {i}: greedy token differs where the margin is decisive (seed={seed})"
         decisive_steps += int(decisive.sum())
     assert decisive_steps > 0.5 * steps * len(prompts), f"too few decisive steps to mean anything (seed={seed})"
+
+
+SMALL_MODES = {
+    # eager flex evaluates its mask densely over the pool: a small pool
+    "eager": dict(compile=False, disable_cuda_graph=True, max_total_tokens=32768),
+    "compiled": dict(disable_cuda_graph=True),
+    "compiled+graphs": dict(cuda_graph_bs=[1, 2, 8]),
+}
+
+
+@pytest.mark.parametrize("mode", list(SMALL_MODES))
+@pytest.mark.parametrize("model", ["embedded", "tiny"])
+def test_small_models_through_flex_track_hf(tmp_path, monkeypatch, model, mode):
+    """The embedded model (head_dim 64) and the tiny preset's shapes (head_dim 32) through flex,
+    eager and compiled, with and without CUDA graphs; compiled runs size the pool by default, which
+    flex must keep within what its kernels can index."""
+    seed = random.randrange(1 << 30)
+    if model == "embedded":
+        path = str(EMBEDDED[DEFAULT_MODEL])
+    else:
+        torch.manual_seed(seed)
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**PRESETS["tiny"]["config"]))
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+        hf.save_pretrained(tmp_path)
+        path = str(tmp_path)
+    check_tracks_hf(path, monkeypatch, seed, 64, override="flex", **SMALL_MODES[mode])
