@@ -27,7 +27,7 @@ from common import DEVICE  # noqa: E402
 
 @pytest.fixture(scope="session")
 def bandwidth() -> float:
-    from flexsgl.bench_env import copy_bandwidth
+    from flexsgl.bench import copy_bandwidth
 
     return copy_bandwidth(DEVICE)
 

@@ -21,7 +21,8 @@ from flexsgl.cache.pool import DUMMY_PAGE, KVPool, PageAllocator
 
 if CUDA:  # the DESIGN.md shapes: 32 query / 8 KV heads, d=128, bf16
     HQ, HKV, D, DTYPE, PAGE = 32, 8, 128, torch.bfloat16, 64
-    DECODE = [(1, 4096), (8, 4096), (32, 1024), (32, 4096), (128, 2048)]  # batch x context
+    # batch x context; 64 and 128: either side of where `auto` hands decode from triton-decode to fi-decode
+    DECODE = [(1, 4096), (8, 4096), (32, 1024), (32, 4096), (64, 1536), (128, 2048)]
     PREFILL = [(8, 1024), (4, 4096), (1, 16384)]  # batch x prompt length
     INNER = {"decode": 20, "prefill": 5}
 else:

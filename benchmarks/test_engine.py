@@ -3,7 +3,7 @@
 Each round runs fresh random prompts (no prefix-cache hits) through `flexsgl.bench.timed_pass`,
 which drives the engine's step API with a device synchronize at both ends; the first round (a
 warm-up, on CUDA) compiles the shapes. extra_info carries tokens/s, and for latency TTFT, TPOT and
-the percentage of the decode floor (see flexsgl/bench_env.py).
+the percentage of the decode floor (see flexsgl/bench/roofline.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from common import DEVICE, LATENCY, MODEL, ROUNDS, THROUGHPUT, free_memory
 
 from flexsgl import LLM
 from flexsgl.attention.registry import check_override
-from flexsgl.bench import random_prompts, timed_pass
-from flexsgl.bench_env import decode_floor
+from flexsgl.bench import decode_floor, random_prompts, timed_pass
 
 OVERRIDES = ["flex", "fa3", "fi", "fa3-prefill,fi-decode", "fi-decode", "auto"]  # fi-decode: flex prefill
 

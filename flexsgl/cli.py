@@ -133,7 +133,7 @@ def bench(
 ) -> None:
     """Measure throughput, latency or prefill on one or more attention backends; one table, one column each."""
     from flexsgl import bench as b
-    from flexsgl.bench_report import format_table, write_json
+    from flexsgl.bench import format_table, write_json
 
     args = b.BenchArgs(workload=workload, model=model, load_format=load_format, device=device, dtype=dtype,
                        num_prompts=num_prompts, input_len=input_len, output_len=output_len,

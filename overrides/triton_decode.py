@@ -17,9 +17,9 @@ softmax. The number of splits is fixed per batch size (enough programs for two p
 launch is the same on every replay of a CUDA graph; splits past a short request's last page are
 empty and only count themselves in.
 
-Measured on an H200 inside CUDA graphs (tools/decode_attention_sweep.py --graph): at batch 1,
-Qwen3-8B heads, 1152 tokens, 5.3 µs against FlashInfer's 8.4; level or ahead up to batch 64, 3%
-behind at 128. Inside a real 8B decode step, where the KV comes from DRAM, the gain nearly vanishes
+Measured on an H200, one layer inside CUDA graphs (docs/BENCHMARKS.md): at batch 1, Qwen3-8B
+heads, 1152 tokens, 5.3 µs against FlashInfer's 8.4; level or ahead up to batch 64, 3% behind at
+128 (benchmarks/test_attention_kernels.py times it against the other decode backends). Inside a real 8B decode step, where the KV comes from DRAM, the gain nearly vanishes
 (4.35 -> 4.33 ms per token). `auto` on SM90 gives it decode batches up to 64.
 
 Decode only (one query token per request); it reads the graph manager's page table and lengths

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flexsgl.bench_env import commit
+from flexsgl.bench import commit
 from flexsgl.cli import app
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.presets import PRESETS
@@ -150,7 +150,8 @@ def test_each_engine_is_freed_before_the_next(monkeypatch):
     import gc
     import weakref
 
-    import flexsgl.bench as bench
+    import flexsgl.bench.workloads as workloads
+    from flexsgl import bench
 
     pools = []
     build = bench.build_llm
@@ -161,7 +162,7 @@ def test_each_engine_is_freed_before_the_next(monkeypatch):
         pools.append(weakref.ref(llm.pool))
         return llm
 
-    monkeypatch.setattr(bench, "build_llm", tracked)
+    monkeypatch.setattr(workloads, "build_llm", tracked)  # what run() calls
     args = bench.BenchArgs(workload="throughput", num_prompts=3, input_len="8:16", output_len="2:4",
                            overrides=["flex", "flex"])
     bench.run(bench.plan(args), progress=False)
@@ -169,11 +170,56 @@ def test_each_engine_is_freed_before_the_next(monkeypatch):
     assert len(pools) == 2 and pools[-1]() is None
 
 
+def git(cwd, *args) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
 def test_commit_from_environment(monkeypatch):
     monkeypatch.setenv("FLEXSGL_COMMIT", "abc123")
     assert commit() == "abc123"
-    monkeypatch.delenv("FLEXSGL_COMMIT")
-    assert commit()  # a git hash here, or "unknown" in a tree without .git
+
+
+def test_commit_of_this_checkout_is_git_head(monkeypatch):
+    monkeypatch.delenv("FLEXSGL_COMMIT", raising=False)
+    import flexsgl
+
+    root = Path(flexsgl.__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip(f"flexsgl is imported from {root}, which is no git checkout")
+    dirty = git(root, "status", "--porcelain", "--untracked-files=no")
+    assert commit() == git(root, "rev-parse", "HEAD") + ("-dirty" if dirty else "")
+
+
+def commit_in(folder: Path, monkeypatch) -> str:
+    """commit() of a copy of flexsgl/bench/machine.py placed in `folder`, git looking no higher."""
+    import importlib.util
+
+    import flexsgl.bench.machine as machine
+
+    copy = folder / "machine_copy.py"
+    copy.write_text(Path(machine.__file__).read_text())
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(folder.parent))
+    spec = importlib.util.spec_from_file_location("machine_copy", copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.commit()
+
+
+def test_commit_follows_head_and_tracked_changes(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLEXSGL_COMMIT", raising=False)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    assert commit_in(repo, monkeypatch) == "unknown"  # no .git here or above
+    git(repo, "init", "-q")
+    (repo / "tracked.txt").write_text("one\n")
+    git(repo, "add", "tracked.txt")
+    git(repo, "commit", "-q", "-m", "first")
+    head = git(repo, "rev-parse", "HEAD")
+    (repo / "untracked.txt").write_text("not counted\n")
+    assert commit_in(repo, monkeypatch) == head  # the copy itself is untracked too
+    (repo / "tracked.txt").write_text("two\n")
+    assert commit_in(repo, monkeypatch) == head + "-dirty"
 
 
 def test_benchmarks_folder_runs():

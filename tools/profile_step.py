@@ -1,71 +1,235 @@
-"""Profile decode steps of a dummy-weight preset: the kernels one step runs, and host vs device time.
+"""Where a step's time goes: host phases against device time per step, and the kernels of a few steps.
 
-Prefill and warm-up stay outside the profiled window: it opens once every request has decoded a
-few tokens and covers `--steps` decode steps. The table lists kernels by device time; the summary
-gives device time per step (kernels summed) against wall time per step.
+Runs one `flexsgl bench` workload (throughput or latency, with its sizes, seeds and defaults, on the
+engine `flexsgl bench` builds) on one backend: a warm-up pass, then a pass with timers around the
+engine's phases and CUDA events around each launched step:
 
-    python tools/profile_step.py --model qwen3-8b --override fa3-prefill,fi-decode --batch 1 --steps 20
+    schedule  the scheduler picks the batch                                        (host)
+    build     the runner packs and uploads its inputs                              (host, inside launch)
+    launch    runner.run: build + graph replay or compiled call + sampling launch  (host)
+    wait      reading the previous step's tokens: the host blocked on the device
+    process   handing tokens to requests                                           (host)
+    gpu       device time from the step's first to its last queued op              (CUDA events)
+
+It prints ms per step by mode and batch band. With `wait` near zero the host sets the pace (host =
+schedule + launch + process); with a large `wait` the device does. Steps whose launch took longer
+than --slow seconds (compiles happen there) are listed with their shape; TORCH_LOGS=recompiles says
+why they compiled. With --profile-steps N, a third pass runs under torch.profiler from its K-th step
+of MODE (--profile-at MODE:K) for N steps of MODE, and its kernels are printed by device time and
+by host time, with device time per step (kernels summed) against wall time per step.
+
+    python tools/profile_step.py --model qwen3-0.6b --profile-steps 10     # throughput; decode near batch 228
+    python tools/profile_step.py --model qwen3-0.6b --profile-steps 1 --profile-at prefill:3
+    python tools/profile_step.py --model qwen3-8b --workload latency --profile-steps 20 --profile-at decode:8
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
+from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from flexsgl import LLM, SamplingParams
+from flexsgl.bench import (BenchArgs, build_llm, copy_bandwidth, decode_floor, freeze_heap, plan, random_prompts,
+                           sync, throughput_requests)
 from flexsgl.kernels.launch import pdl
+from flexsgl.runner import StepOutput
+
+SIZE_BANDS = (1, 32, 64, 128, 192, 257, 10**9)
+PHASES = ("schedule", "build", "launch", "wait", "process", "wall")
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def band(n: int) -> str:
+    return f"{max(b for b in SIZE_BANDS if b <= n)}-{min(b for b in SIZE_BANDS if b > n) - 1}"
+
+
+class Timers:
+    """Per-step phase times; `cur` collects the phases of the step in progress."""
+
+    def __init__(self, llm):
+        self.cur: dict = defaultdict(float)
+        self.steps: list[dict] = []
+        self.events: list[tuple] = []
+        self._time(llm.scheduler, "schedule")
+        self._time(llm.runner, "build")
+        self._time(llm.scheduler, "process")
+        self._time(StepOutput, "tokens", key="wait")
+        run, cuda = llm.runner.run, llm.device.type == "cuda"
+
+        def timed_run(batch):
+            start = end = None
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t = time.perf_counter()
+            out = run(batch)
+            self.cur["launch"] += time.perf_counter() - t
+            if cuda:
+                end.record()
+            self.cur.update(mode=batch.mode, n=len(batch.requests), tokens=sum(batch.num_new))
+            self.events.append((start, end))
+            return out
+
+        llm.runner.run = timed_run
+
+    def _time(self, owner, name: str, key: str | None = None) -> None:
+        f = getattr(owner, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            out = f(*a, **k)
+            self.cur[key or name] += time.perf_counter() - t
+            return out
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.steps, self.events = [], []
+
+    def step(self, llm) -> None:
+        self.cur = defaultdict(float)
+        t = time.perf_counter()
+        llm.step()
+        self.cur["wall"] = time.perf_counter() - t
+        self.steps.append(dict(self.cur))
+
+    def gpu_times(self) -> list[float | None]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1e3 if s is not None else None for s, e in self.events]
+
+
+def run_pass(llm, timers, prompts, out_lens, label: str, slow: float, profile_steps=0, profile_at=("decode", 1)):
+    """Run the requests to completion, timing every step. With profile_steps, profile from just before
+    the profile_at[1]-th step of that mode until profile_steps steps of it ran; returns the profile."""
+    from flexsgl import SamplingParams
+
+    for prompt, n in zip(prompts, out_lens):
+        llm.add_request(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+    timers.reset()
+    prof, done, mode, k = None, None, *profile_at
+    seen: dict = defaultdict(int)
+    freeze_heap()  # as flexsgl bench's timed pass does
+    sync(llm.device)
+    t0 = time.perf_counter()
+    while llm.has_unfinished:
+        if profile_steps and prof is None and done is None and seen[mode] == k - 1:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
+            prof, first, t_prof = profile(activities=acts), len(timers.steps), time.perf_counter()
+            prof.__enter__()
+        timers.step(llm)
+        seen[timers.steps[-1].get("mode")] += 1
+        if prof is not None and seen[mode] == k - 1 + profile_steps:
+            sync(llm.device)
+            prof.__exit__(None, None, None)
+            n = len(timers.steps) - first
+            done, prof = (prof, n, (time.perf_counter() - t_prof) / n), None
+    sync(llm.device)
+    wall = time.perf_counter() - t0
+    print(f"{label}: {wall:.2f} s, {len(timers.steps)} steps", flush=True)
+    for i, s in enumerate(timers.steps):
+        if s.get("launch", 0.0) > slow:
+            print(f"    step {i} {s['mode']} batch {s['n']}, {s['tokens']} tokens: launch {s['launch']:.2f} s",
+                  flush=True)
+    return wall, done
+
+
+def summarize(steps, gpu) -> None:
+    rows = defaultdict(list)
+    for s, g in zip(steps, gpu):
+        if "mode" in s:
+            rows[(s["mode"], band(s["n"]) if s["mode"] == "decode" else "-")].append((s, g))
+    print(f"\n{'mode':<8} {'batch':>8} {'steps':>6} " + " ".join(f"{k:>8}" for k in PHASES)
+          + f" {'host':>8} {'gpu':>8} {'total s':>8}   (ms per step, mean)")
+    for (mode, b), items in sorted(rows.items(), key=lambda kv: (kv[0][0], int(kv[0][1].split("-")[0] or 0))):
+        mean = {k: 1e3 * statistics.mean(s.get(k, 0.0) for s, _ in items) for k in PHASES}
+        g = [x for _, x in items if x is not None]
+        gms = 1e3 * statistics.mean(g) if g else float("nan")
+        print(f"{mode:<8} {b:>8} {len(items):>6} " + " ".join(f"{mean[k]:>8.3f}" for k in PHASES)
+              + f" {mean['schedule'] + mean['launch'] + mean['process']:>8.3f} {gms:>8.3f}"
+              + f" {sum(s['wall'] for s, _ in items):>8.2f}")
+
+
+def print_profile(llm, done, rows: int) -> None:
+    prof, n, wall = done
+    cuda = llm.device.type == "cuda"
+    events = prof.key_averages()
+    print(f"\nkernels of {n} profiled steps, by {'device' if cuda else 'host'} time:")
+    print(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows,
+                       max_name_column_width=70))
+    if not cuda:
+        return
+    print("\nthe same steps by host time (where launching them goes):")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70))
+    kernels = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"{llm.backends.label}: device time {kernels / 1e3 / n:.3f} ms per step (kernels summed), "
+          f"wall {1e3 * wall:.3f} ms per step under the profiler")
+    if pdl(llm.device):
+        print("flexsgl's kernels launch with PDL (flexsgl/kernels/launch.py): each starts while the one before "
+              "runs, so their durations include that wait and the sum overstates device time; "
+              "FLEXSGL_PDL=0 gives a per-kernel breakdown")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--override", default="auto")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--graphs", choices=["on", "off"], default="on")
-    ap.add_argument("--kv-cache-tokens", type=int, default=65536)
+    ap.add_argument("--workload", choices=["throughput", "latency"], default="throughput")
+    for name in ("num-prompts", "batch-size", "max-running", "max-batch-tokens", "kv-cache-tokens"):
+        ap.add_argument(f"--{name}", type=int, help="as flexsgl bench's")
+    ap.add_argument("--input-len", help="as flexsgl bench's")
+    ap.add_argument("--output-len", help="as flexsgl bench's")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slow", type=float, default=0.3, help="list steps whose launch took longer (seconds)")
+    ap.add_argument("--profile-steps", type=int, default=0)
+    ap.add_argument("--profile-at", default="decode:200", help="MODE:K, the step of MODE the profile starts at")
     ap.add_argument("--rows", type=int, default=25)
-    args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    llm = LLM(args.model, load_format="dummy", override=args.override, kv_cache_tokens=args.kv_cache_tokens,
-              max_running=args.batch, graph_batch_sizes=[args.batch] if cuda and args.graphs == "on" else None,
-              cuda_graphs=cuda and args.graphs == "on", progress=lambda m: print("  ", m, flush=True))
-    rng = random.Random(0)
-    fresh = lambda: [[rng.randrange(llm.config.vocab_size) for _ in range(args.prompt_len)]  # noqa: E731
-                     for _ in range(args.batch)]
-    llm.generate(fresh(), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))  # compile
-    sp = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
-    ids = [llm.add_request(p, sp) for p in fresh()]
-    for _ in range(8):  # prefill, then a few decode steps
-        llm.step()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
-    with profile(activities=acts) as prof:
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            llm.step()
-        sync()
-        wall = time.perf_counter() - t
-    while llm.has_unfinished:
-        llm.step()
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    events = prof.key_averages()
-    print(events.table(sort_by=key, row_limit=args.rows, max_name_column_width=80))
-    if cuda:
-        kernels = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-        print(f"{llm.backends.label}, graphs {args.graphs}, batch {args.batch}, context ~{args.prompt_len}: "
-              f"device time {kernels / 1e3 / args.steps:.3f} ms per step (kernels summed), "
-              f"wall {1e3 * wall / args.steps:.3f} ms per step under the profiler, {len(ids)} requests")
-        if pdl(torch.device("cuda")):
-            print("flexsgl's kernels launched with PDL (flexsgl/kernels/launch.py): each starts while the one before "
-                  "runs, so their durations include that wait and the sum overstates device time; "
-                  "FLEXSGL_PDL=0 gives a per-kernel breakdown")
+    a = ap.parse_args()
+    mode, _, k = a.profile_at.partition(":")
+    if mode not in ("decode", "prefill") or not k.isdigit() or int(k) < 1:
+        ap.error(f"--profile-at takes decode:K or prefill:K with K >= 1, got {a.profile_at!r}")
+    args = BenchArgs(workload=a.workload, model=a.model, overrides=[a.override], num_prompts=a.num_prompts,
+                     input_len=a.input_len, output_len=a.output_len, batch_size=a.batch_size,
+                     max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
+                     kv_cache_tokens=a.kv_cache_tokens, cuda_graphs=a.cuda_graphs, seed=a.seed)
+    try:
+        p = plan(args)
+    except ValueError as e:
+        ap.error(str(e))
+    llm = build_llm(p, a.override, lambda m: print("  ", m, flush=True))
+    vocab = llm.config.vocab_size
+    if a.workload == "throughput":
+        in_lens, out_lens, prompts, warm = throughput_requests(a.seed, p.num_prompts, p.input_range, p.output_range,
+                                                               vocab)
+        third = random_prompts(random.Random(a.seed + 2), in_lens, vocab)
+    else:
+        b, n_in, n_out = p.batch_size, p.input_range[0], p.output_range[0]
+        rng = random.Random(a.seed)
+        out_lens = [n_out] * b
+        warm, prompts, third = (random_prompts(rng, [n_in] * b, vocab) for _ in range(3))
+    timers = Timers(llm)
+    run_pass(llm, timers, warm, out_lens, "warm-up pass", a.slow)
+    wall, _ = run_pass(llm, timers, prompts, out_lens, "timed pass", a.slow)
+    gpu = timers.gpu_times()
+    busy = sum(g for g in gpu if g is not None)
+    print(f"{sum(out_lens) / wall:,.0f} output tok/s" + (f", device busy {busy:.2f} s ({100 * busy / wall:.0f}% of wall)"
+                                                         if busy else ""))
+    if a.workload == "latency":
+        floor = decode_floor(llm, p.batch_size, n_in + n_out / 2, copy_bandwidth(llm.device))["floor_tpot_s"]
+        print(f"decode floor {1e3 * floor:.3f} ms per step (weights and KV read over the copy bandwidth)")
+    summarize(timers.steps, gpu)
+    if a.profile_steps:
+        _, done = run_pass(llm, timers, third, out_lens, "profiled pass", a.slow, a.profile_steps, (mode, int(k)))
+        if done is None:
+            print(f"the pass ended before step {k} of {mode}: nothing profiled")
+        else:
+            print_profile(llm, done, a.rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,154 @@
+"""What a `flexsgl bench` run is asked for (BenchArgs, as the command line gave it), checked and
+resolved into a Plan before anything loads.
+
+- throughput (offline): N requests, input and output lengths drawn uniformly from ranges, random
+  token ids from a fixed seed, EOS ignored.
+- latency: one batch of fixed prompt and output length.
+- prefill: time to first token of one long prompt, per prompt length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+WORKLOADS = ("throughput", "latency", "prefill")
+# Defaults sized for a GPU; the tiny preset on a CPU wants small values on the command line.
+DEFAULTS = {
+    "throughput": {"num_prompts": 256, "input_len": "100:1024", "output_len": "100:1024"},
+    "latency": {"batch_size": 1, "input_len": "1024", "output_len": "256", "repeats": 3},
+    "prefill": {"input_len": "4096,16384", "repeats": 3},
+}
+APPLIES = {"num_prompts": ("throughput",), "batch_size": ("latency",), "repeats": ("latency", "prefill"),
+           "output_len": ("throughput", "latency")}
+DEFAULT_MODEL = "tiny"
+
+
+@dataclass
+class BenchArgs:
+    """What the command line gave; None means the workload's default."""
+
+    workload: str = "throughput"
+    model: str | None = None
+    load_format: str | None = None  # None: dummy for a preset (timings do not depend on weight values)
+    device: str | None = None
+    dtype: str = "auto"
+    num_prompts: int | None = None
+    input_len: str | None = None
+    output_len: str | None = None
+    batch_size: int | None = None
+    repeats: int | None = None
+    overrides: list[str] = field(default_factory=list)
+    page_size: int = 64
+    kv_cache_tokens: int | None = None
+    max_running: int | None = None
+    max_batch_tokens: int | None = None
+    compile: bool | None = None
+    cuda_graphs: bool | None = None
+    seed: int = 0
+
+
+@dataclass
+class Plan:
+    """Checked and resolved arguments: everything a run needs, nothing loaded yet."""
+
+    args: BenchArgs
+    model: str
+    load_format: str
+    device: str
+    overrides: list[str]  # as given
+    backends: list[str]  # what each resolves to here
+    num_prompts: int = 0
+    input_range: tuple[int, int] = (0, 0)
+    output_range: tuple[int, int] = (0, 0)
+    prefill_lens: list[int] = field(default_factory=list)
+    batch_size: int = 0
+    repeats: int = 0
+
+
+def parse_range(text: str, what: str) -> tuple[int, int]:
+    """'MIN:MAX' or 'N' (= N:N) into (MIN, MAX), or ValueError in one sentence."""
+    parts = text.split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
+    except ValueError:
+        lo = hi = None
+    if lo is None or lo < 1 or hi < lo:
+        raise ValueError(f"{what} {text!r} should be N or MIN:MAX with 1 <= MIN <= MAX, e.g. 100:1024.")
+    return lo, hi
+
+
+def parse_lengths(text: str, what: str) -> list[int]:
+    """'4096,16384' into [4096, 16384], or ValueError in one sentence."""
+    try:
+        lens = [int(p) for p in text.split(",")]
+    except ValueError:
+        lens = []
+    if not lens or min(lens) < 1:
+        raise ValueError(f"{what} {text!r} should be one or more positive lengths, e.g. 4096,16384.")
+    return lens
+
+
+def plan(args: BenchArgs) -> Plan:
+    """Check every argument and every override before anything loads; ValueError says what is wrong."""
+    from flexsgl.attention.registry import resolve_override
+    from flexsgl.model.presets import PRESETS
+    from flexsgl.model.loader import resolve
+
+    w = args.workload
+    if w not in WORKLOADS:
+        raise ValueError(f"Unknown workload {w!r}; choose one of {', '.join(WORKLOADS)}.")
+    for name, workloads in APPLIES.items():
+        if getattr(args, name) is not None and w not in workloads:
+            raise ValueError(f"--{name.replace('_', '-')} does not apply to the {w} workload "
+                             f"(it applies to {', '.join(workloads)}).")
+    for name in ("num_prompts", "batch_size", "repeats", "max_running", "max_batch_tokens", "kv_cache_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
+    d = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in DEFAULTS[w].items()}
+    model = args.model or DEFAULT_MODEL
+    load_format = args.load_format or ("dummy" if model in PRESETS else "auto")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"Unknown device {device!r}; use cpu or cuda.")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("Device 'cuda' was asked for, but this machine has no CUDA GPU.")
+    if args.page_size < 1:
+        raise ValueError(f"--page-size must be at least 1, got {args.page_size}.")
+    overrides = args.overrides or ["auto"]
+    # Every override, with this page size, before anything runs: a later one cannot fail after an earlier ran.
+    backends = [resolve_override(o, torch.device(device), "gqa", args.page_size).label for o in overrides]
+    p = Plan(args, model, load_format, device, overrides, backends)
+    if w == "throughput":
+        p.num_prompts = d["num_prompts"]
+        p.input_range = parse_range(d["input_len"], "--input-len")
+        p.output_range = parse_range(d["output_len"], "--output-len")
+        longest = p.input_range[1] + p.output_range[1]
+    elif w == "latency":
+        p.batch_size, p.repeats = d["batch_size"], d["repeats"]
+        p.input_range = _fixed(d["input_len"], "--input-len", w)
+        p.output_range = _fixed(d["output_len"], "--output-len", w)
+        if p.output_range[0] < 2:
+            raise ValueError("The latency workload needs --output-len of at least 2 to time decode steps.")
+        if args.max_running is not None and args.max_running < p.batch_size:
+            raise ValueError(f"--batch-size ({p.batch_size}) is above --max-running ({args.max_running}), "
+                             "the most requests that run at once; raise --max-running.")
+        longest = p.input_range[1] + p.output_range[1]
+    else:
+        p.repeats = d["repeats"]
+        p.prefill_lens = parse_lengths(d["input_len"], "--input-len")
+        longest = max(p.prefill_lens) + 1
+    ctx = resolve(model, load_format).config.max_position  # reads a config; loads no weights
+    if longest > ctx:
+        raise ValueError(f"The longest request ({longest} tokens with its output) exceeds the context of "
+                         f"{model} ({ctx} tokens); pass smaller --input-len/--output-len.")
+    return p
+
+
+def _fixed(text: str, what: str, workload: str) -> tuple[int, int]:
+    lo, hi = parse_range(text, what)
+    if lo != hi:
+        raise ValueError(f"The {workload} workload takes one {what}, e.g. 512, not a range ({text!r}).")
+    return lo, hi

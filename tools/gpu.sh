@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The GPU work of one device call. Run from the repository root on a machine staged as
+# ../shared/gpu/README.md says (the kernels flexsgl overrides with, unpacked into /tmp/site): it
+# installs flexsgl offline, records the machine and its attention backends, then runs the named
+# steps in order, each under its own time limit, logs and JSON in $OUT, and prints each step's
+# headline lines last. A device call runs at most 600 s: pick steps whose limits (below) sum to
+# less, e.g. `check`, `latency throughput`, `prefill suite-kernels`.
+#
+#   tests          the GPU tests (`pytest -m gpu`): all of them, or what follows `--`
+#   check          the batch-1 kernels against float64 and the engine against HF on every backend
+#                  (155 tests, ~280 s on a warm machine; not the 8B, flex-kernel and split-KV cases)
+#   latency        flexsgl bench latency, Qwen3-8B dummy, batch 1 (--override flags in $OVERRIDES)
+#   throughput     flexsgl bench throughput, Qwen3-0.6B dummy, the default workload
+#   repeat         the throughput run in five fresh processes, one figure each: one run is good to
+#                  ~2% across machines; on a fresh machine the first compiles and may be cut at 110 s
+#   prefill        flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
+#   suite-kernels  benchmarks/ attention kernels and the HF peers (pytest-benchmark)
+#   suite-engine   benchmarks/test_engine.py for the backends $SUITE_BACKENDS selects (a -k expression;
+#                  default fa3, fi and fa3-prefill,fi-decode). A row with flex prefill spends ~60 s
+#                  compiling prefill: run the flex rows on their own, SUITE_BACKENDS=flex (~400 s)
+#   profile        tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step
+#   gemv           tools/gemv_bench.py --chain-sweep: an 8B's projections from one graph, tiles per projection
+#
+# The suite steps stop with SIGINT at their limit; a compile it interrupts fails as
+# BackendCompilerFailed ("Attempted to unset ProxyTorchDispatchMode"), which hides the SIGINT. They
+# also write each benchmark as it finishes to $OUT/benchmarks-*.jsonl (benchmarks/conftest.py), as
+# pytest-benchmark writes its own JSON only at the end.
+#
+# Usage: FLEXSGL_COMMIT=<commit> bash tools/gpu.sh STEP... [-- PYTEST_ARGS...]
+#   (the tree travels without .git, so the reports take the commit from FLEXSGL_COMMIT), e.g.
+#   bash tools/gpu.sh tests -- tests/test_triton_decode.py -k "not 8b"
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+OUT=${OUT:-/tmp/flexsgl-out}; mkdir -p "$OUT"
+steps=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do steps+=("$1"); shift; done
+[ $# -gt 0 ] && shift
+[ ${#steps[@]} -gt 0 ] || steps=(check)
+python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  python -c "import flashinfer, sgl_kernel; print('flashinfer', flashinfer.__version__, 'sgl_kernel', sgl_kernel.__version__)"
+  python -m flexsgl.cli backends
+} >"$OUT/machine.txt" 2>&1
+# Progress bars redraw with carriage returns: split them off, so the line a bar shares with the
+# next message does not take that message with it.
+quiet() { tr '\r' '\n' | grep -v -E "capturing|loaded |it/s\]|tok/s\]|^ *$"; }
+BENCH=(python -m flexsgl.cli bench)  # the image's python: the console script pip writes there has no torch
+suite() {  # NAME, then pytest's arguments
+  local name=$1; shift
+  FLEXSGL_BENCH_LINES="$OUT/benchmarks-$name.jsonl" timeout -s INT "$LIMIT" python -m pytest -q -p no:cacheprovider \
+    "$@" --benchmark-json="$OUT/benchmarks-$name.json" --benchmark-columns=median,rounds
+}
+declare -A LIMITS=([tests]=580 [check]=420 [latency]=270 [throughput]=240 [repeat]=590 [prefill]=240
+                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240)
+for s in "${steps[@]}"; do
+  LIMIT=${LIMITS[$s]:-300}; t0=$SECONDS
+  echo "== $s (limit $LIMIT s)"
+  case $s in
+    tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs "${@:-tests}" ;;
+    check) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu_gemv.py \
+             tests/test_rope_store.py tests/test_gpu.py tests/test_gpu_overrides.py \
+             -k "gemv or fused or batch_1 or tracks_hf or kernel_matches" ;;
+    latency) timeout "$LIMIT" "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 2 ${OVERRIDES:-} \
+               --json "$OUT/latency.json" ;;
+    throughput) timeout "$LIMIT" "${BENCH[@]}" --workload throughput --model qwen3-0.6b --json "$OUT/throughput.json" ;;
+    repeat) for i in 1 2 3 4 5; do
+              timeout 110 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --json "$OUT/repeat-$i.json" 2>&1 \
+                | grep -E "^output tok/s" | sed "s/^/process $i: /"
+            done ;;
+    prefill) timeout "$LIMIT" "${BENCH[@]}" --workload prefill --model qwen3-8b --max-batch-tokens 16384 \
+               --json "$OUT/prefill.json" ;;
+    suite-kernels) suite kernels benchmarks/test_attention_kernels.py benchmarks/test_peers.py ;;
+    suite-engine) suite engine benchmarks/test_engine.py -k "${SUITE_BACKENDS:-fa3 or (fi and not decode)}" ;;
+    profile) timeout "$LIMIT" python tools/profile_step.py --model qwen3-8b --workload latency --profile-steps 20 \
+               --profile-at decode:8 --rows 30 ;;
+    gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ;;
+    *) echo "unknown step $s"; false ;;
+  esac 2>&1 | quiet | tee "$OUT/$s.log"
+  echo "== $s: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+done
+echo; echo "== machine"; cat "$OUT/machine.txt"
+echo "== summary"; cat "$OUT/summary.txt"
+for s in "${steps[@]}"; do
+  log="$OUT/$s.log"
+  case $s in
+    tests|check) grep -E "passed|failed|error" "$log" | tail -3 ;;
+    latency|throughput|repeat|prefill) grep -E "^process [0-9]|\[flexsgl bench\] [a-z0-9,<=-]+: " "$log" | tail -6 ;;
+    profile) grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time|decode floor" "$log" ;;
+    gemv) tail -12 "$log" ;;
+  esac
+done
+for f in "$OUT"/benchmarks-*.jsonl; do
+  [ -f "$f" ] && python - "$f" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    figs = {k: round(v, 1) for k, v in r["extra_info"].items() if isinstance(v, float)}
+    print(f'{r["name"]:<50} {r["median_s"] * 1e3:10.3f} ms  {figs}')
+PY
+done
+true  # the steps' own exit codes are in the summary above
