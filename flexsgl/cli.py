@@ -103,43 +103,32 @@ def generate(
 
 
 @app.command()
+@engine_options(exclude=("override", "random_seed"))
 def bench(
     workload: str = typer.Option("throughput", help="throughput (offline), latency (TTFT, TPOT, % of the "
                                  "decode floor) or prefill (TTFT of long prompts)."),
-    model: str = typer.Option(None, help="Preset, local HF model directory or hub id (default: the tiny preset)."),
-    load_format: str = typer.Option(None, help="auto, safetensors or dummy (default: dummy for a preset, "
-                                    "auto otherwise; timings do not depend on weight values)."),
-    device: str = typer.Option(None, help="cuda or cpu (default: cuda when there is one)."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     num_prompts: int = typer.Option(None, help="throughput: requests (default 256)."),
     input_len: str = typer.Option(None, help="Prompt tokens. throughput: MIN:MAX (default 100:1024); "
-                                  "latency: N (default 1024); prefill: N[,N...] (default 4096,16384)."),
+                                  "latency: N (default 1024); prefill: N[,N...] (default 4096,16384); "
+                                  "defaults are cut to fit a shorter context."),
     output_len: str = typer.Option(None, help="Output tokens, EOS ignored. throughput: MIN:MAX (default "
                                    "100:1024); latency: N (default 256)."),
     batch_size: int = typer.Option(None, help="latency: requests decoded together (default 1)."),
     repeats: int = typer.Option(None, help="latency, prefill: timed passes after the warm-up (default 3)."),
     override: list[str] = typer.Option(None, help="Attention backend(s); repeat to compare, e.g. "
                                        "--override flex --override fa3-prefill,fi-decode (default: auto)."),
-    page_size: int = typer.Option(64, help="Tokens per KV page."),
-    kv_cache_tokens: int = typer.Option(None, help="KV cache size in tokens (default: sized from free memory)."),
-    max_running: int = typer.Option(None, help="Most requests running at once (default: the engine's; "
-                                    "for latency, the batch size)."),
-    max_batch_tokens: int = typer.Option(None, help="Most tokens per prefill step (default: the engine's)."),
-    compile: bool = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: on CUDA)."),
-    cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
-                                     help="Capture decode steps as CUDA graphs (default: the engine's)."),
     seed: int = typer.Option(0, help="Seed of the random prompts and lengths (and of dummy weights)."),
     json_path: str = typer.Option(None, "--json", help="Also write every figure, the machine and the arguments here."),
+    *, engine: EngineConfig,
 ) -> None:
-    """Measure throughput, latency or prefill on one or more attention backends; one table, one column each."""
+    """Measure throughput, latency or prefill on one or more attention backends; one table, one column
+    each. A preset runs with dummy weights unless --load-format says otherwise."""
     from flexsgl import bench as b
     from flexsgl.bench import format_table, write_json
 
-    args = b.BenchArgs(workload=workload, model=model, load_format=load_format, device=device, dtype=dtype,
-                       num_prompts=num_prompts, input_len=input_len, output_len=output_len,
-                       batch_size=batch_size, repeats=repeats, overrides=list(override or []),
-                       page_size=page_size, kv_cache_tokens=kv_cache_tokens, max_running=max_running,
-                       max_batch_tokens=max_batch_tokens, compile=compile, cuda_graphs=cuda_graphs, seed=seed)
+    args = b.BenchArgs(workload=workload, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+                       batch_size=batch_size, repeats=repeats, overrides=list(override or []), seed=seed,
+                       engine=engine)
     if json_path and not os.path.isdir(os.path.dirname(os.path.abspath(json_path))):
         fail(f"The folder of --json {json_path!r} does not exist.")
     try:

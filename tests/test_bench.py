@@ -156,8 +156,8 @@ def test_each_engine_is_freed_before_the_next(monkeypatch):
     pools = []
     build = bench.build_llm
 
-    def tracked(p, override, say):
-        llm = build(p, override, say)
+    def tracked(p, override):
+        llm = build(p, override)
         assert all(ref() is None for ref in pools), "the previous engine's KV pool is still alive"
         pools.append(weakref.ref(llm.pool))
         return llm

@@ -67,7 +67,7 @@ for s in "${steps[@]}"; do
               timeout 110 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --json "$OUT/repeat-$i.json" 2>&1 \
                 | grep -E "^output tok/s" | sed "s/^/process $i: /"
             done ;;
-    prefill) timeout "$LIMIT" "${BENCH[@]}" --workload prefill --model qwen3-8b --max-batch-tokens 16384 \
+    prefill) timeout "$LIMIT" "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 \
                --json "$OUT/prefill.json" ;;
     suite-kernels) suite kernels benchmarks/test_attention_kernels.py benchmarks/test_peers.py ;;
     suite-engine) suite engine benchmarks/test_engine.py -k "${SUITE_BACKENDS:-fa3 or (fi and not decode)}" ;;
@@ -84,7 +84,7 @@ for s in "${steps[@]}"; do
   log="$OUT/$s.log"
   case $s in
     tests|check) grep -E "passed|failed|error" "$log" | tail -3 ;;
-    latency|throughput|repeat|prefill) grep -E "^process [0-9]|\[flexsgl bench\] [a-z0-9,<=-]+: " "$log" | tail -6 ;;
+    latency|throughput|repeat|prefill) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=-]+: (output|TTFT)" "$log" | tail -6 ;;
     profile) grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time|decode floor" "$log" ;;
     gemv) tail -12 "$log" ;;
   esac

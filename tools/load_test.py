@@ -2,12 +2,12 @@
 preemption. Checks every request finishes, no page leaks, and (with --check-alone) that greedy
 outputs equal the same requests run one at a time; prints the scheduler's counters.
 
-    python tools/load_test.py --model qwen3-0.6b --requests 500 --kv-cache-tokens 8192 --check-alone 100
+    python tools/load_test.py --model qwen3-0.6b --requests 500 --max-total-tokens 8192 --check-alone 100
 
 Preemption needs requests that grow by several pages while running (max-new well above the page
 size): with --max-new 32 and 64-token pages the admission headroom absorbs all growth and the
 cache is only evicted. On the CPU, `--model tiny --requests 40 --max-prompt 64 --max-new 64
---kv-cache-tokens 256 --page-size 16 --max-running 8 --check-alone 10` preempts 5 times.
+--max-total-tokens 256 --page-size 16 --max-running-requests 8 --check-alone 10` preempts 5 times.
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ def main():
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--kv-cache-tokens", type=int, default=8192)
+    ap.add_argument("--max-total-tokens", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--check-alone", type=int, default=0, metavar="N",
                     help="compare the first N requests' outputs with lone runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     args = ap.parse_args()
-    llm = LLM(args.model, load_format="dummy", dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
-              page_size=args.page_size, max_running=args.max_running, compile=args.compile, progress=print)
+    llm = LLM(args.model, load_format="dummy", dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+              page_size=args.page_size, max_running_requests=args.max_running_requests, compile=args.compile)
     prompts, params = workload(random.Random(args.seed), args.requests, llm.config.vocab_size,
                                args.max_prompt, args.max_new)
     t = time.perf_counter()
@@ -65,9 +65,9 @@ def main():
           f"leaked pages: {leaked}, locked cache pages: {cache.num_pages - cache.num_evictable}")
     print("stats:", json.dumps(stats))
     if args.check_alone:
-        alone = LLM(args.model, load_format="dummy", dtype=args.dtype, page_size=args.page_size, max_running=1,
+        alone = LLM(args.model, load_format="dummy", dtype=args.dtype, page_size=args.page_size, max_running_requests=1,
                     compile=args.compile,
-                    kv_cache_tokens=args.max_prompt + args.max_new + args.page_size)
+                    max_total_tokens=args.max_prompt + args.max_new + args.page_size)
         n = min(args.check_alone, len(outs))
         diff = [i for i, (p, sp, o) in enumerate(zip(prompts[:n], params[:n], outs[:n]))
                 if alone.generate([p], sp)[0].token_ids != o.token_ids]

@@ -33,6 +33,7 @@ from collections import defaultdict
 
 import torch
 
+from flexsgl.config import EngineConfig
 from flexsgl.bench import (BenchArgs, build_llm, copy_bandwidth, decode_floor, freeze_heap, plan, random_prompts,
                            sync, throughput_requests)
 from flexsgl.kernels.launch import pdl
@@ -180,11 +181,11 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--override", default="auto")
     ap.add_argument("--workload", choices=["throughput", "latency"], default="throughput")
-    for name in ("num-prompts", "batch-size", "max-running", "max-batch-tokens", "kv-cache-tokens"):
+    for name in ("num-prompts", "batch-size", "max-running-requests", "max-num-batched-tokens", "max-total-tokens"):
         ap.add_argument(f"--{name}", type=int, help="as flexsgl bench's")
     ap.add_argument("--input-len", help="as flexsgl bench's")
     ap.add_argument("--output-len", help="as flexsgl bench's")
-    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slow", type=float, default=0.3, help="list steps whose launch took longer (seconds)")
     ap.add_argument("--profile-steps", type=int, default=0)
@@ -194,15 +195,18 @@ def main() -> None:
     mode, _, k = a.profile_at.partition(":")
     if mode not in ("decode", "prefill") or not k.isdigit() or int(k) < 1:
         ap.error(f"--profile-at takes decode:K or prefill:K with K >= 1, got {a.profile_at!r}")
-    args = BenchArgs(workload=a.workload, model=a.model, overrides=[a.override], num_prompts=a.num_prompts,
-                     input_len=a.input_len, output_len=a.output_len, batch_size=a.batch_size,
-                     max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
-                     kv_cache_tokens=a.kv_cache_tokens, cuda_graphs=a.cuda_graphs, seed=a.seed)
+    engine = {"model": a.model, "max_running_requests": a.max_running_requests,
+              "max_num_batched_tokens": a.max_num_batched_tokens, "max_total_tokens": a.max_total_tokens}
     try:
+        engine = EngineConfig(disable_cuda_graph=a.disable_cuda_graph,
+                              **{k: v for k, v in engine.items() if v is not None})
+        args = BenchArgs(workload=a.workload, overrides=[a.override], num_prompts=a.num_prompts,
+                         input_len=a.input_len, output_len=a.output_len, batch_size=a.batch_size, seed=a.seed,
+                         engine=engine)
         p = plan(args)
     except ValueError as e:
         ap.error(str(e))
-    llm = build_llm(p, a.override, lambda m: print("  ", m, flush=True))
+    llm = build_llm(p, a.override)
     vocab = llm.config.vocab_size
     if a.workload == "throughput":
         in_lens, out_lens, prompts, warm = throughput_requests(a.seed, p.num_prompts, p.input_range, p.output_range,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+from flexsgl.config import EngineConfig
+from flexsgl.log import logger
 
 WORKLOADS = ("throughput", "latency", "prefill")
 # Defaults sized for a GPU; the tiny preset on a CPU wants small values on the command line.
@@ -22,31 +23,23 @@ DEFAULTS = {
 }
 APPLIES = {"num_prompts": ("throughput",), "batch_size": ("latency",), "repeats": ("latency", "prefill"),
            "output_len": ("throughput", "latency")}
-DEFAULT_MODEL = "tiny"
 
 
 @dataclass
 class BenchArgs:
-    """What the command line gave; None means the workload's default."""
+    """What the command line gave; None means the workload's default. `engine` holds the engine
+    options (its `override` is not used: `overrides` lists the backends to compare, default auto);
+    a preset loads dummy weights unless told otherwise (timings do not depend on weight values)."""
 
     workload: str = "throughput"
-    model: str | None = None
-    load_format: str | None = None  # None: dummy for a preset (timings do not depend on weight values)
-    device: str | None = None
-    dtype: str = "auto"
     num_prompts: int | None = None
     input_len: str | None = None
     output_len: str | None = None
     batch_size: int | None = None
     repeats: int | None = None
     overrides: list[str] = field(default_factory=list)
-    page_size: int = 64
-    kv_cache_tokens: int | None = None
-    max_running: int | None = None
-    max_batch_tokens: int | None = None
-    compile: bool | None = None
-    cuda_graphs: bool | None = None
-    seed: int = 0
+    seed: int = 0  # the random prompts and lengths, and dummy weights
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 @dataclass
@@ -54,9 +47,7 @@ class Plan:
     """Checked and resolved arguments: everything a run needs, nothing loaded yet."""
 
     args: BenchArgs
-    model: str
-    load_format: str
-    device: str
+    engine: EngineConfig  # resolved: model, load format, device, seed and latency's running limit set
     overrides: list[str]  # as given
     backends: list[str]  # what each resolves to here
     num_prompts: int = 0
@@ -93,8 +84,8 @@ def parse_lengths(text: str, what: str) -> list[int]:
 def plan(args: BenchArgs) -> Plan:
     """Check every argument and every override before anything loads; ValueError says what is wrong."""
     from flexsgl.attention.registry import resolve_override
-    from flexsgl.model.presets import PRESETS
     from flexsgl.model.loader import resolve
+    from flexsgl.model.presets import DEFAULT_MODEL, PRESETS
 
     w = args.workload
     if w not in WORKLOADS:
@@ -103,24 +94,19 @@ def plan(args: BenchArgs) -> Plan:
         if getattr(args, name) is not None and w not in workloads:
             raise ValueError(f"--{name.replace('_', '-')} does not apply to the {w} workload "
                              f"(it applies to {', '.join(workloads)}).")
-    for name in ("num_prompts", "batch_size", "repeats", "max_running", "max_batch_tokens", "kv_cache_tokens"):
+    for name in ("num_prompts", "batch_size", "repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
     d = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in DEFAULTS[w].items()}
-    model = args.model or DEFAULT_MODEL
-    load_format = args.load_format or ("dummy" if model in PRESETS else "auto")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"Unknown device {device!r}; use cpu or cuda.")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("Device 'cuda' was asked for, but this machine has no CUDA GPU.")
-    if args.page_size < 1:
-        raise ValueError(f"--page-size must be at least 1, got {args.page_size}.")
+    e = args.engine
+    model = e.model or DEFAULT_MODEL
+    load_format = "dummy" if model in PRESETS and e.load_format == "auto" else e.load_format
+    engine = e.replace(model=model, load_format=load_format, device=str(e.torch_device), random_seed=args.seed)
     overrides = args.overrides or ["auto"]
     # Every override, with this page size, before anything runs: a later one cannot fail after an earlier ran.
-    backends = [resolve_override(o, torch.device(device), "gqa", args.page_size).label for o in overrides]
-    p = Plan(args, model, load_format, device, overrides, backends)
+    backends = [resolve_override(o, engine.torch_device, "gqa", engine.page_size).label for o in overrides]
+    p = Plan(args, engine, overrides, backends)
     if w == "throughput":
         p.num_prompts = d["num_prompts"]
         p.input_range = parse_range(d["input_len"], "--input-len")
@@ -132,19 +118,43 @@ def plan(args: BenchArgs) -> Plan:
         p.output_range = _fixed(d["output_len"], "--output-len", w)
         if p.output_range[0] < 2:
             raise ValueError("The latency workload needs --output-len of at least 2 to time decode steps.")
-        if args.max_running is not None and args.max_running < p.batch_size:
-            raise ValueError(f"--batch-size ({p.batch_size}) is above --max-running ({args.max_running}), "
-                             "the most requests that run at once; raise --max-running.")
+        running = e.max_running_requests
+        if running != EngineConfig.max_running_requests and running < p.batch_size:
+            raise ValueError(f"--batch-size ({p.batch_size}) is above --max-running-requests ({running}), "
+                             "the most requests that run at once; raise --max-running-requests.")
+        # The batch is fixed: running, and capturing decode graphs for, more would only cost start-up
+        # time (as `flexsgl generate` does for its batch).
+        if running == EngineConfig.max_running_requests:
+            p.engine = engine.replace(max_running_requests=p.batch_size)
         longest = p.input_range[1] + p.output_range[1]
     else:
         p.repeats = d["repeats"]
         p.prefill_lens = parse_lengths(d["input_len"], "--input-len")
         longest = max(p.prefill_lens) + 1
     ctx = resolve(model, load_format).config.max_position  # reads a config; loads no weights
+    if longest > ctx and args.input_len is None and args.output_len is None:
+        longest = _fit_defaults(p, ctx)
     if longest > ctx:
         raise ValueError(f"The longest request ({longest} tokens with its output) exceeds the context of "
                          f"{model} ({ctx} tokens); pass smaller --input-len/--output-len.")
     return p
+
+
+def _fit_defaults(p: Plan, ctx: int) -> int:
+    """Cut the default lengths (sized for the presets' long contexts) to fit a model's shorter one;
+    lengths given on the command line are never changed. Returns the new longest request."""
+    w = p.args.workload
+    if w == "throughput":
+        half = ctx // 2
+        p.input_range = tuple(min(n, half) for n in p.input_range)
+        p.output_range = tuple(min(n, half) for n in p.output_range)
+    elif w == "latency":
+        out = min(p.output_range[0], ctx // 4)
+        p.output_range, p.input_range = (out, out), (ctx - out, ctx - out)
+    else:
+        p.prefill_lens = sorted({min(n, ctx - 1) for n in p.prefill_lens})
+    logger.info(f"the default lengths are cut to fit {p.engine.model}'s context of {ctx} tokens")
+    return p.input_range[1] + p.output_range[1] if w != "prefill" else max(p.prefill_lens) + 1
 
 
 def _fixed(text: str, what: str, workload: str) -> tuple[int, int]:

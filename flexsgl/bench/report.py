@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 
 def command_line(args) -> str:
     """The `flexsgl bench` command that gives these arguments (options left at their default omitted)."""
-    words, default = ["flexsgl", "bench"], type(args)()
-    for name, value in asdict(args).items():
-        if value == getattr(default, name):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if name == "overrides":
-            words += [w for o in value for w in ("--override", o)]
-        elif isinstance(value, bool):
-            words.append(flag if value else flag.replace("--", "--no-", 1))
-        else:
-            words += [flag, str(value)]
+    from flexsgl.config import EngineConfig
+
+    own = {k: v for k, v in asdict(args).items() if k != "engine"}
+    engine = {f.name: getattr(args.engine, f.name) for f in fields(args.engine) if f.name != "override"}
+    words = ["flexsgl", "bench"]
+    for values, default in ((own, type(args)()), (engine, EngineConfig())):
+        for name, value in values.items():
+            if value == getattr(default, name):
+                continue
+            flag = "--" + name.replace("_", "-")
+            if name == "overrides":
+                words += [w for o in value for w in ("--override", o)]
+            elif isinstance(value, bool):
+                words.append(flag if value or name == "disable_cuda_graph" else flag.replace("--", "--no-", 1))
+            else:
+                words += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
     return shlex.join(words)
 
 

@@ -22,18 +22,19 @@ from flexsgl.bench.machine import environment
 from flexsgl.bench.passes import BAR_INTERVAL, free_memory, random_prompts, throughput_requests, timed_pass
 from flexsgl.bench.report import command_line, number, resolved, table_rows
 from flexsgl.bench.roofline import copy_bandwidth, decode_floor
+from flexsgl.log import logger
 
 
 def run(p: Plan, progress: bool = True) -> dict:
     """Run the plan on each override in turn (one LLM at a time) and return the report."""
-    say = (lambda msg: print(f"[flexsgl bench] {msg}", file=sys.stderr)) if progress else (lambda msg: None)
-    device = torch.device(p.device)
+    say = logger.info if progress else (lambda msg: None)
+    device = p.engine.torch_device
     say("measuring device copy bandwidth")
     bandwidth = copy_bandwidth(device)
     results = []
     for override, label in zip(p.overrides, p.backends):
         t0 = time.perf_counter()
-        llm = build_llm(p, override, say)
+        llm = build_llm(p, override)
         res = {"override": override, "backends": label, "load_s": time.perf_counter() - t0,
                "kv_cache_tokens": (llm.pool.num_pages - 1) * llm.pool.page_size,
                "compile": llm.compile, "dtype": str(llm.dtype).removeprefix("torch.")}
@@ -43,26 +44,18 @@ def run(p: Plan, progress: bool = True) -> dict:
         say(f"{label}: " + ", ".join(f"{name} {number(v)}" for name, v in table_rows(p.args.workload, res)))
         del llm
         free_memory(device)
-    return {"workload": p.args.workload, "model": p.model, "load_format": p.load_format,
-            "device": p.device, "copy_bandwidth_bytes_per_s": bandwidth,
+    return {"workload": p.args.workload, "model": p.engine.model, "load_format": p.engine.load_format,
+            "device": p.engine.device, "copy_bandwidth_bytes_per_s": bandwidth,
             "command": command_line(p.args), "args": asdict(p.args), "resolved": resolved(p),
             "environment": environment(device),
             "results": results}
 
 
-def build_llm(p: Plan, override: str, say):
-    """The engine the plan describes, with `override` as its attention backend; `say` gets its progress."""
+def build_llm(p: Plan, override: str):
+    """The engine the plan describes, with `override` as its attention backend."""
     from flexsgl import LLM
 
-    a = p.args
-    # A latency run's batch is fixed: running, and capturing decode graphs for, more would only cost
-    # start-up time (as `flexsgl generate` does for its batch).
-    max_running = a.max_running or (p.batch_size if a.workload == "latency" else None)
-    opts = {"max_running": max_running, "max_batch_tokens": a.max_batch_tokens, "compile": a.compile,
-            "cuda_graphs": a.cuda_graphs, "kv_cache_tokens": a.kv_cache_tokens}
-    opts = {k: v for k, v in opts.items() if v is not None}  # else the engine's own defaults
-    return LLM(p.model, device=p.device, dtype=a.dtype, override=override, load_format=p.load_format,
-               page_size=a.page_size, seed=a.seed, progress=say, **opts)
+    return LLM(p.engine.replace(override=override))
 
 
 def throughput(llm, p: Plan, bandwidth: float, progress: bool) -> dict:

@@ -31,9 +31,11 @@ class OutOfPagesError(RuntimeError):
 class PageAllocator:
     """Free-page bookkeeping on the host. Hands out the lowest free pages first (or shuffled, for tests)."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, shuffle_seed: int | None = None):
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, DUMMY_PAGE, -1))  # a stack: pop() gives the lowest page
+        if shuffle_seed is not None:
+            self.shuffle(shuffle_seed)
 
     def shuffle(self, seed: int) -> None:
         """Hand out the free pages in an order shuffled with `seed` (tests: pages in any order)."""
