@@ -131,13 +131,40 @@ def plan(args: BenchArgs) -> Plan:
         p.repeats = d["repeats"]
         p.prefill_lens = parse_lengths(d["input_len"], "--input-len")
         longest = max(p.prefill_lens) + 1
-    ctx = resolve(model, load_format).config.max_position  # reads a config; loads no weights
+    mcfg = resolve(model, load_format).config  # reads a config; loads no weights
+    ctx = mcfg.max_position
     if longest > ctx and args.input_len is None and args.output_len is None:
         longest = _fit_defaults(p, ctx)
     if longest > ctx:
         raise ValueError(f"The longest request ({longest} tokens with its output) exceeds the context of "
                          f"{model} ({ctx} tokens); pass smaller --input-len/--output-len.")
+    if p.engine.torch_device.type == "cpu":
+        seconds = cpu_seconds(p, mcfg.num_params())
+        if seconds > SLOW_ON_CPU_S:
+            logger.warning(f"this {w} run will take about {seconds / 60:.0f} minutes on the CPU (its sizes are "
+                           f"made for a GPU); for a quick one: flexsgl bench --workload {w} {QUICK[w]}")
     return p
+
+
+SLOW_ON_CPU_S = 180
+CPU_FLOPS = 5e10  # what a few CPU cores reach on these models' matrix products, generously
+CPU_STEP_S = 0.2  # a step's cost beyond the matrix work on the CPU: the embedded model's decode step took
+# 0.19-0.38 s on a shared 2-core machine with the default 16k-token pool (eager flex evaluates every slot)
+QUICK = {"throughput": "--num-prompts 8 --input-len 16:64 --output-len 16:64",
+         "latency": "--input-len 64 --output-len 16 --repeats 1", "prefill": "--input-len 256 --repeats 1"}
+
+
+def cpu_seconds(p: Plan, params: int) -> float:
+    """A rough estimate of a run's time on the CPU: its tokens' matrix work plus a fixed cost per step."""
+    passes = 1 + p.repeats if p.args.workload != "throughput" else 2
+    if p.args.workload == "throughput":
+        tokens = p.num_prompts * (sum(p.input_range) + sum(p.output_range)) / 2
+        steps = p.output_range[1] * -(-p.num_prompts // p.engine.max_running_requests)
+    elif p.args.workload == "latency":
+        tokens, steps = p.batch_size * (p.input_range[0] + p.output_range[0]), p.output_range[0]
+    else:
+        tokens, steps = sum(p.prefill_lens), len(p.prefill_lens)
+    return passes * (2 * params * tokens / CPU_FLOPS + steps * CPU_STEP_S) * len(p.overrides)
 
 
 def _fit_defaults(p: Plan, ctx: int) -> int:
