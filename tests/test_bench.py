@@ -229,3 +229,29 @@ def test_benchmarks_folder_runs():
                         "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+
+
+def test_cpu_warns_before_a_long_default_run_and_names_a_quick_one(caplog):
+    """The default workloads are sized for a GPU: on the CPU the plan says so, with a command whose
+    own plan is quick (no warning)."""
+    from flexsgl import bench
+    from flexsgl.config import EngineConfig
+    from flexsgl.log import logger
+
+    logger.addHandler(caplog.handler)
+    try:
+        for workload in bench.WORKLOADS:
+            caplog.clear()
+            bench.plan(bench.BenchArgs(workload=workload, engine=EngineConfig(device="cpu", model="qwen3-0.6b")))
+            [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert "minutes on the CPU" in warning, warning
+            quick = warning.split("for a quick one: flexsgl bench ")[1].split()
+            flags = {k[2:].replace("-", "_"): v for k, v in zip(quick[::2], quick[1::2])}
+            args = {k: int(v) if k in ("num_prompts", "repeats") else v for k, v in flags.items() if k != "workload"}
+            assert flags["workload"] == workload
+            caplog.clear()
+            p = bench.plan(bench.BenchArgs(workload=workload, engine=EngineConfig(device="cpu", model="qwen3-0.6b"),
+                                           **args))
+            assert p.args.workload == workload and caplog.records == [], caplog.records
+    finally:
+        logger.removeHandler(caplog.handler)
