@@ -65,6 +65,7 @@ class LLM:
         num_pages = self._num_pages(kv_cache_tokens, page_size, max_batch_tokens, max_running, gpu_memory_fraction)
         self.pool = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                            self.dtype, self.device)
+        self.model.bind_kv_pool(self.pool)
         self.allocator = PageAllocator(num_pages, shuffle_seed=shuffle_pages)
         say(f"KV cache: {num_pages - 1} pages of {page_size} tokens")
         self.compile = self.device.type == "cuda" if compile is None else compile

@@ -49,8 +49,8 @@ class DecodeBySize:
     def prepare(self, fb: ForwardBatch) -> None:
         self.owner(fb.batch_size).prepare(fb)
 
-    def forward(self, q, k, v, layer: int, fb: ForwardBatch):
-        return self.owner(fb.batch_size).forward(q, k, v, layer, fb)
+    def forward(self, q, layer: int, fb: ForwardBatch):
+        return self.owner(fb.batch_size).forward(q, layer, fb)
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         self.small.init_graph_state(min(max_bs, self.max_small), max_pages)
