@@ -44,7 +44,7 @@ for step in "${@:-check attention}"; do
     log="$OUT/$s.log"; t0=$SECONDS
     echo "== $s (limit ${LIMIT[$s]:-300} s)"
     case $s in
-      check) timeout "${LIMIT[$s]}" bash tools/gpu_check.sh tests/test_gpu_gemv.py tests/test_rope_store.py \
+      check) timeout "${LIMIT[$s]}" bash tools/gpu_check.sh tests/test_gemv.py tests/test_rope_store.py \
                tests/test_gpu.py tests/test_gpu_overrides.py -k "gemv or fused or batch_1 or tracks_hf or kernel_matches" ;;
       split-kv) timeout "${LIMIT[$s]}" bash tools/gpu_check.sh tests/test_triton_decode.py tests/test_gpu_overrides.py \
                   -k "triton and not 8b" ;;
