@@ -1,8 +1,9 @@
-"""Attention per backend on fixed paged shapes: one layer's `forward` (store K/V, attend), decode and prefill.
+"""Attention per backend on fixed paged shapes: one layer's K/V store (`pool.store`) and `forward`
+(attend), decode and prefill.
 
 The batch is laid out as the engine lays it out: pages of `PAGE` tokens handed out in a shuffled
-order, the whole pool filled with random K/V, `backend.prepare(fb)` once, then `forward` timed
-(`inner` calls per round; on CUDA inside one CUDA graph). extra_info holds µs per call and the
+order, the whole pool filled with random K/V, `backend.prepare(fb)` once, then store and attend
+timed (`inner` calls per round; on CUDA inside one CUDA graph). extra_info holds µs per call and the
 rate: decode as GB/s of KV read, prefill as causal TFLOP/s. Backends that cannot run here are
 skipped with the registry's reason.
 """
@@ -88,16 +89,20 @@ def test_attention(benchmark, name, phase, bs, n):
     pool, fb, q, k, v = paged_batch(phase, bs, n)
     backend = backend_class(spec)(pool, num_heads=HQ, compiled=CUDA)
     fb.backend = backend
-    forward = backend.forward
+
+    def forward(q, k, v):
+        pool.store(0, k, v, fb.out_slots)
+        return backend.forward(q, 0, fb)
+
     if CUDA and name == "flex":  # the engine runs flex compiled; eager flex materialises the scores
         torch._dynamo.reset()  # a fresh compile per shape, never a silent eager fallback at the recompile limit
         forward = torch.compile(forward, dynamic=False)
     with torch.inference_mode():
         backend.prepare(fb)
-        out = forward(q, k, v, 0, fb)
+        out = forward(q, k, v)
         assert out.shape == (fb.num_tokens, HQ, D) and torch.isfinite(out).all()
         inner = INNER[phase]
-        run, how = repeated(lambda: forward(q, k, v, 0, fb), inner)
+        run, how = repeated(lambda: forward(q, k, v), inner)
         benchmark.pedantic(run, rounds=10 if CUDA else 1, warmup_rounds=1 if CUDA else 0)
     unit, amount = work(phase, bs, n)
     benchmark.extra_info.update({"backend": name, "timed": how, "calls_per_round": inner, "dtype": str(DTYPE),

@@ -65,6 +65,7 @@ class LLM:
         num_pages = self._num_pages(cfg, choice.max_pool_elements(self.device))
         self.pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                            self.dtype, self.device)
+        self.model.bind_kv_pool(self.pool)
         self.allocator = PageAllocator(num_pages)
         logger.info(f"KV cache: {num_pages - 1} pages of {cfg.page_size} tokens")
         self.compile = self.device.type == "cuda" if cfg.compile is None else cfg.compile

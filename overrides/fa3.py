@@ -64,8 +64,7 @@ class FA3Backend:
         cu = F.pad(torch.cumsum(fb.q_lens, 0, dtype=torch.int32), (1, 0))
         fb.attn = FA3Meta(cu, fb.max_q_len)
 
-    def forward(self, q, k, v, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        self.pool.store(layer, k, v, fb.out_slots)
+    def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
         meta: FA3Meta = fb.attn
         return torch.ops.flexsgl.fa3_paged_attention(
             q, self.pool.k[layer], self.pool.v[layer], fb.page_table, fb.seq_lens, meta.cu_seqlens_q,

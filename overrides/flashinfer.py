@@ -128,8 +128,7 @@ class FlashInferDecodeBackend:
             raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
         self.plan_decode(self.decode_wrapper, fb)
 
-    def forward(self, q, k, v, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        self.pool.store(layer, k, v, fb.out_slots)
+    def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
         return torch.ops.flexsgl.flashinfer_attention(q, self.pool.k[layer], self.pool.v[layer], self.handle,
                                                       self.pool.page_size)
 

@@ -198,8 +198,7 @@ class TritonDecodeBackend:
             raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
         self.reserve(fb.batch_size)
 
-    def forward(self, q, k, v, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        self.pool.store(layer, k, v, fb.out_slots)
+    def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
         return torch.ops.flexsgl.split_kv_decode(q, self.pool.k[layer], self.pool.v[layer], fb.page_table,
                                                  fb.seq_lens, self.counter, self.pool.page_size)
 

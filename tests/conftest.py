@@ -1,11 +1,35 @@
+import importlib.util
+import os
+
 import pytest
 import torch
 
+CUDA = torch.cuda.is_available()
+
+if not CUDA:
+    # Without a GPU, flexsgl's Triton kernels run on CPU tensors through Triton's interpreter
+    # (the `triton_interpreter` tests). Triton takes the switch as it is imported, and Inductor
+    # imports it with torch._inductor, so it is set here, before any test module loads. Inductor's
+    # CPU code generation does not read it: it only changes how Triton kernels launch.
+    # The interpreter runs float32 and float16 as the GPU does; bfloat16 it does not support
+    # (Triton's debugging guide): it rounds float32 to bfloat16 toward zero, and its tl.dot
+    # multiplies bfloat16 bit patterns. So the CPU tests run float32 and float16, the GPU ones bfloat16.
+    os.environ["TRITON_INTERPRET"] = "1"
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run with -m gpu on the device machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def triton_interpreter():
+    """For tests that run a Triton kernel on CPU tensors, through Triton's interpreter."""
+    if CUDA:
+        pytest.skip("runs on machines without a GPU; here the GPU variant runs the kernel compiled")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install -e '.[dev]' brings it)")

@@ -27,8 +27,9 @@ def test_flex_matches_float64_reference(case, page_size, eager_extent):
 
 def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, compiled=False,
                      hq=4, hkv=2, d=16, backend_cls=FlexAttentionBackend, seed=None):
-    """Run `backend_cls` (through `forward`, or its own when None) on a random paged batch and
-    check it against float64 attention; returns its output. The same seed gives the same batch."""
+    """Store a random paged batch's K/V in the pool, run `backend_cls` on it (through `forward`, or
+    its own when None) and check it against float64 attention; returns its output. The same seed
+    gives the same batch."""
     seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -43,7 +44,8 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
     backend = backend_cls(pool, num_heads=hq, compiled=compiled)
     backend.prepare(fb)
     cast = lambda x: x.to(device, dtype)
-    out = (forward or type(backend).forward)(backend, cast(q), cast(k), cast(v), 0, fb)
+    pool.store(0, cast(k), cast(v), fb.out_slots)
+    out = (forward or type(backend).forward)(backend, cast(q), 0, fb)
     ref = dense_attention(q, dense, specs)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol, msg=lambda m: f"seed={seed}: {m}")
     return out

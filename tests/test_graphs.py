@@ -81,10 +81,10 @@ class SmallBatchFlex(FlexAttentionBackend):
     served: list = []
     bound: list = []
 
-    def forward(self, q, k, v, layer, fb):
+    def forward(self, q, layer, fb):
         if layer == 0:
             self.served.append(fb.batch_size)
-        return super().forward(q, k, v, layer, fb)
+        return super().forward(q, layer, fb)
 
     def bind_graph(self, bs, fb):
         self.bound.append(bs)

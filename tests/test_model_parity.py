@@ -36,9 +36,9 @@ def test_compiled_lone_prompt_matches_hf(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch,compile", [("qwen3", True), ("llama", False)])
 def test_fused_rope_store_path_matches_hf(tmp_path, monkeypatch, arch, compile):
-    """The path CUDA takes: q/k norm, RoPE and the K/V store in one custom op (its PyTorch body here;
-    the Triton kernel is checked on the GPU in tests/test_rope_store.py), the backends not storing."""
-    monkeypatch.setattr(rope_store, "applies", lambda qkv, head_dim: True)
+    """The store path CUDA takes: q/k norm, RoPE and the K/V store in one custom op (its PyTorch body
+    here; the Triton kernel is checked in tests/test_rope_store.py)."""
+    monkeypatch.setattr(rope_store, "applies", lambda device, head_dim: True)
     check_against_hf(tmp_path, monkeypatch, arch, False, 16, 8192, compile=compile, steps=12)
 
 

@@ -1,8 +1,9 @@
 """The fused q/k norm + RoPE + K/V store (flexsgl/kernels/rope_store.py).
 
-On the CPU: the custom op (its PyTorch body) compiled with fullgraph writes the pool in place, with
-no copy of the cache, and only at the given slots. On the GPU: the Triton kernel against a float64
-evaluation of the same formulas and against the PyTorch expressions it replaces.
+The custom op (its PyTorch body, on the CPU) compiled with fullgraph writes the pool in place, with
+no copy of the cache, and only at the given slots. The Triton kernel against a float64 evaluation
+of the same formulas and against the PyTorch expressions it replaces: on the GPU compiled, on the
+CPU through Triton's interpreter (small shapes: it runs a program at a time in Python).
 """
 
 import random
@@ -94,5 +95,15 @@ def test_compiled_op_writes_the_pool_in_place(norm):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_matches_float64_and_pytorch(t, hq, hkv, d, norm, dtype):
     c, seed = random_case(t, hq, hkv, d, dtype, "cuda", norm)
-    assert rope_store.applies(c["qkv"], d)
+    assert rope_store.applies(c["qkv"].device, d)
     check_op(c, seed, 1e-2)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("t", [1, 7, 65])  # a program per head; from 64 tokens, per 8 heads (here a partial block)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (6, 1, 16)])
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])  # bf16: see conftest
+def test_interpreted_kernel_matches_float64_and_pytorch(t, hq, hkv, d, norm, dtype):
+    c, seed = random_case(t, hq, hkv, d, dtype, "cpu", norm, slots_total=256)
+    check_op(c, seed, 1e-5 if dtype == torch.float32 else 1e-2, op=rope_store.launch)

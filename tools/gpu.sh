@@ -57,7 +57,7 @@ for s in "${steps[@]}"; do
   echo "== $s (limit $LIMIT s)"
   case $s in
     tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs "${@:-tests}" ;;
-    check) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu_gemv.py \
+    check) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gemv.py \
              tests/test_rope_store.py tests/test_gpu.py tests/test_gpu_overrides.py \
              -k "gemv or fused or batch_1 or tracks_hf or kernel_matches" ;;
     latency) timeout "$LIMIT" "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 2 ${OVERRIDES:-} \

@@ -55,6 +55,9 @@ class AttentionBackend(Protocol):
     `Backend(pool, num_heads=..., compiled=...)`; the registry (registry.py) declares what it needs
     (phases, GPUs, packages, head sizes, dtypes) before it is built.
 
+    A backend only reads the KV pool: the model's attention layers store each step's K/V through
+    the pool's store path (flexsgl/cache/pool.py) before they call `forward`.
+
     Decode steps replayed from CUDA graphs use the three graph hooks: capture is
     `bind_graph(bs, static_fb)` then `fill_graph(bs, dummy_fb)` then record; replay is
     `fill_graph(bs, fb)` then replay. `fill_graph` is the one routine that writes a step's values
@@ -78,10 +81,9 @@ class AttentionBackend(Protocol):
     def prepare(self, fb: ForwardBatch) -> None:
         """Build this step's metadata into fb.attn (eager path)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: int,
-                fb: ForwardBatch) -> torch.Tensor:
-        """Store k, v `[T, Hkv, D]` at fb.out_slots (`pool.store`; None when the model's fused RoPE
-        kernel stored them), attend with q `[T, Hq, D]` over the paged KV, return `[T, Hq, D]`."""
+    def forward(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        """Attend with q `[T, Hq, D]` over `layer`'s paged KV (this step's K/V already stored at
+        fb.out_slots), return `[T, Hq, D]`."""
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         """Allocate the static buffers every captured batch size shares (max_pages: per request)."""

@@ -170,8 +170,7 @@ class FlexAttentionBackend:
 
         return paged_causal
 
-    def forward(self, q, k, v, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        self.pool.store(layer, k, v, fb.out_slots)
+    def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
         meta: FlexMeta = fb.attn
         t, hq, d = q.shape
         b = fb.batch_size

@@ -33,7 +33,6 @@ class DecodeBySize:
 
     def __init__(self, small, max_small: int, large):
         self.small, self.max_small, self.large = small, max_small, large
-        self.pool = large.pool
         self.name = f"{large.name},{small.name}<={max_small}"
         self.graphable = small.graphable and large.graphable
         self.compiles_per_shape = small.compiles_per_shape or large.compiles_per_shape
@@ -44,8 +43,8 @@ class DecodeBySize:
     def prepare(self, fb: ForwardBatch) -> None:
         self.owner(fb.batch_size).prepare(fb)
 
-    def forward(self, q, k, v, layer: int, fb: ForwardBatch):
-        return self.owner(fb.batch_size).forward(q, k, v, layer, fb)
+    def forward(self, q, layer: int, fb: ForwardBatch):
+        return self.owner(fb.batch_size).forward(q, layer, fb)
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         self.small.init_graph_state(min(max_bs, self.max_small), max_pages)

@@ -6,6 +6,13 @@ tensor per layer that compiled graphs see: a scatter into that tensor is done in
 scatter through a view of it is functionalised into a copy of the whole cache per layer and step
 (seen on an H200: 2 ms per layer at 1M slots). Page 0 is reserved as the dummy page: padded batch
 rows write there and read only there, so real pages are never touched by padding.
+
+The pool owns the write of K/V. Each attention layer stores its step's K/V through the pool's one
+store path, `norm_rope_store`, then asks the backend to attend; backends only read the pool. The
+path is chosen once, when the pool is built, from its device and head size: the fused kernel
+(flexsgl/kernels/rope_store.py: q/k norm, RoPE and the K/V write in one launch) where it applies,
+otherwise the same expressions in PyTorch followed by `store`. A pool of another layout (an MLA
+latent pool: one vector of kv_lora_rank + rope dims per token) brings its own store path.
 """
 
 from __future__ import annotations
@@ -14,14 +21,10 @@ import random
 
 import torch
 
+from flexsgl.kernels import rope_store
+from flexsgl.kernels.rope_store import write_kv
+
 DUMMY_PAGE = 0
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """One layer's scatter of k, v `[tokens, Hkv, D]` into its flat `[slots, Hkv, D]` tensors, in place."""
-    k_cache[slots] = k.to(k_cache.dtype)
-    v_cache[slots] = v.to(v_cache.dtype)
 
 
 class OutOfPagesError(RuntimeError):
@@ -62,6 +65,8 @@ class PageAllocator:
 
 
 class KVPool:
+    """K and V per layer, `[slots, Hkv, D]`, and the one path that writes them (module docstring)."""
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.page_size = page_size
@@ -71,12 +76,30 @@ class KVPool:
         # Zeroed, not empty: masked slots still enter P @ V as p=0 times v, and 0 * NaN is NaN.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        fused = rope_store.applies(self.device, head_dim)
+        self.norm_rope_store = self._fused_norm_rope_store if fused else self._norm_rope_then_store
 
-    def store(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None, slots: torch.Tensor) -> None:
-        """Write k, v `[tokens, Hkv, D]` into their slots; None: the caller wrote them (the model's
-        fused RoPE kernel, flexsgl/kernels/rope_store.py)."""
-        if k is not None:
-            write_kv(self.k[layer], self.v[layer], k, v, slots)
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write k, v `[tokens, Hkv, D]` into `layer`'s slots, in place."""
+        write_kv(self.k[layer], self.v[layer], k, v, slots)
+
+    # The store path (`norm_rope_store`, one of the two below): an attention layer's qkv_proj output
+    # `[T, (Hq + 2 Hkv) * D]` -> q `[T, Hq, D]`, normed (where `attn` has q/k norms) and rotated, with
+    # this step's K (normed, rotated) and V written at `slots` of layer `attn.layer_id`.
+
+    def _fused_norm_rope_store(self, attn, qkv: torch.Tensor, positions: torch.Tensor, rope,
+                               slots: torch.Tensor) -> torch.Tensor:
+        qn, kn, eps = rope_store.norm_weights(attn)
+        layer = attn.layer_id
+        return torch.ops.flexsgl.rope_store(qkv, qn, kn, eps, rope.cos, rope.sin, positions, slots, self.k[layer],
+                                            self.v[layer], attn.hq)
+
+    def _norm_rope_then_store(self, attn, qkv: torch.Tensor, positions: torch.Tensor, rope,
+                              slots: torch.Tensor) -> torch.Tensor:
+        qn, kn, eps = rope_store.norm_weights(attn)
+        q, k, v = rope_store.norm_rope(qkv, qn, kn, eps, rope.cos, rope.sin, positions, attn.hq, attn.d)
+        self.store(attn.layer_id, k, v, slots)
+        return q
 
     @staticmethod
     def num_pages_for(tokens: int, page_size: int) -> int:

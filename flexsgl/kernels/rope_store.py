@@ -1,7 +1,11 @@
 """Everything between qkv_proj and attention, in one kernel on CUDA: the per-head q/k RMSNorm
 (Qwen3), RoPE, and the write of this step's K and V into the paged pool.
 
-    q, k, v = norm_rope_store(qkv, attn, positions, rope, pool, slots)   # k, v None: stored already
+    q = torch.ops.flexsgl.rope_store(qkv, q_norm, k_norm, eps, cos, sin, positions, slots, k_cache, v_cache, hq)
+
+The KV pool owns the store (flexsgl/cache/pool.py): its store path is this op where the kernel
+applies (`applies`: CUDA, a power-of-two head size), otherwise `norm_rope` and `write_kv`, the
+PyTorch expressions the kernel fuses. Attention layers call the pool's path; backends only attend.
 
 Compiled by Inductor, that stretch is seven small kernels per layer (two norm reductions, two
 norm-and-rotate passes, two scatters into the pool and a copy), 1-3 µs each at decode: in a
@@ -14,8 +18,9 @@ paths differ by a rounding step at most (tests/test_rope_store.py). On SM90+ it 
 (launch.py).
 
 The kernel runs in a `torch.library` custom op that declares the two cache tensors mutated, so a
-compiled model writes them in place (tests/test_rope_store.py checks that on the CPU, with the
-op's PyTorch body). Off CUDA the model uses the plain expressions and the backend stores K/V.
+compiled model writes them in place (tests/test_rope_store.py checks that on the CPU, where the
+op's body is the PyTorch expressions). `launch` runs the kernel itself on any tensors Triton can
+take: CUDA ones, or CPU ones under Triton's interpreter (`TRITON_INTERPRET=1`, the CPU tests).
 """
 
 from __future__ import annotations
@@ -24,9 +29,8 @@ import functools
 
 import torch
 
-from flexsgl.cache.pool import write_kv
 from flexsgl.kernels.launch import pdl
-from flexsgl.model.layers import RotaryEmbedding, rms_norm, rotate
+from flexsgl.model.layers import rms_norm, rotate
 
 
 @functools.cache
@@ -89,15 +93,18 @@ def norm_rope(qkv, q_norm, k_norm, eps, cos, sin, positions, num_heads, head_dim
     return q, k, v
 
 
-@torch.library.custom_op("flexsgl::rope_store", mutates_args=("k_cache", "v_cache"))
-def rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """One layer's scatter of k, v `[tokens, Hkv, D]` into its flat `[slots, Hkv, D]` tensors, in place."""
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
+
+
+def launch(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+           cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+           k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The kernel: returns q `[T, num_heads, D]` and writes K, V at `slots` of k_cache, v_cache."""
     t, (hkv, d) = qkv.shape[0], k_cache.shape[1:]
-    if not qkv.is_cuda:  # the same result through PyTorch: what the CPU tests compile
-        q, k, v = norm_rope(qkv, q_norm, k_norm, eps, cos, sin, positions, num_heads, d)
-        write_kv(k_cache, v_cache, k, v, slots)
-        return q.contiguous()
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     use_pdl = pdl(qkv.device)
@@ -112,24 +119,30 @@ def rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Ten
     return q
 
 
+@torch.library.custom_op("flexsgl::rope_store", mutates_args=("k_cache", "v_cache"))
+def rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    if qkv.is_cuda:
+        return launch(qkv, q_norm, k_norm, eps, cos, sin, positions, slots, k_cache, v_cache, num_heads)
+    # The same result through PyTorch: what the CPU tests compile.
+    q, k, v = norm_rope(qkv, q_norm, k_norm, eps, cos, sin, positions, num_heads, k_cache.shape[2])
+    write_kv(k_cache, v_cache, k, v, slots)
+    return q.contiguous()
+
+
 @rope_store.register_fake
 def _(qkv, q_norm, k_norm, eps, cos, sin, positions, slots, k_cache, v_cache, num_heads):
     return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[2])
 
 
-def applies(qkv: torch.Tensor, head_dim: int) -> bool:
-    """Whether the kernel serves this call: CUDA, a power-of-two head size."""
-    return qkv.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+def applies(device: torch.device, head_dim: int) -> bool:
+    """Whether the kernel serves a pool on `device` with heads of `head_dim`: CUDA, a power of two from 16."""
+    return device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def norm_rope_store(qkv: torch.Tensor, attn, positions: torch.Tensor, rope: RotaryEmbedding, pool, slots):
-    """qkv_proj's output -> (q, k, v) for the attention backend. Where the kernel applies it has
-    written K and V into `pool` at `slots` already and k, v are None; elsewhere the backend stores them."""
-    qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
-    eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
-    if applies(qkv, attn.d):
-        layer = attn.layer_id
-        q = torch.ops.flexsgl.rope_store(qkv, qn, kn, eps, rope.cos, rope.sin, positions, slots, pool.k[layer],
-                                         pool.v[layer], attn.hq)
-        return q, None, None
-    return norm_rope(qkv, qn, kn, eps, rope.cos, rope.sin, positions, attn.hq, attn.d)
+def norm_weights(attn) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """An attention layer's q and k norm weights and epsilon (None, None, 0.0 without q/k norm)."""
+    if attn.q_norm is None:
+        return None, None, 0.0
+    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps

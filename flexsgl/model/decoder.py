@@ -1,8 +1,9 @@
 """The dense GQA decoder that serves Qwen3 and, with q/k norm off (ModelConfig.qk_norm), Llama 3.
 
 Parameter names follow HF's except that q/k/v and gate/up projections are fused; the loader maps
-HF tensors into slices of the fused weights. Tokens arrive packed, `[tokens]`; attention goes
-through the backend that the ForwardBatch carries.
+HF tensors into slices of the fused weights. Tokens arrive packed, `[tokens]`. Each attention
+layer stores its K/V through the KV pool the engine binds to the model (`bind_kv_pool`), then
+attends through the backend that the ForwardBatch carries.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import torch
 from torch import nn
 
 from flexsgl.model.config import ModelConfig
-from flexsgl.kernels import gemv, rope_store
+from flexsgl.kernels import gemv
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
     """The q/k/v and o projections (DecoderLayer runs them through flexsgl.kernels.gemv) and `attend`,
-    everything between them: q/k norm, RoPE and the K/V store (flexsgl.kernels.rope_store), and the
-    attention backend."""
+    everything between them: q/k norm, RoPE and the K/V store, through the pool's store path
+    (flexsgl/cache/pool.py), then the attention backend."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -31,11 +32,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.kv_pool = None  # DecoderForCausalLM.bind_kv_pool sets it
 
     def attend(self, qkv, positions, rope: RotaryEmbedding, fb):
         """qkv_proj's output -> attention output `[tokens, Hq * D]`, the input of o_proj."""
-        q, k, v = rope_store.norm_rope_store(qkv, self, positions, rope, fb.backend.pool, fb.out_slots)
-        return fb.backend.forward(q, k, v, self.layer_id, fb).reshape(qkv.shape[0], self.hq * self.d)
+        q = self.kv_pool.norm_rope_store(self, qkv, positions, rope, fb.out_slots)
+        return fb.backend.forward(q, self.layer_id, fb).reshape(qkv.shape[0], self.hq * self.d)
 
 
 class DecoderLayer(nn.Module):
@@ -85,6 +87,11 @@ class DecoderForCausalLM(nn.Module):
         if fused == "qkv_proj":
             return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         return [c.intermediate_size, c.intermediate_size]
+
+    def bind_kv_pool(self, pool) -> None:
+        """Give every attention layer the KV pool it stores its K/V in (once, before the first step)."""
+        for layer in self.model.layers:
+            layer.self_attn.kv_pool = pool
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """Returns the logits (in the model's dtype) of the tokens at `fb.logits_index` (each request's

@@ -1,10 +1,13 @@
-"""The batch-1 projection kernel (flexsgl/kernels/gemv.py) against float64, on the GPU.
+"""The batch-1 projection kernel (flexsgl/kernels/gemv.py) against float64.
 
 Every prologue (none, RMSNorm, SiLU gate) with and without bias and residual, on shapes where K is
 a multiple of the tile and where it is not, N a multiple of the row block and not, and one of each
-tile configuration the engine picks; bfloat16 and float16, and bfloat16 launched with PDL
-(flexsgl/kernels/launch.py). The output is poisoned with NaN first,
-so an unwritten element fails. bf16 operands with a float32 accumulator land well under 1e-2.
+tile configuration the engine picks. On the GPU, compiled: bfloat16 and float16, and bfloat16
+launched with PDL (flexsgl/kernels/launch.py). On the CPU, through Triton's interpreter: float16
+and float32 (tests/conftest.py says why not bfloat16), on shapes small enough for it (it runs a
+program at a time in Python), without PDL, which it does not model. The output is poisoned with
+NaN first, so an unwritten element fails. 16-bit operands with a float32 accumulator land well
+under 1e-2.
 """
 
 import copy
@@ -18,10 +21,11 @@ from torch import nn
 from flexsgl.kernels import gemv
 from flexsgl.model.layers import RMSNorm
 
-pytestmark = pytest.mark.gpu
-
 # (N, K): K a multiple of every BLOCK_K or not; N a multiple of BLOCK_N or not; each config_for branch.
 SHAPES = [(6144, 4096), (4100, 1000), (37, 3072), (24580, 2048), (4096, 12300), (151936, 1024)]
+# On the CPU, smaller: every tile but lm_head's (8k programs at least). The interpreter ignores warps
+# and stages, in which alone gate_up's configuration differs from qkv's.
+CPU_SHAPES = [(40, 1024), (37, 1000), (600, 512), (6, 8200)]
 PROLOGUES = {"plain": gemv.PLAIN, "rms_norm": gemv.RMS_NORM, "silu_gate": gemv.SILU_GATE}
 
 
@@ -39,28 +43,44 @@ def reference(prologue, x, w, bias, residual, norm_weight, eps):
     return out
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("prologue", list(PROLOGUES))
 @pytest.mark.parametrize("extras", [False, True], ids=["alone", "bias+residual"])
 @pytest.mark.parametrize("dtype,use_pdl", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)],
                          ids=["bf16", "fp16", "bf16-pdl"])
 def test_kernel_matches_float64(n, k, prologue, extras, dtype, use_pdl):
+    check_kernel("cuda", n, k, prologue, extras, dtype, use_pdl)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("n,k", CPU_SHAPES)
+@pytest.mark.parametrize("prologue", list(PROLOGUES))
+@pytest.mark.parametrize("extras", [False, True], ids=["alone", "bias+residual"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])  # bf16: see conftest
+def test_interpreted_kernel_matches_float64(n, k, prologue, extras, dtype):
+    check_kernel("cpu", n, k, prologue, extras, dtype, use_pdl=False)
+
+
+def check_kernel(device, n, k, prologue, extras, dtype, use_pdl):
     seed = random.randrange(1 << 30)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     p = PROLOGUES[prologue]
-    rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=g)  # noqa: E731
     x = rand(1, 2 * k if p == gemv.SILU_GATE else k)
     w = (rand(n, k) / k ** 0.5).to(dtype)
     bias, residual = (rand(n), rand(1, n)) if extras else (None, None)
-    norm_weight = (0.5 + torch.rand(k, device="cuda", generator=g)).to(dtype) if p == gemv.RMS_NORM else None
-    out = torch.full((1, n), float("nan"), device="cuda", dtype=dtype)
+    norm_weight = (0.5 + torch.rand(k, device=device, generator=g)).to(dtype) if p == gemv.RMS_NORM else None
+    out = torch.full((1, n), float("nan"), device=device, dtype=dtype)
     gemv.launch(x, w, bias, out, residual=residual, norm_weight=norm_weight, eps=1e-6, prologue=p, use_pdl=use_pdl)
     ref = reference(p, x, w, bias, residual, norm_weight, 1e-6)
     assert not out.isnan().any(), f"unwritten outputs (seed={seed})"
     err = ((out.double() - ref).norm() / ref.norm()).item()
-    assert err < 1e-2, f"relative error {err:.2e} (seed={seed})"
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert err < tol, f"relative error {err:.2e} (seed={seed})"
 
 
+@pytest.mark.gpu
 @torch.no_grad()
 def test_fused_projections_at_batch_1_and_beyond():
     """norm_linear, linear and silu_linear through the kernel (batch 1) and through PyTorch
