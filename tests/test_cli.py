@@ -23,6 +23,8 @@ BAD = {
     "prompt-too-long": ["x" * 5000],
     "prompt-plus-output-too-long": ["Hello", "--max-new-tokens", "5000"],
     "no-prompt": [],
+    "non-utf8-prompt": [os.fsdecode(b"\xff\xfe abc")],  # argv bytes that are not UTF-8
+    "top-k-2**64": ["Hello", "--top-k", str(2**64)],
 }
 GOOD = {
     "json": ["Hello", "--max-new-tokens", "4", "--json"],
