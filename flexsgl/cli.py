@@ -64,6 +64,7 @@ def generate(
 ) -> None:
     """Generate continuations of PROMPTS; one prompt streams its tokens as they come."""
     from flexsgl import LLM, SamplingParams
+    from flexsgl.errors import EngineDeadError
 
     if not prompts:
         fail("Give at least one prompt, e.g. flexsgl generate \"Return the\".")
@@ -82,7 +83,9 @@ def generate(
         elapsed = time.perf_counter() - t1
     except ValueError as e:
         fail(str(e))
-    if all(o.error for o in outs):  # nothing ran: say why, as for any other bad input
+    except EngineDeadError as e:
+        fail(str(e), code=1)
+    if all(o.finish_reason == "refused" for o in outs):  # nothing ran: say why, as for any other bad input
         fail(outs[0].error)
     if json_out:
         typer.echo(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
@@ -100,6 +103,9 @@ def generate(
     n = sum(len(o.token_ids) for o in outs)
     logger.info(f"{n} tokens in {elapsed:.2f}s ({n / max(elapsed, 1e-9):.1f} tok/s); finish: "
         + ", ".join(sorted({o.finish_reason for o in outs})))
+    failed = [o.error for o in outs if o.finish_reason == "error"]
+    if failed:  # a fault, not bad input: the others' outputs are above
+        fail(failed[0] if len(failed) == 1 else f"{len(failed)} requests failed; the first: {failed[0]}", code=1)
 
 
 @app.command()

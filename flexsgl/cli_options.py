@@ -27,9 +27,10 @@ CLI_TYPES = {"str": str, "str | None": Optional[str], "int": int, "int | None": 
              "bool": bool, "bool | None": Optional[bool], "tuple[int, ...] | None": Optional[str]}
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = 2) -> None:
+    """One `error: ...` line and the exit code: 2 for bad input, 1 for a fault."""
     typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 def _flag(name: str, kind, default, help: str, hidden: bool = False) -> inspect.Parameter:

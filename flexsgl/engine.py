@@ -1,8 +1,34 @@
-"""LLM: the Python API. Owns the model, the KV pool, the scheduler and the runner."""
+"""LLM: the Python API. Owns the model, the KV pool, the scheduler and the runner.
+
+Errors (flexsgl/errors.py has the types):
+
+- Bad input raises a ValueError that says why in one sentence, before anything runs: malformed
+  prompts (PromptError), sampling parameters of the wrong type or range (SamplingParamsError), a
+  model directory that cannot be served (CheckpointError, from the constructor). The engine is
+  untouched by them.
+- A request that can never run here (longer than the context or the whole KV cache) is not an
+  error of the call: it finishes at once with reason "refused" and the reason in `error`.
+- Per-request faults are not raised either: the requests they concern finish with reason "error"
+  and a one-sentence reason in `error`, their pages are released, and the engine goes on serving.
+  A step that fails while it is built, run or sampled (any Python exception, a CUDA out-of-memory
+  error) ends that step's requests; an on_token callback that raises ends its own request; an
+  output that cannot be detokenized is reported as "error" with its token ids intact.
+- KeyboardInterrupt: Ctrl-C during a step is held back until the step is complete (a second
+  Ctrl-C is not). `generate` then aborts its own requests and re-raises it; `step` raises it with
+  the requests that finished in that step kept for the next `step`. A callback that raises
+  KeyboardInterrupt (or SystemExit) is treated the same way.
+- Fatal errors raise EngineDeadError (a RuntimeError), and every later call raises it again at
+  once with the same reason: a fault of the device itself (torch's AcceleratorError, a
+  "CUDA error", or a device that fails to synchronise after an error), since a CUDA context that
+  saw one cannot run anything more; an error in the scheduler's own bookkeeping; a step broken
+  off half-way (a second Ctrl-C). The process must make a new LLM (after a device fault, a new
+  process).
+"""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import Callable, Sequence
 
 import torch
@@ -11,15 +37,19 @@ from flexsgl.attention.registry import resolve_override
 from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import KVPool, PageAllocator
 from flexsgl.config import EngineConfig
-from flexsgl.log import logger
+from flexsgl.log import logger, progress
 from flexsgl.model.loader import DTYPES, build_model, resolve
 from flexsgl.model.presets import DEFAULT_MODEL
-from flexsgl.request import FinishReason, Request, RequestOutput, SamplingParams
+from flexsgl.errors import EngineDeadError, InputError, PromptError, SamplingParamsError, describe, is_device_fault
+from flexsgl.interrupts import deferred_interrupts
+from flexsgl.request import FinishReason, Request, RequestOutput, SamplingParams, check_prompt, prompt_list
 from flexsgl.runner import ModelRunner
 from flexsgl.scheduler import Scheduler
-from flexsgl.tokenizer import load_tokenizer
+from flexsgl.tokenizer import encode_prompt, load_tokenizer
 
 CPU_DEFAULT_KV_TOKENS = 16384
+# generate() shows a progress bar (stderr, at log level info) for calls of this many prompts or tokens.
+PROGRESS_PROMPTS, PROGRESS_TOKENS = 8, 1024
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
@@ -37,6 +67,9 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 class LLM:
+    _dead: str | None = None  # why the engine can no longer run (see the module docstring)
+    _interrupt: BaseException | None = None  # raised by a callback in the step being processed
+
     def __init__(self, model: str | EngineConfig | None = None, **options):
         """Load `model` (a preset, a local HF directory or a hub id; None for the embedded default)
         with engine `options`: the fields of EngineConfig (flexsgl/config.py), e.g.
@@ -125,23 +158,26 @@ class LLM:
     # ---- requests
 
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> Request:
+        """Check one prompt and its sampling parameters and turn them into a Request (not queued);
+        bad input raises a ValueError (PromptError, SamplingParamsError) that says why."""
+        if not isinstance(sampling, SamplingParams):
+            raise SamplingParamsError(f"Sampling parameters must be a SamplingParams, got {type(sampling).__name__}.")
+        prompt = check_prompt(prompt, index)
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"Prompt {index} is empty.")
             if self.tokenizer is None:
-                raise ValueError(f"Model {self.src.name!r} has no tokenizer; pass prompts as token ids.")
-            ids = list(self.tokenizer.encode(prompt))
+                raise PromptError(f"Model {self.src.name!r} has no tokenizer; pass prompts as token ids.")
+            ids = encode_prompt(self.tokenizer, prompt, index)
         else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"Prompt {index} is empty.")
+            ids = prompt
         vocab = self.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"Prompt {index} has token ids outside the vocabulary [0, {vocab}).")
+            raise PromptError(f"Prompt {index} has token ids outside the vocabulary [0, {vocab}).")
         ctx = self.config.max_position
         if len(ids) >= ctx:
-            raise ValueError(f"Prompt {index} has {len(ids)} tokens; the model's context is {ctx}, "
-                             "leaving no room for a new token.")
+            raise PromptError(f"Prompt {index} has {len(ids)} tokens; the model's context is {ctx}, "
+                              "leaving no room for a new token.")
+        if any(t >= vocab for t in sampling.stop_token_ids):
+            raise SamplingParamsError(f"stop_token_ids of prompt {index} hold ids outside the vocabulary [0, {vocab}).")
         eos = self.config.eos_token_ids
         if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -152,7 +188,9 @@ class LLM:
         """Queue one request; returns its id. Malformed input raises ValueError; a request that can
         never run here (longer than the context or the whole cache) finishes at once as "refused",
         with the reason in its output's `error`."""
-        return self._add(self.make_request(prompt, sampling or SamplingParams()), on_token)
+        self._check_alive()
+        _check_callback(on_token)
+        return self._add(self.make_request(prompt, SamplingParams() if sampling is None else sampling), on_token)
 
     def _add(self, req: Request, on_token) -> int:
         req.on_token = on_token
@@ -167,24 +205,110 @@ class LLM:
 
     def abort(self, request_id: int) -> None:
         """Stop a request; it finishes with reason "abort" and keeps the tokens it has."""
+        self._check_alive()
         req = self._live.get(request_id)
         if req is not None and not req.finished:
             self.scheduler.finish(req, FinishReason.ABORT)
             self._done.append(req)
 
+    # ---- steps
+
     def step(self) -> list[RequestOutput]:
-        """Launch one step and read back the previous one; returns the requests that finished."""
-        batch = self.scheduler.schedule()
-        launched = self.runner.run(batch) if batch is not None else None
-        if self._pending is not None:  # read the previous step while this one runs
-            self._done += self.scheduler.process(self._pending.batch, self._pending.tokens())
-        elif launched is None and self.scheduler.has_unfinished:
-            raise RuntimeError("The scheduler has unfinished requests but nothing it can run.")
-        self._pending = launched
+        """Launch one step and read back the previous one; returns the requests that finished.
+
+        A fault that concerns some requests finishes them with reason "error"; a KeyboardInterrupt
+        (Ctrl-C, or raised by an on_token callback) is raised once the step is complete, and the
+        requests that finished in it come back from the next step(). See the module docstring."""
+        self._check_alive()
+        try:
+            with deferred_interrupts() as deferred:
+                interrupt = self._advance()
+        except EngineDeadError:
+            raise
+        except BaseException as e:  # a bug, or a second Ctrl-C half-way through the step
+            self._dead = f"a step stopped half-way ({describe(e)})"
+            raise
+        if interrupt is not None:
+            raise interrupt
+        deferred.redeliver()
         done, self._done = self._done, []
         for r in done:
             del self._live[r.request_id]
         return [self._output(r) for r in done]
+
+    def _advance(self) -> BaseException | None:
+        """Schedule and launch the next step, then read back and hand out the previous one. Every
+        fault a request can be blamed for ends that request here; what escapes kills the engine.
+        Returns an interrupt raised by a callback, to be raised once the step is complete."""
+        batch = self.scheduler.schedule()
+        launched = failure = None
+        if batch is not None:
+            try:
+                launched = self.runner.run(batch)
+            except Exception as e:  # building the batch, the forward pass, sampling
+                self._die_if_device_fault(e)
+                self.scheduler.unschedule(batch)
+                failure = f"The step that ran this request failed: {describe(e)}."
+                logger.debug("step failed for requests %s", [r.request_id for r in batch.requests], exc_info=True)
+        pending, self._pending = self._pending, launched
+        self._interrupt = None
+        if pending is not None:  # read the previous step while this one runs
+            self._read_back(pending)
+        elif batch is None and self.scheduler.has_unfinished:
+            raise self._die("the scheduler has unfinished requests but nothing it can run")
+        if failure is not None:  # after the previous step's tokens, which these requests may have
+            self._finish_all(batch.requests, failure)
+        return self._interrupt
+
+    def _read_back(self, pending) -> None:
+        try:
+            tokens = pending.tokens()
+        except Exception as e:
+            self._die_if_device_fault(e)
+            self._finish_all(pending.batch.requests, f"Reading back the step that ran this request failed: "
+                                                     f"{describe(e)}.")
+            return
+        self._done += self.scheduler.process(pending.batch, tokens, self._notify)
+
+    def _notify(self, req: Request) -> str | None:
+        """Run req's on_token callback; returns why req must end with an error, if it raised."""
+        if req.on_token is None:
+            return None
+        try:
+            req.on_token(req)
+        except Exception as e:
+            logger.debug("on_token callback of request %d raised", req.request_id, exc_info=True)
+            return f"The on_token callback raised {describe(e)}."
+        except BaseException as e:  # KeyboardInterrupt, SystemExit: raised once the step is complete
+            if self._interrupt is None:
+                self._interrupt = e
+        return None
+
+    def _finish_all(self, reqs: list[Request], error: str) -> None:
+        for r in reqs:
+            if not r.finished:
+                self.scheduler.finish(r, FinishReason.ERROR, error)
+                self._done.append(r)
+
+    # ---- fatal errors
+
+    def _die(self, reason: str) -> EngineDeadError:
+        """Mark the engine dead; returns the error to raise."""
+        self._dead = reason
+        return EngineDeadError(self._dead_message())
+
+    def _die_if_device_fault(self, e: Exception) -> None:
+        """Raise EngineDeadError if `e` is (or left behind) a fault of the device itself."""
+        if is_device_fault(e) or not _device_alive(self.device):
+            raise self._die(f"the device failed ({describe(e)})") from e
+
+    def _dead_message(self) -> str:
+        return (f"The engine cannot run any more: {self._dead}; create a new LLM (after a device fault, "
+                "in a new process).")
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead_message())
 
     @property
     def has_unfinished(self) -> bool:
@@ -196,28 +320,75 @@ class LLM:
 
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_token: Callable[[Request], None] | None = None) -> list[RequestOutput]:
-        """Run `prompts` (strings or token-id lists) to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise ValueError("No prompts given.")
-        sampling = sampling or SamplingParams()
+        """Run `prompts` (strings or token-id lists) to completion; outputs come back in prompt order.
+
+        Bad input raises a ValueError before any request starts. On KeyboardInterrupt (Ctrl-C, or
+        from on_token) this call's requests are aborted, and it is raised with the engine ready for
+        the next call."""
+        self._check_alive()
+        prompts = prompt_list(prompts)
+        sampling = SamplingParams() if sampling is None else sampling
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
+        elif isinstance(sampling, (str, bytes, Mapping)) or not isinstance(sampling, Sequence):
+            raise SamplingParamsError(f"sampling must be a SamplingParams or a list of them, one per prompt, "
+                                      f"got {type(sampling).__name__}.")
         if len(sampling) != len(prompts):
-            raise ValueError(f"Got {len(sampling)} SamplingParams for {len(prompts)} prompts.")
+            raise SamplingParamsError(f"Got {len(sampling)} SamplingParams for {len(prompts)} prompts.")
+        _check_callback(on_token)
         reqs = [self.make_request(p, s, i) for i, (p, s) in enumerate(zip(prompts, sampling))]
         ids = [self._add(r, on_token) for r in reqs]
         outs = {}
-        while len(outs) < len(ids) or self.has_unfinished:
-            outs.update((o.request_id, o) for o in self.step())
+        long_call = len(ids) >= PROGRESS_PROMPTS or sum(s.max_new_tokens for s in sampling) >= PROGRESS_TOKENS
+        bar = progress(total=len(ids), desc="generate", unit="req", disable=not long_call)
+        try:
+            with deferred_interrupts() as deferred:
+                while len(outs) < len(ids) or self.has_unfinished:
+                    outs.update((o.request_id, o) for o in self.step())
+                    bar.update(len(outs) - bar.n)
+                    deferred.redeliver()
+        except BaseException:
+            self._abandon(ids)
+            raise
+        finally:
+            bar.close()
         return [outs[i] for i in ids]
+
+    def _abandon(self, ids: list[int]) -> None:
+        """Abort the requests of an interrupted generate() and forget them: nobody will ask for them."""
+        if self._dead is not None:
+            return
+        for i in ids:
+            self.abort(i)
+            req = self._live.pop(i, None)
+            if req is not None and req in self._done:
+                self._done.remove(req)
 
     def _output(self, req: Request) -> RequestOutput:
         out = req.output()
         if self.tokenizer is not None:
-            out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            try:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            except Exception as e:
+                logger.debug("detokenizing request %d failed", req.request_id, exc_info=True)
+                out.finish_reason, out.error = FinishReason.ERROR.value, f"Detokenizing the output failed: {describe(e)}."
         return out
 
     def decode_text(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _check_callback(on_token) -> None:
+    if on_token is not None and not callable(on_token):
+        raise InputError(f"on_token must be a function of the request, or None, got {type(on_token).__name__}.")
+
+
+def _device_alive(device: torch.device) -> bool:
+    """Whether the device still runs work (a CUDA fault surfaces at the next synchronisation)."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        return False
+    return True

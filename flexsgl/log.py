@@ -36,11 +36,12 @@ def _install() -> None:
         logger.warning(str(e))
 
 
-def progress(iterable=None, **kw):
-    """A tqdm bar on stderr, shown while the log level is info or lower."""
+def progress(iterable=None, disable: bool = False, **kw):
+    """A tqdm bar on stderr, shown while the log level is info or lower (and `disable` is False)."""
     from tqdm import tqdm
 
-    return tqdm(iterable, file=sys.stderr, leave=False, disable=not logger.isEnabledFor(logging.INFO), **kw)
+    return tqdm(iterable, file=sys.stderr, leave=False, disable=disable or not logger.isEnabledFor(logging.INFO),
+                **kw)
 
 
 _install()

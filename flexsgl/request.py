@@ -4,13 +4,28 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
+import operator
 import secrets
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+
+from flexsgl.errors import PromptError, SamplingParamsError, short_repr
+
+
+# Temperatures below this sample greedily, as in vLLM: dividing logits by less overflows float32,
+# and the softmax turns into NaN.
+GREEDY_TEMPERATURE = 1e-5
+FLOAT32_MAX = 3.4028234663852886e38
+INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. temperature 0 means greedy; top_k 0 means no top-k limit."""
+    """How to pick each next token. temperature 0 (or below 1e-5) means greedy; top_k 0 means no
+    top-k limit. Every field is checked for type and range here; a bad one raises
+    SamplingParamsError (a ValueError) that names it."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -22,27 +37,110 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer of at least 1, got {self.max_new_tokens!r}.")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}.")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}.")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}.")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}.")
-        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}.")
+        put = partial(object.__setattr__, self)
+        put("max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, 1, INT64_MAX,
+                                       "an integer of at least 1"))
+        temperature = _real("temperature", self.temperature, "a finite number >= 0")
+        if not 0.0 <= temperature <= FLOAT32_MAX:
+            raise SamplingParamsError(f"temperature must be a finite number >= 0, got {short_repr(self.temperature)}.")
+        put("temperature", 0.0 if temperature < GREEDY_TEMPERATURE else temperature)
+        put("top_k", _integer("top_k", self.top_k, 0, INT64_MAX, "an integer >= 0 (0 disables it)"))
+        top_p = _real("top_p", self.top_p, "a number in (0, 1]")
+        if not 0.0 < top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {short_repr(self.top_p)}.")
+        put("top_p", top_p)
+        min_p = _real("min_p", self.min_p, "a number in [0, 1]")
+        if not 0.0 <= min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {short_repr(self.min_p)}.")
+        put("min_p", min_p)
+        if self.seed is not None:
+            put("seed", _integer("seed", self.seed, 0, INT64_MAX, "None or a non-negative integer below 2**63"))
+        put("stop_token_ids", _token_ids(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError(f"ignore_eos must be True or False, got {short_repr(self.ignore_eos)}.")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _integer(name: str, value, low: int, high: int, what: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
+        raise SamplingParamsError(f"{name} must be {what}, got {short_repr(value)}.")
+    return int(value)
+
+
+def _real(name: str, value, what: str) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise SamplingParamsError(f"{name} must be {what}, got {short_repr(value)}.")
+    return float(value)
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise SamplingParamsError(f"stop_token_ids must be a list of token ids, got {short_repr(value)}.")
+    ids = tuple(value)
+    for t in ids:
+        if token_id(t) is None or token_id(t) < 0:
+            raise SamplingParamsError(f"stop_token_ids must hold non-negative integer token ids, got {short_repr(t)}.")
+    return tuple(token_id(t) for t in ids)
+
+
+def token_id(x) -> int | None:
+    """x as an int if it is an integer (a Python or numpy int, a 0-d integer tensor), else None:
+    a bool, a float or a string is not a token id."""
+    if isinstance(x, (bool, float, str, bytes)):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
+def prompt_list(prompts) -> list:
+    """generate()'s `prompts` as a list of prompts: one string, one list of token ids, or a list of those."""
+    if prompts is None:
+        raise PromptError("No prompts given.")
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Iterable):
+        raise PromptError(f"prompts must be a string, a list of token ids, or a list of those, "
+                          f"got {type(prompts).__name__}.")
+    prompts = list(prompts)
+    if not prompts:
+        raise PromptError("No prompts given.")
+    first = prompts[0]
+    one_prompt = token_id(first) is not None or isinstance(first, numbers.Number) or getattr(first, "ndim", None) == 0
+    return [prompts] if one_prompt else prompts
+
+
+def check_prompt(prompt, index: int) -> str | list[int]:
+    """One prompt as text or a list of token ids, checked for type; raises PromptError saying why not."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise PromptError(f"Prompt {index} is empty.")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PromptError(f"Prompt {index} is not valid Unicode text: it holds a lone surrogate at character "
+                              f"{e.start} (on a command line: bytes that are not UTF-8).") from None
+        return prompt
+    if isinstance(prompt, (bytes, bytearray)):
+        raise PromptError(f"Prompt {index} is bytes; pass text (a str) or a list of token ids.")
+    if not isinstance(prompt, Iterable) or isinstance(prompt, Mapping):
+        raise PromptError(f"Prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}.")
+    try:
+        items = list(prompt)
+    except TypeError:  # iterable by type but not by value, e.g. a 0-d tensor
+        raise PromptError(f"Prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}.") from None
+    ids = [token_id(t) for t in items]
+    if None in ids:
+        pos = ids.index(None)
+        raise PromptError(f"Prompt {index} has {short_repr(items[pos])} at position {pos}, where a token "
+                          "id (an integer) belongs.")
+    if not ids:
+        raise PromptError(f"Prompt {index} is empty.")
+    return ids
 
 
 class FinishReason(str, enum.Enum):
@@ -50,6 +148,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens
     ABORT = "abort"  # aborted by the caller
     REFUSED = "refused"  # can never run here (see RequestOutput.error)
+    ERROR = "error"  # a fault while it ran: a failed step or a callback that raised (see RequestOutput.error)
 
 
 class State(enum.Enum):
@@ -66,7 +165,7 @@ class RequestOutput:
     finish_reason: str | None
     cached_tokens: int = 0
     text: str | None = None
-    error: str | None = None  # why a refused request was refused
+    error: str | None = None  # why a request was refused or failed, in one sentence
 
     @property
     def prompt_tokens(self) -> int:
@@ -100,7 +199,7 @@ class Request:
     slot: int = -1  # row in the runner's per-request device state while running
     prefix_node: object = None  # the radix-cache node this request holds locked
     fill_ids: list[int] = field(default_factory=list)
-    on_token: object = None  # optional callback(request) after each new token
+    on_token: object = None  # optional callback(request) after each new token (the engine calls it)
 
     def __post_init__(self):
         if self.sampling.seed is not None:
@@ -136,8 +235,6 @@ class Request:
             self.finish_reason = FinishReason.STOP
         elif len(self.output_ids) >= self.sampling.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
-        if self.on_token is not None:
-            self.on_token(self)
 
     def output(self) -> RequestOutput:
         return RequestOutput(

@@ -208,8 +208,10 @@ class Scheduler:
 
     # ---- results and endings
 
-    def process(self, batch: ScheduledBatch, tokens: list[int]) -> list[Request]:
-        """Hand a step's sampled tokens to their requests; returns the requests that finished."""
+    def process(self, batch: ScheduledBatch, tokens: list[int], notify=None) -> list[Request]:
+        """Hand a step's sampled tokens to their requests; returns the requests that finished.
+        notify(request), called after each token, returns None, or why the request must end with
+        an error (a callback that raised)."""
         done = []
         sampled = (r for r, s in zip(batch.requests, batch.samples) if s)
         for r, tok in zip(sampled, tokens):
@@ -219,10 +221,21 @@ class Scheduler:
             if len(r.output_ids) == 1:
                 self.counters["prompt_tokens"] += r.prompt_len
                 self.counters["prefix_hit_tokens"] += r.cached_tokens
-            if r.finish_reason is not None:
+            failure = notify(r) if notify is not None else None
+            if failure is not None:
+                self.finish(r, FinishReason.ERROR, failure)
+                done.append(r)
+            elif r.finish_reason is not None:
                 self.finish(r, r.finish_reason)
                 done.append(r)
         return done
+
+    def unschedule(self, batch: ScheduledBatch) -> None:
+        """Take back a batch that failed before its tokens were computed and sampled, so that its
+        requests' uncomputed tokens never reach the prefix cache when they are released."""
+        for r, start, sampled in zip(batch.requests, batch.starts, batch.samples):
+            r.num_computed = start
+            r.num_scheduled_outputs -= sampled
 
     def finish(self, r: Request, reason: FinishReason, error: str | None = None) -> None:
         if r.state is State.RUNNING:

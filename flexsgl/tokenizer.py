@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flexsgl.errors import CheckpointError, PromptError, describe
 from flexsgl.model.loader import ModelSource
 
 
@@ -23,7 +24,21 @@ def load_tokenizer(src: ModelSource):
                                     ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(src.path))
+        try:
+            return AutoTokenizer.from_pretrained(str(src.path))
+        except Exception as e:
+            raise CheckpointError(f"The tokenizer in {str(src.path)!r} could not be loaded ({describe(e)}).") from None
     if src.path is None and src.config.vocab_size >= 256:
         return ByteTokenizer()
     return None
+
+
+def encode_prompt(tokenizer, text: str, index: int) -> list[int]:
+    """The token ids of prompt `index`; a prompt the tokenizer refuses raises PromptError."""
+    try:
+        ids = list(tokenizer.encode(text))
+    except Exception as e:
+        raise PromptError(f"Prompt {index} could not be tokenized ({describe(e)}).") from None
+    if not ids:
+        raise PromptError(f"Prompt {index} has no tokens once tokenized.")
+    return ids

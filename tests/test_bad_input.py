@@ -8,6 +8,7 @@ import pytest
 from transformers import Qwen3Config
 
 from flexsgl import LLM, SamplingParams
+from flexsgl.errors import InputError, PromptError, SamplingParamsError
 
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0)
 
@@ -65,11 +66,26 @@ def test_directory_without_weights(tmp_path):
 
 @pytest.mark.parametrize("kwargs", [
     {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_new_tokens": 0},
-], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+    {"top_k": 2**64}, {"top_k": -1}, {"top_k": 2.0}, {"max_new_tokens": 4.0}, {"max_new_tokens": True},
+    {"temperature": "0.5"}, {"temperature": float("nan")}, {"temperature": float("inf")}, {"temperature": 1e39},
+    {"top_p": "1"}, {"min_p": -0.1}, {"min_p": None}, {"seed": -1}, {"seed": 2**64}, {"seed": 1.5},
+    {"stop_token_ids": 5}, {"stop_token_ids": "abc"}, {"stop_token_ids": (None,)}, {"stop_token_ids": (-1,)},
+    {"stop_token_ids": (1.0,)}, {"stop_token_ids": (True,)}, {"stop_token_ids": {"a": 1}}, {"ignore_eos": "no"},
+], ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()))
 def test_bad_sampling_params(kwargs):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**kwargs)
     assert next(iter(kwargs)) in one_sentence(e)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-6, 5e-324])
+def test_temperature_below_epsilon_is_greedy(llm, temperature):
+    """Dividing logits by such a temperature overflows float32; it samples as temperature 0 does."""
+    prompt = [random.randrange(512) for _ in range(random.randrange(3, 20))]
+    greedy = llm.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0))[0].token_ids
+    for top_p in (1.0, 0.9):
+        out = llm.generate([prompt], SamplingParams(max_new_tokens=6, temperature=temperature, top_p=top_p, seed=1))
+        assert out[0].token_ids == greedy, f"prompt={prompt}"
 
 
 @pytest.mark.parametrize("prompts, words", [
@@ -92,8 +108,48 @@ def test_bad_prompts_then_engine_still_works(llm, reference, prompts, words):
     assert llm.generate([prompt], GREEDY)[0].token_ids == tokens, f"prompt={prompt}"
 
 
+@pytest.mark.parametrize("args, error, words", [
+    ((b"Hello",), PromptError, "bytes"),
+    (([b"Hello"],), PromptError, "bytes"),
+    (([[1.0, 2.0]],), PromptError, "token id"),
+    (([1.5, 2],), PromptError, "token id"),
+    (([[1, None]],), PromptError, "token id"),
+    (([[1, "2"]],), PromptError, "token id"),
+    (([[True, 2]],), PromptError, "token id"),
+    (("Hello \udcff",), PromptError, "Unicode"),
+    (({"prompt": "Hello"},), PromptError, "dict"),
+    ((None,), PromptError, "No prompts"),
+    ((42,), PromptError, "int"),
+    (("Hello", {"temperature": 0.5}), SamplingParamsError, "dict"),
+    (("Hello", "greedy"), SamplingParamsError, "str"),
+    ((["Hello", "Hi"], [GREEDY]), SamplingParamsError, "1 SamplingParams for 2"),
+    ((["Hello"], [{"max_new_tokens": 3}]), SamplingParamsError, "dict"),
+    (("Hello", SamplingParams(stop_token_ids=(512,))), SamplingParamsError, "vocabulary"),
+    (("Hello", GREEDY, "print"), InputError, "on_token"),
+], ids=["bytes", "list-of-bytes", "float-ids", "float-id-flat", "none-id", "str-id", "bool-id", "lone-surrogate",
+        "dict-prompt", "none", "int", "dict-sampling", "str-sampling", "too-few-sampling", "dict-in-list",
+        "stop-id-512", "on-token-not-callable"])
+def test_bad_call_is_refused_and_the_engine_still_works(llm, reference, args, error, words):
+    with pytest.raises(error) as e:
+        llm.generate(*args)
+    assert words.lower() in one_sentence(e).lower()
+    prompt, tokens = reference
+    assert llm.generate([prompt], GREEDY)[0].token_ids == tokens, f"prompt={prompt}"
+    assert not llm.has_unfinished
+
+
+def test_token_ids_of_any_integer_type_are_accepted(llm, reference):
+    """numpy and torch integers are token ids, read exactly, not truncated from floats."""
+    import numpy as np
+    import torch
+
+    prompt, tokens = reference
+    for ids in (np.array(prompt), torch.tensor(prompt), [np.int32(t) for t in prompt]):
+        assert llm.generate(ids, GREEDY)[0].token_ids == tokens, f"prompt={prompt}"
+
+
 def test_request_larger_than_the_kv_cache_is_refused_with_a_reason():
-    llm = LLM("tiny", device="cpu", kv_cache_tokens=128, page_size=64)
+    llm = LLM("tiny", device="cpu", max_total_tokens=128, page_size=64)
     refused, ok = llm.generate(["Hello", "Hello"], [SamplingParams(max_new_tokens=1000), SamplingParams(max_new_tokens=8)])
     assert refused.finish_reason == "refused" and not refused.token_ids
     assert "cache" in refused.error and "\n" not in refused.error and refused.error.endswith(".")

@@ -28,6 +28,8 @@ BAD = {
     "unknown-log-level": ["Hello", "--log-level", "loud"],
     "bad-graph-sizes": ["Hello", "--cuda-graph-bs", "1,x"],
     "old-and-new-flag": ["Hello", "--kv-cache-tokens", "4096", "--max-total-tokens", "8192"],
+    "non-utf8-prompt": [os.fsdecode(b"\xff\xfe abc")],  # argv bytes that are not UTF-8
+    "top-k-2**64": ["Hello", "--top-k", str(2**64)],
 }
 GOOD = {
     "json": ["Hello", "--max-new-tokens", "4", "--json"],

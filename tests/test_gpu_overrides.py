@@ -67,7 +67,7 @@ _FLEX_8B = {}  # seed -> the flex run, shared by the three overrides' tests
 
 def run_8b(override: str, prompts, steps: int, monkeypatch):
     llm = LLM("qwen3-8b", load_format="dummy", device="cuda", dtype="float16", override=override,
-              kv_cache_tokens=16384, page_size=64, compile=False, cuda_graphs=False, max_running=16)
+              max_total_tokens=16384, page_size=64, compile=False, disable_cuda_graph=True, max_running_requests=16)
     with monkeypatch.context() as m:
         seen = capture_logits(llm, m)
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))

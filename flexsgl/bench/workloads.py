@@ -15,8 +15,6 @@ import sys
 import time
 from dataclasses import asdict
 
-import torch
-
 from flexsgl.bench.args import Plan
 from flexsgl.bench.machine import environment
 from flexsgl.bench.passes import BAR_INTERVAL, free_memory, random_prompts, throughput_requests, timed_pass

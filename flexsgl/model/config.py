@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flexsgl.errors import CheckpointError, short_repr
 
 
 @dataclass(frozen=True)
@@ -59,45 +60,91 @@ class ModelConfig:
         return ARCHITECTURES[self.architecture].qk_norm
 
     @classmethod
-    def from_hf(cls, d: dict) -> "ModelConfig":
+    def from_hf(cls, d: dict, source: str = "The model config") -> "ModelConfig":
+        """The config of an HF `config.json` dict, checked key by key; `source` names it in errors
+        (CheckpointError, a ValueError, that names the file and the key)."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source} must hold a JSON object, got a {type(d).__name__}.")
+        get = _Keys(d, source)
         by_type = {a.model_type: name for name, a in ARCHITECTURES.items()}
-        arch = (d.get("architectures") or [by_type.get(d.get("model_type"), "?")])[0]
-        if arch not in ARCHITECTURES:
-            raise ValueError(
-                f"Model architecture {arch!r} is not supported; flexsgl runs {', '.join(ARCHITECTURES)}."
-            )
+        archs = get.typed("architectures", list, None)
+        arch = archs[0] if archs else by_type.get(get.typed("model_type", str, None), "?")
+        if not isinstance(arch, str) or arch not in ARCHITECTURES:
+            raise CheckpointError(f"{source}: model architecture {short_repr(arch)} is not supported; flexsgl runs "
+                                  f"{', '.join(ARCHITECTURES)}.")
+        if d.get("quantization_config") is not None:
+            method = d["quantization_config"].get("quant_method", "?") if isinstance(d["quantization_config"], dict) else "?"
+            raise CheckpointError(f"{source} has a quantization_config ({short_repr(method)}); flexsgl serves "
+                                  "unquantized float32, float16 and bfloat16 weights only.")
+        for key, supported in UNSUPPORTED_SETTINGS.items():
+            if key in d and d[key] not in supported:
+                raise CheckpointError(f"{source} sets {key} to {short_repr(d[key])}, which flexsgl does not run "
+                                      f"(it runs {' or '.join(map(repr, supported))}).")
         # transformers 5 writes `rope_parameters`; older checkpoints write rope_theta + rope_scaling.
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        rope = dict(get.typed("rope_parameters", dict, None) or get.typed("rope_scaling", dict, None) or {})
+        theta = get.number({**d, **rope}, "rope_theta", 10000.0)
+        rope.pop("rope_theta", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
-            raise ValueError(f"RoPE type {rope_type!r} is not supported; flexsgl runs 'default' and 'llama3'.")
+            raise CheckpointError(f"RoPE type {short_repr(rope_type)} is not supported; flexsgl runs 'default' and "
+                                  "'llama3'.")
+        if rope_type == "llama3":
+            for key in LLAMA3_ROPE_KEYS:
+                get.number(rope, key)
+            if rope["low_freq_factor"] == rope["high_freq_factor"]:
+                raise CheckpointError(f"{source}: the llama3 RoPE low_freq_factor and high_freq_factor must differ.")
         eos = d.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        heads = d["num_attention_heads"]
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
+            raise CheckpointError(f"{source}: 'eos_token_id' must be a token id or a list of them, "
+                                  f"got {short_repr(d.get('eos_token_id'))}.")
+        hidden, heads = get.positive("hidden_size"), get.positive("num_attention_heads")
+        kv_heads = get.positive("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise CheckpointError(f"{source}: 'num_attention_heads' ({heads}) must be a multiple of "
+                                  f"'num_key_value_heads' ({kv_heads}).")
+        if d.get("head_dim") is None and hidden % heads:
+            raise CheckpointError(f"{source} has no 'head_dim', and 'hidden_size' ({hidden}) is not a multiple of "
+                                  f"'num_attention_heads' ({heads}).")
+        head_dim = get.positive("head_dim", hidden // heads)
+        if head_dim % 2:
+            raise CheckpointError(f"{source}: 'head_dim' must be even for rotary embeddings, got {head_dim}.")
+        dtype = d.get("torch_dtype") or d.get("dtype")
         return cls(
             architecture=arch,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
+            vocab_size=get.positive("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=get.positive("intermediate_size"),
+            num_layers=get.positive("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            max_position=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", False),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=get.number(d, "rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            max_position=get.positive("max_position_embeddings", 4096),
+            tie_word_embeddings=get.typed("tie_word_embeddings", bool, False),
+            attention_bias=get.typed("attention_bias", bool, False),
             rope_scaling=rope if rope_type == "llama3" else None,
             eos_token_ids=eos,
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            torch_dtype=dtype if isinstance(dtype, str) else None,
             hf=d,
         )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+        file = Path(path) / "config.json"
+        try:
+            text = file.read_text(encoding="utf-8")
+        except OSError as e:
+            raise CheckpointError(f"Could not read {str(file)!r}: {e.strerror or e}.") from None
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{str(file)!r} is not UTF-8 text.") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"Config file {str(file)!r} is not valid JSON: {e.msg} at line {e.lineno} column "
+                                  f"{e.colno}.") from None
+        return cls.from_hf(d, f"Config file {str(file)!r}")
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
@@ -108,3 +155,50 @@ class ModelConfig:
         layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * layer + self.vocab_size * h + head + h
+
+
+# config.json settings flexsgl's decoder does not implement, and the values it does.
+UNSUPPORTED_SETTINGS = {"hidden_act": ("silu",), "mlp_bias": (False,), "use_sliding_window": (False,)}
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_MISSING = object()
+
+
+class _Keys:
+    """Reads keys of a config dict, checking their types; errors name the config and the key."""
+
+    def __init__(self, d: dict, source: str):
+        self.d, self.source = d, source
+
+    def _fail(self, key: str, what: str, value) -> CheckpointError:
+        return CheckpointError(f"{self.source}: {key!r} must be {what}, got {short_repr(value)}.")
+
+    def typed(self, key: str, kind: type, default):
+        value = self.d.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise self._fail(key, f"a JSON {_JSON_NAMES[kind]}", value)
+        return value
+
+    def positive(self, key: str, default=_MISSING) -> int:
+        value = self.d.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise CheckpointError(f"{self.source} lacks {key!r}, which the model needs.")
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise self._fail(key, "a positive integer", value)
+        return value
+
+    def number(self, d: dict, key: str, default=_MISSING) -> float:
+        value = d.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise CheckpointError(f"{self.source} lacks {key!r}, which the model needs.")
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            raise self._fail(key, "a positive number", value)
+        return float(value)
+
+
+_JSON_NAMES = {list: "list", dict: "object", str: "string", bool: "true or false"}

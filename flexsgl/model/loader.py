@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from flexsgl.errors import CheckpointError, describe, short_repr
+from flexsgl.log import progress
 from flexsgl.model.config import ModelConfig, model_class
 from flexsgl.model.presets import EMBEDDED, PRESETS
 
@@ -31,7 +35,7 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
         raise ValueError(f"Unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}.")
     if model in PRESETS:
         preset = PRESETS[model]
-        cfg = ModelConfig.from_hf(preset["config"])
+        cfg = ModelConfig.from_hf(preset["config"], f"The config of preset {model!r}")
         if load_format == "dummy" or (load_format == "auto" and preset["hub"] is None):
             return ModelSource(model, cfg, None, "dummy")
         if preset["hub"] is None:
@@ -41,7 +45,7 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
     path = EMBEDDED.get(model) or Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"Model directory {str(path)!r} has no config.json.")
+            raise CheckpointError(f"Model directory {str(path)!r} has no config.json.")
     elif model.count("/") == 1 and not path.exists() and not model.startswith((".", "/", "~")):
         path = _fetch_from_hub(model, hint="pass a local model directory instead")
     else:
@@ -52,7 +56,8 @@ def resolve(model: str, load_format: str = "auto") -> ModelSource:
     cfg = ModelConfig.from_dir(path)
     fmt = "dummy" if load_format == "dummy" else "safetensors"
     if fmt == "safetensors" and not _weight_files(path):
-        raise ValueError(f"No safetensors weights in {str(path)!r}; use --load-format dummy for random weights.")
+        raise CheckpointError(f"No safetensors weights in {str(path)!r}; use --load-format dummy for random "
+                              "weights.")
     return ModelSource(model, cfg, path, fmt)
 
 
@@ -73,14 +78,23 @@ def _fetch_from_hub(repo_id: str, hint: str) -> Path:
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"Index file {str(index)!r} is not a safetensors index with a weight_map "
+                                  f"({describe(e)}).") from None
+        files = [path / n for n in names if isinstance(n, str)]
+        missing = [f.name for f in files if not f.is_file()]
+        if len(files) != len(names) or missing:
+            raise CheckpointError(f"Index file {str(index)!r} lists weight files that are not in the directory, "
+                                  f"e.g. {short_repr(missing[0] if missing else names[0])}.")
+        return files
     single = path / "model.safetensors"
     return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
 
 
-def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                progress=None) -> nn.Module:
+def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
     """Build the model on `device` in `dtype`, with weights from `src` (or seeded random ones)."""
     cfg = src.config
     with torch.device("meta"):
@@ -93,7 +107,7 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
     if src.load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        load_safetensors(model, _weight_files(src.path), progress)
+        load_safetensors(model, _weight_files(src.path))
     return model.eval().requires_grad_(False)
 
 
@@ -109,33 +123,86 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, files: list[Path], progress=None) -> None:
-    from safetensors import safe_open
+def load_safetensors(model: nn.Module, files: list[Path]) -> None:
+    """Copy the checkpoint's tensors into `model`, once every tensor's name, shape and dtype has
+    been checked against it (and nothing is missing): a bad checkpoint raises CheckpointError and
+    loads nothing."""
+    plan = check_checkpoint(model, files)
+    for f in progress(files, desc="loading weights", unit="file", disable=len(files) < 2):
+        with _open_safetensors(f) as st:
+            for hf_name, dst in plan[f]:
+                try:
+                    dst.copy_(st.get_tensor(hf_name))
+                except SafetensorError as e:
+                    raise CheckpointError(f"Weights file {str(f)!r} is corrupt: {describe(e)}.") from None
 
+
+# Floating-point safetensors dtypes, which load into any model dtype; anything else (integers,
+# float8) is a quantized or foreign checkpoint.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tuple[str, torch.Tensor]]]:
+    """Read the headers of `files` and match every tensor to the part of `model` it fills; returns,
+    per file, (tensor name, destination) pairs. Raises CheckpointError, naming the file and the
+    tensor, for an unreadable file, a tensor the model has no place for, a wrong shape or dtype, a
+    tensor given twice, or a weight the checkpoint lacks."""
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    plan: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+    loaded: dict[str, tuple[str, Path]] = {}  # filled parameter (or fused shard) -> the tensor filling it
+    tied = model.cfg.tie_word_embeddings
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
+        plan[f] = []
+        with _open_safetensors(f) as st:
             for hf_name in st.keys():
+                if hf_name.endswith("rotary_emb.inv_freq"):
+                    continue  # recomputed from the config
                 target, shard = _map_name(model, hf_name)
+                if target == "lm_head.weight" and tied:
+                    target = "model.embed_tokens.weight"  # the same tensor; checked, and loaded once
                 if target not in params:
-                    continue  # e.g. rotary inv_freq buffers, or lm_head when embeddings are tied
-                p = params[target]
-                t = st.get_tensor(hf_name)
-                if shard is None:
-                    dst = p
-                else:
-                    sizes = model.shard_sizes(target.split(".")[-2])
-                    dst = p.narrow(0, sum(sizes[:shard]), sizes[shard])
-                if tuple(dst.shape) != tuple(t.shape):
-                    raise ValueError(f"Weight {hf_name!r} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}.")
-                dst.copy_(t)
-                loaded.add(target if shard is None else f"{target}#{shard}")
-        if progress is not None:
-            progress(f.name)
+                    raise CheckpointError(f"Weights file {str(f)!r} has tensor {hf_name!r}, which the model "
+                                          f"({model.cfg.architecture}) has no place for.")
+                view = st.get_slice(hf_name)
+                shape, dtype = tuple(view.get_shape()), view.get_dtype()
+                dst = params[target] if shard is None else _shard(model, params[target], target, shard)
+                if shape != tuple(dst.shape):
+                    raise CheckpointError(f"Weight {hf_name!r} in {str(f)!r} has shape {shape}, the model expects "
+                                          f"{tuple(dst.shape)}.")
+                if dtype not in FLOAT_DTYPES:
+                    raise CheckpointError(f"Weight {hf_name!r} in {str(f)!r} has dtype {dtype}; flexsgl loads "
+                                          f"unquantized weights ({', '.join(FLOAT_DTYPES)}).")
+                if hf_name == "lm_head.weight" and tied:
+                    continue
+                key = target if shard is None else f"{target}#{shard}"
+                if key in loaded:
+                    other, other_file = loaded[key]
+                    raise CheckpointError(f"Weight {hf_name!r} in {str(f)!r} fills the same part of the model as "
+                                          f"{other!r} in {str(other_file)!r}.")
+                loaded[key] = hf_name, f
+                plan[f].append((hf_name, dst))
     missing = [n for n in params if not _is_loaded(model, n, loaded)]
     if missing:
-        raise ValueError(f"The checkpoint lacks {len(missing)} weights the model needs, e.g. {missing[0]!r}.")
+        where = f"{str(files[0].parent)!r}" if files else "the model directory"
+        raise CheckpointError(f"The checkpoint in {where} lacks {len(missing)} weights the model needs, "
+                              f"e.g. {missing[0]!r}.")
+    return plan
+
+
+def _shard(model, param: torch.Tensor, target: str, shard: int) -> torch.Tensor:
+    sizes = model.shard_sizes(target.split(".")[-2])
+    return param.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+
+@contextmanager
+def _open_safetensors(f: Path):
+    try:
+        st = safe_open(str(f), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"Weights file {str(f)!r} is not a readable safetensors file, it may be truncated "
+                              f"or corrupt ({describe(e)}).") from None
+    with st:
+        yield st
 
 
 def _map_name(model, hf_name: str) -> tuple[str, int | None]:
@@ -145,7 +212,7 @@ def _map_name(model, hf_name: str) -> tuple[str, int | None]:
     return hf_name, None
 
 
-def _is_loaded(model, name: str, loaded: set[str]) -> bool:
+def _is_loaded(model, name: str, loaded) -> bool:
     if name in loaded:
         return True
     fused = name.split(".")[-2]

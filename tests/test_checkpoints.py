@@ -1,0 +1,178 @@
+"""A model directory that cannot be served is refused with one sentence that names the file (and
+the key or tensor), before any weight is loaded: corrupt configs, corrupt or mismatched weights."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.errors import CheckpointError
+from tests.hf_models import make_checkpoint
+
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A small saved Qwen3 checkpoint, its config dict, its tensors, and the seed that made it."""
+    path = tmp_path_factory.mktemp("qwen3-source")
+    seed = random.randrange(1 << 30)
+    make_checkpoint("qwen3", path, seed)
+    return path, json.loads((path / "config.json").read_text()), load_file(path / WEIGHTS), seed
+
+
+def write(tmp_path, config, tensors=None, weights_bytes=None):
+    """A model directory with `config` (a dict, or the text of config.json) and weights."""
+    text = config if isinstance(config, str) else json.dumps(config)
+    (tmp_path / "config.json").write_text(text)
+    if weights_bytes is not None:
+        (tmp_path / WEIGHTS).write_bytes(weights_bytes)
+    elif tensors is not None:
+        save_file(tensors, tmp_path / WEIGHTS)
+    return str(tmp_path)
+
+
+def refused(path) -> str:
+    """The one-sentence message of the CheckpointError that loading `path` raises."""
+    with pytest.raises(CheckpointError) as e:
+        LLM(path, device="cpu")
+    msg = str(e.value)
+    assert msg and "\n" not in msg and msg.endswith("."), f"not a one-sentence message: {msg!r}"
+    return msg
+
+
+def test_the_source_checkpoint_loads(source, tmp_path):
+    """The unmodified copy loads: each case below differs from it by one defect."""
+    path, config, tensors, seed = source
+    out = LLM(write(tmp_path, config, tensors), device="cpu").generate([[1, 2, 3]], SamplingParams(
+        max_new_tokens=2, temperature=0))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 2, f"seed={seed}"
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, ["config.json", "'hidden_size'", "lacks"]),
+    (lambda c: {**c, "num_attention_heads": 0}, ["config.json", "'num_attention_heads'", "positive integer"]),
+    (lambda c: {**c, "num_key_value_heads": 3}, ["config.json", "'num_key_value_heads'"]),
+    (lambda c: {**c, "vocab_size": "320"}, ["config.json", "'vocab_size'", "'320'"]),
+    (lambda c: {**c, "rms_norm_eps": -1.0}, ["config.json", "'rms_norm_eps'", "positive number"]),
+    (lambda c: {**c, "tie_word_embeddings": "no"}, ["config.json", "'tie_word_embeddings'"]),
+    (lambda c: {**c, "eos_token_id": [1, "two"]}, ["config.json", "'eos_token_id'"]),
+    (lambda c: {**c, "head_dim": 15}, ["config.json", "'head_dim'", "even"]),
+    (lambda c: {**c, "hidden_act": "gelu"}, ["config.json", "hidden_act", "'gelu'"]),
+    (lambda c: {**c, "quantization_config": {"quant_method": "awq", "bits": 4}}, ["quantization_config", "'awq'"]),
+    (lambda c: {**c, "architectures": ["MistralForCausalLM"]}, ["config.json", "'MistralForCausalLM'", "not supported"]),
+    (lambda c: [c], ["config.json", "JSON object", "list"]),
+], ids=["no-hidden-size", "zero-heads", "kv-heads-not-dividing", "string-vocab", "negative-eps",
+        "string-tie", "string-eos", "odd-head-dim", "gelu", "awq-quantized", "unknown-architecture", "json-list"])
+def test_bad_config_is_refused_naming_file_and_key(source, tmp_path, edit, words):
+    _, config, tensors, _ = source
+    msg = refused(write(tmp_path, edit(dict(config)), tensors))
+    for w in words:
+        assert w in msg, msg
+
+
+def test_config_with_a_json_syntax_error_names_the_file_and_the_place(source, tmp_path):
+    _, config, tensors, _ = source
+    text = json.dumps(config, indent=1)
+    lines = text.splitlines()
+    lines[1] = lines[1].rstrip(",") + ",,"  # a doubled comma at the end of the second line
+    msg = refused(write(tmp_path, "\n".join(lines), tensors))
+    assert "config.json" in msg and "not valid JSON" in msg and "line 2" in msg, msg
+
+
+def safetensors_bytes(tensors) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "header-only"])
+def test_corrupt_safetensors_file_is_reported_as_such(source, tmp_path, damage):
+    _, config, tensors, seed = source
+    data = safetensors_bytes(tensors)
+    rng = random.Random(seed)
+    broken = {"truncated": data[: rng.randrange(len(data) // 2, len(data) - 1)],
+              "garbage": rng.randbytes(rng.randrange(16, 4096)),
+              "empty": b"",
+              "header-only": data[:8 + int.from_bytes(data[:8], "little")]}[damage]
+    msg = refused(write(tmp_path, config, weights_bytes=broken))
+    assert WEIGHTS in msg and "truncated or corrupt" in msg, msg
+
+
+def test_unknown_weight_is_refused(source, tmp_path):
+    _, config, tensors, _ = source
+    extra = "model.layers.3.mlp.down_proj.weight"  # the checkpoint has three layers, 0 to 2
+    msg = refused(write(tmp_path, config, {**tensors, extra: tensors["model.layers.0.mlp.down_proj.weight"].clone()}))
+    assert extra in msg and "no place" in msg and WEIGHTS in msg, msg
+
+
+def test_missing_weight_is_refused(source, tmp_path):
+    _, config, tensors, seed = source
+    dropped = random.Random(seed).choice(sorted(tensors))
+    msg = refused(write(tmp_path, config, {k: v for k, v in tensors.items() if k != dropped}))
+    assert "lacks 1 weights" in msg, msg
+
+
+def test_wrong_shape_is_refused(source, tmp_path):
+    _, config, tensors, _ = source
+    name = "model.layers.1.self_attn.k_proj.weight"
+    msg = refused(write(tmp_path, config, {**tensors, name: tensors[name][:-1].clone()}))
+    expected = tuple(tensors[name].shape)
+    assert name in msg and str(expected) in msg and str((expected[0] - 1, expected[1])) in msg, msg
+
+
+def test_integer_weight_is_refused_as_quantized(source, tmp_path):
+    _, config, tensors, _ = source
+    name = "model.layers.0.mlp.up_proj.weight"
+    msg = refused(write(tmp_path, config, {**tensors, name: tensors[name].to(torch.int8)}))
+    assert name in msg and "I8" in msg, msg
+
+
+def test_weight_given_in_two_shards_is_refused(source, tmp_path):
+    _, config, tensors, _ = source
+    name = "model.norm.weight"
+    rest = {k: v for k, v in tensors.items() if k != name}
+    save_file(rest, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({name: tensors[name], "model.embed_tokens.weight": tensors["model.embed_tokens.weight"]},
+              tmp_path / "model-00002-of-00002.safetensors")
+    weight_map = {**{k: "model-00001-of-00002.safetensors" for k in rest},
+                  name: "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    msg = refused(write(tmp_path, config))
+    assert "model.embed_tokens.weight" in msg and "same part" in msg, msg
+
+
+@pytest.mark.parametrize("index, words", [
+    ("{", "not a safetensors index"),
+    (json.dumps({"metadata": {}}), "not a safetensors index"),
+    (json.dumps({"weight_map": {"a": "model-00009-of-00009.safetensors"}}), "model-00009-of-00009"),
+], ids=["syntax-error", "no-weight-map", "missing-shard"])
+def test_bad_index_file_is_refused(source, tmp_path, index, words):
+    _, config, tensors, _ = source
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    msg = refused(write(tmp_path, config, tensors))
+    assert "model.safetensors.index.json" in msg and words in msg, msg
+
+
+def test_corrupt_tokenizer_is_refused(source, tmp_path):
+    _, config, tensors, seed = source
+    (tmp_path / "tokenizer.json").write_bytes(random.Random(seed).randbytes(300))
+    msg = refused(write(tmp_path, config, tensors))
+    assert "tokenizer" in msg, msg
+
+
+def test_cli_refuses_a_corrupt_model_directory_with_one_line(source, tmp_path):
+    _, config, tensors, _ = source
+    path = write(tmp_path, {k: v for k, v in config.items() if k != "hidden_size"}, tensors)
+    r = subprocess.run([sys.executable, "-m", "flexsgl.cli", "generate", "Hello", "--device", "cpu", "--model", path],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "hidden_size" in errors[0] and "config.json" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
