@@ -11,7 +11,9 @@ Errors (flexsgl/errors.py has the types):
 - Per-request faults are not raised either: the requests they concern finish with reason "error"
   and a one-sentence reason in `error`, their pages are released, and the engine goes on serving.
   A step that fails while it is built, run or sampled (any Python exception, a CUDA out-of-memory
-  error) ends that step's requests; an on_token callback that raises ends its own request; an
+  error) ends every request of that step, since it cannot tell which one caused it, after they
+  receive the tokens of the step before it; the tokens it did not compute never reach the prefix
+  cache. A step whose tokens cannot be read back ends its requests; an on_token callback that raises ends its own request; an
   output that cannot be detokenized is reported as "error" with its token ids intact.
 - KeyboardInterrupt: Ctrl-C during a step is held back until the step is complete (a second
   Ctrl-C is not). `generate` then aborts its own requests and re-raises it; `step` raises it with

@@ -220,6 +220,22 @@ def test_ctrl_c_during_a_step_is_held_until_the_step_is_complete(llm, solo, monk
     assert_engine_serves(llm, solo, rng, note)
 
 
+def test_second_ctrl_c_breaks_the_step_off_and_the_engine_says_it_is_dead(llm, monkeypatch):
+    real = llm.runner._decode
+
+    def forward(fb):
+        os.kill(os.getpid(), signal.SIGINT)  # held back
+        os.kill(os.getpid(), signal.SIGINT)  # not held back: raised here, half-way through the step
+        return real(fb)
+
+    monkeypatch.setattr(llm.runner, "_decode", forward)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(EngineDeadError, match="half-way"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))
+
+
 def test_ctrl_c_during_step_keeps_the_steps_outputs_for_the_next(llm, solo, monkeypatch):
     """With add_request and step: the interrupted step raises, and what finished in it comes back
     from the next step, each request exactly once."""
