@@ -11,7 +11,9 @@ Errors (flexsgl/errors.py has the types):
 - Per-request faults are not raised either: the requests they concern finish with reason "error"
   and a one-sentence reason in `error`, their pages are released, and the engine goes on serving.
   A step that fails while it is built, run or sampled (any Python exception, a CUDA out-of-memory
-  error) ends that step's requests; an on_token callback that raises ends its own request; an
+  error) ends every request of that step, since it cannot tell which one caused it, after they
+  receive the tokens of the step before it; the tokens it did not compute never reach the prefix
+  cache. A step whose tokens cannot be read back ends its requests; an on_token callback that raises ends its own request; an
   output that cannot be detokenized is reported as "error" with its token ids intact.
 - KeyboardInterrupt: Ctrl-C during a step is held back until the step is complete (a second
   Ctrl-C is not). `generate` then aborts its own requests and re-raises it; `step` raises it with
@@ -28,7 +30,7 @@ Errors (flexsgl/errors.py has the types):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from functools import cached_property
 from typing import Callable, Sequence
 
 import torch
@@ -39,10 +41,11 @@ from flexsgl.cache.pool import KVPool, PageAllocator
 from flexsgl.config import EngineConfig
 from flexsgl.log import logger, progress
 from flexsgl.model.loader import DTYPES, build_model, resolve
+from flexsgl.errors import EngineDeadError, Health, PromptError, SamplingParamsError, describe
 from flexsgl.model.presets import DEFAULT_MODEL
-from flexsgl.errors import EngineDeadError, InputError, PromptError, SamplingParamsError, describe, is_device_fault
 from flexsgl.interrupts import deferred_interrupts
-from flexsgl.request import FinishReason, Request, RequestOutput, SamplingParams, check_prompt, prompt_list
+from flexsgl.request import (FinishReason, Request, RequestOutput, SamplingParams, check_callback, check_prompt,
+                             prompt_list, sampling_list)
 from flexsgl.runner import ModelRunner
 from flexsgl.scheduler import Scheduler
 from flexsgl.tokenizer import encode_prompt, load_tokenizer
@@ -67,7 +70,6 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 class LLM:
-    _dead: str | None = None  # why the engine can no longer run (see the module docstring)
     _interrupt: BaseException | None = None  # raised by a callback in the step being processed
 
     def __init__(self, model: str | EngineConfig | None = None, **options):
@@ -155,6 +157,11 @@ class LLM:
                              f"{self.device.type} has {free / 2**30:.1f} GiB free; lower max_total_tokens.")
         return num_pages
 
+    @cached_property
+    def health(self) -> Health:
+        """Whether the engine can still run, and if not, why (see the module docstring)."""
+        return Health()
+
     # ---- requests
 
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> Request:
@@ -188,8 +195,8 @@ class LLM:
         """Queue one request; returns its id. Malformed input raises ValueError; a request that can
         never run here (longer than the context or the whole cache) finishes at once as "refused",
         with the reason in its output's `error`."""
-        self._check_alive()
-        _check_callback(on_token)
+        self.health.check()
+        check_callback(on_token)
         return self._add(self.make_request(prompt, SamplingParams() if sampling is None else sampling), on_token)
 
     def _add(self, req: Request, on_token) -> int:
@@ -205,7 +212,7 @@ class LLM:
 
     def abort(self, request_id: int) -> None:
         """Stop a request; it finishes with reason "abort" and keeps the tokens it has."""
-        self._check_alive()
+        self.health.check()
         req = self._live.get(request_id)
         if req is not None and not req.finished:
             self.scheduler.finish(req, FinishReason.ABORT)
@@ -219,14 +226,14 @@ class LLM:
         A fault that concerns some requests finishes them with reason "error"; a KeyboardInterrupt
         (Ctrl-C, or raised by an on_token callback) is raised once the step is complete, and the
         requests that finished in it come back from the next step(). See the module docstring."""
-        self._check_alive()
+        self.health.check()
         try:
             with deferred_interrupts() as deferred:
                 interrupt = self._advance()
         except EngineDeadError:
             raise
         except BaseException as e:  # a bug, or a second Ctrl-C half-way through the step
-            self._dead = f"a step stopped half-way ({describe(e)})"
+            self.health.kill(f"a step stopped half-way ({describe(e)})")
             raise
         if interrupt is not None:
             raise interrupt
@@ -246,7 +253,7 @@ class LLM:
             try:
                 launched = self.runner.run(batch)
             except Exception as e:  # building the batch, the forward pass, sampling
-                self._die_if_device_fault(e)
+                self.health.check_device(e, self.device)
                 self.scheduler.unschedule(batch)
                 failure = f"The step that ran this request failed: {describe(e)}."
                 logger.debug("step failed for requests %s", [r.request_id for r in batch.requests], exc_info=True)
@@ -255,7 +262,7 @@ class LLM:
         if pending is not None:  # read the previous step while this one runs
             self._read_back(pending)
         elif batch is None and self.scheduler.has_unfinished:
-            raise self._die("the scheduler has unfinished requests but nothing it can run")
+            raise self.health.kill("the scheduler has unfinished requests but nothing it can run")
         if failure is not None:  # after the previous step's tokens, which these requests may have
             self._finish_all(batch.requests, failure)
         return self._interrupt
@@ -264,7 +271,7 @@ class LLM:
         try:
             tokens = pending.tokens()
         except Exception as e:
-            self._die_if_device_fault(e)
+            self.health.check_device(e, self.device)
             self._finish_all(pending.batch.requests, f"Reading back the step that ran this request failed: "
                                                      f"{describe(e)}.")
             return
@@ -290,26 +297,6 @@ class LLM:
                 self.scheduler.finish(r, FinishReason.ERROR, error)
                 self._done.append(r)
 
-    # ---- fatal errors
-
-    def _die(self, reason: str) -> EngineDeadError:
-        """Mark the engine dead; returns the error to raise."""
-        self._dead = reason
-        return EngineDeadError(self._dead_message())
-
-    def _die_if_device_fault(self, e: Exception) -> None:
-        """Raise EngineDeadError if `e` is (or left behind) a fault of the device itself."""
-        if is_device_fault(e) or not _device_alive(self.device):
-            raise self._die(f"the device failed ({describe(e)})") from e
-
-    def _dead_message(self) -> str:
-        return (f"The engine cannot run any more: {self._dead}; create a new LLM (after a device fault, "
-                "in a new process).")
-
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead_message())
-
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._pending is not None or bool(self._done)
@@ -325,17 +312,10 @@ class LLM:
         Bad input raises a ValueError before any request starts. On KeyboardInterrupt (Ctrl-C, or
         from on_token) this call's requests are aborted, and it is raised with the engine ready for
         the next call."""
-        self._check_alive()
+        self.health.check()
         prompts = prompt_list(prompts)
-        sampling = SamplingParams() if sampling is None else sampling
-        if isinstance(sampling, SamplingParams):
-            sampling = [sampling] * len(prompts)
-        elif isinstance(sampling, (str, bytes, Mapping)) or not isinstance(sampling, Sequence):
-            raise SamplingParamsError(f"sampling must be a SamplingParams or a list of them, one per prompt, "
-                                      f"got {type(sampling).__name__}.")
-        if len(sampling) != len(prompts):
-            raise SamplingParamsError(f"Got {len(sampling)} SamplingParams for {len(prompts)} prompts.")
-        _check_callback(on_token)
+        sampling = sampling_list(sampling, len(prompts))
+        check_callback(on_token)
         reqs = [self.make_request(p, s, i) for i, (p, s) in enumerate(zip(prompts, sampling))]
         ids = [self._add(r, on_token) for r in reqs]
         outs = {}
@@ -356,7 +336,7 @@ class LLM:
 
     def _abandon(self, ids: list[int]) -> None:
         """Abort the requests of an interrupted generate() and forget them: nobody will ask for them."""
-        if self._dead is not None:
+        if not self.health.alive:
             return
         for i in ids:
             self.abort(i)
@@ -377,18 +357,3 @@ class LLM:
     def decode_text(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-
-def _check_callback(on_token) -> None:
-    if on_token is not None and not callable(on_token):
-        raise InputError(f"on_token must be a function of the request, or None, got {type(on_token).__name__}.")
-
-
-def _device_alive(device: torch.device) -> bool:
-    """Whether the device still runs work (a CUDA fault surfaces at the next synchronisation)."""
-    if device.type != "cuda":
-        return True
-    try:
-        torch.cuda.synchronize(device)
-    except Exception:
-        return False
-    return True

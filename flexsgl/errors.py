@@ -63,3 +63,44 @@ def short_repr(value, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters, for messages that quote what the caller passed."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Health:
+    """Whether an engine can still run. Once killed it stays dead, and check() raises
+    EngineDeadError with the first reason."""
+
+    def __init__(self):
+        self.reason: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.reason is None
+
+    def check(self) -> None:
+        if self.reason is not None:
+            raise EngineDeadError(self.message())
+
+    def kill(self, reason: str) -> EngineDeadError:
+        """Mark the engine dead (keeping an earlier reason); returns the error to raise."""
+        self.reason = self.reason or reason
+        return EngineDeadError(self.message())
+
+    def check_device(self, e: Exception, device: torch.device) -> None:
+        """Kill the engine and raise if `e` is a fault of the device itself, or left one behind
+        (a CUDA fault surfaces at the next synchronisation)."""
+        if is_device_fault(e) or not _synchronizes(device):
+            raise self.kill(f"the device failed ({describe(e)})") from e
+
+    def message(self) -> str:
+        return (f"The engine cannot run any more: {self.reason}; create a new LLM (after a device fault, "
+                "in a new process).")
+
+
+def _synchronizes(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        return False
+    return True

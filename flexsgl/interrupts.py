@@ -21,21 +21,25 @@ class Deferred:
         self.caught = False
 
     def handle(self, signum, frame) -> None:
+        if self.caught:  # a second Ctrl-C is not held back
+            self._deliver(frame)
         self.caught, self.frame = True, frame
-        signal.signal(signal.SIGINT, self.previous)  # a second Ctrl-C is not held back
 
     def redeliver(self) -> None:
         """Raise the held-back interrupt, if one came, through the previous handler."""
-        if not self.caught:
-            return
-        self.caught = False
+        if self.caught:
+            self.caught = False
+            self._deliver(self.frame)
+
+    def _deliver(self, frame) -> None:
         if callable(self.previous):
-            self.previous(signal.SIGINT, self.frame)
+            self.previous(SIGINT, frame)
         elif self.previous != signal.SIG_IGN:
             raise KeyboardInterrupt
 
 
 _active = threading.local()
+SIGINT = signal.SIGINT
 
 
 @contextmanager
@@ -43,17 +47,17 @@ def deferred_interrupts():
     """Hold SIGINT back for the duration; yields a Deferred whose redeliver() raises it. Nested
     uses hold nothing themselves (the outermost one redelivers), nor does a thread other than the
     main one (it receives no signals), nor a process whose handler was not set from Python."""
-    previous = signal.getsignal(signal.SIGINT)
-    if getattr(_active, "deferred", None) is not None or previous is None \
-            or threading.current_thread() is not threading.main_thread():
+    if getattr(_active, "deferred", None) is not None or threading.current_thread() is not threading.main_thread():
         yield Deferred()
         return
-    deferred = Deferred(previous)
-    _active.deferred = deferred
-    signal.signal(signal.SIGINT, deferred.handle)
+    previous = signal.getsignal(SIGINT)
+    if previous is None:
+        yield Deferred()
+        return
+    deferred = _active.deferred = Deferred(previous)
+    signal.signal(SIGINT, deferred.handle)
     try:
         yield deferred
     finally:
         _active.deferred = None
-        if signal.getsignal(signal.SIGINT) == deferred.handle:
-            signal.signal(signal.SIGINT, deferred.previous)
+        signal.signal(SIGINT, previous)

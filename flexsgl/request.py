@@ -7,11 +7,11 @@ import math
 import numbers
 import operator
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
-from flexsgl.errors import PromptError, SamplingParamsError, short_repr
+from flexsgl.errors import InputError, PromptError, SamplingParamsError, short_repr
 
 
 # Temperatures below this sample greedily, as in vLLM: dividing logits by less overflows float32,
@@ -112,6 +112,23 @@ def prompt_list(prompts) -> list:
     first = prompts[0]
     one_prompt = token_id(first) is not None or isinstance(first, numbers.Number) or getattr(first, "ndim", None) == 0
     return [prompts] if one_prompt else prompts
+
+
+def sampling_list(sampling, n: int) -> list:
+    """generate()'s `sampling` as one SamplingParams per prompt: None (the defaults), one for all, or a list."""
+    if sampling is None or isinstance(sampling, SamplingParams):
+        return [SamplingParams() if sampling is None else sampling] * n
+    if isinstance(sampling, (str, bytes, Mapping)) or not isinstance(sampling, Sequence):
+        raise SamplingParamsError(f"sampling must be a SamplingParams or a list of them, one per prompt, "
+                                  f"got {type(sampling).__name__}.")
+    if len(sampling) != n:
+        raise SamplingParamsError(f"Got {len(sampling)} SamplingParams for {n} prompts.")
+    return list(sampling)
+
+
+def check_callback(on_token) -> None:
+    if on_token is not None and not callable(on_token):
+        raise InputError(f"on_token must be a function of the request, or None, got {type(on_token).__name__}.")
 
 
 def check_prompt(prompt, index: int) -> str | list[int]:

@@ -102,7 +102,7 @@ def test_corrupt_safetensors_file_is_reported_as_such(source, tmp_path, damage):
               "empty": b"",
               "header-only": data[:8 + int.from_bytes(data[:8], "little")]}[damage]
     msg = refused(write(tmp_path, config, weights_bytes=broken))
-    assert WEIGHTS in msg and "truncated or corrupt" in msg, msg
+    assert WEIGHTS in msg and "truncated or corrupt" in msg, (msg, f"seed={seed}")
 
 
 def test_unknown_weight_is_refused(source, tmp_path):
@@ -116,7 +116,7 @@ def test_missing_weight_is_refused(source, tmp_path):
     _, config, tensors, seed = source
     dropped = random.Random(seed).choice(sorted(tensors))
     msg = refused(write(tmp_path, config, {k: v for k, v in tensors.items() if k != dropped}))
-    assert "lacks 1 weights" in msg, msg
+    assert "lacks 1 weights" in msg, (msg, f"seed={seed}")
 
 
 def test_wrong_shape_is_refused(source, tmp_path):
@@ -164,7 +164,7 @@ def test_corrupt_tokenizer_is_refused(source, tmp_path):
     _, config, tensors, seed = source
     (tmp_path / "tokenizer.json").write_bytes(random.Random(seed).randbytes(300))
     msg = refused(write(tmp_path, config, tensors))
-    assert "tokenizer" in msg, msg
+    assert "tokenizer" in msg, (msg, f"seed={seed}")
 
 
 def test_cli_refuses_a_corrupt_model_directory_with_one_line(source, tmp_path):
