@@ -38,6 +38,7 @@ import torch
 from flexsgl.attention.registry import resolve_override
 from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import KVPool, PageAllocator
+from flexsgl.cache.sizing import kv_cache_pages
 from flexsgl.config import EngineConfig
 from flexsgl.log import logger, progress
 from flexsgl.model.loader import DTYPES, build_model, resolve
@@ -50,23 +51,11 @@ from flexsgl.runner import ModelRunner
 from flexsgl.scheduler import Scheduler
 from flexsgl.tokenizer import encode_prompt, load_tokenizer
 
-CPU_DEFAULT_KV_TOKENS = 16384
 # generate() shows a progress bar (stderr, at log level info) for calls of this many prompts or tokens.
 PROGRESS_PROMPTS, PROGRESS_TOKENS = 8, 1024
 
 
-def free_memory_bytes(device: torch.device) -> int | None:
-    """Memory the device can still give: free GPU memory, or the host's available memory (None: unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+
 
 
 class LLM:
@@ -97,7 +86,7 @@ class LLM:
                     f"{dtype_name}, {self.device})")
         self.model = build_model(self.src, self.device, self.dtype, cfg.random_seed)
         self.tokenizer = load_tokenizer(self.src)
-        num_pages = self._num_pages(cfg, choice.max_pool_elements(self.device))
+        num_pages = kv_cache_pages(cfg, mcfg, self.dtype, self.device, choice.max_pool_elements(self.device))
         self.pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                            self.dtype, self.device)
         self.model.bind_kv_pool(self.pool)
@@ -126,36 +115,6 @@ class LLM:
                 return torch.float32
             return torch.float16 if self.config.torch_dtype == "float16" else torch.bfloat16
         return DTYPES[dtype]
-
-    def _num_pages(self, cfg: EngineConfig, max_elements: int | None) -> int:
-        mcfg, ps = self.config, cfg.page_size
-        itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        per_token = mcfg.kv_bytes_per_token(itemsize)
-        kv_tokens = cfg.max_total_tokens
-        if kv_tokens is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                # Room for one step's activations: the widest layer over the token budget, and logits.
-                act = cfg.max_num_batched_tokens * (2 * mcfg.intermediate_size + 4 * mcfg.hidden_size) * itemsize * 2
-                act += cfg.max_running_requests * mcfg.vocab_size * 4 * 4 + (1 << 30)
-                kv_tokens = int((free * cfg.mem_fraction_static - act) // per_token)
-            else:
-                kv_tokens = CPU_DEFAULT_KV_TOKENS
-        if max_elements is not None:  # the attention backends' own limit (e.g. flex's 32-bit indexing)
-            most = (max_elements // (mcfg.num_kv_heads * mcfg.head_dim) // ps - 1) * ps
-            if cfg.max_total_tokens is not None and kv_tokens > most:
-                raise ValueError(f"max_total_tokens {kv_tokens} is more than these attention backends can index "
-                                 f"({most} tokens of this model per pool); lower it.")
-            kv_tokens = min(kv_tokens, most)
-        if kv_tokens < ps:
-            raise ValueError(f"The KV cache must hold at least one page ({ps} tokens); it would hold "
-                             f"{max(kv_tokens, 0)}.")
-        num_pages = KVPool.num_pages_for(kv_tokens, ps) + 1  # + the dummy page
-        need, free = num_pages * ps * per_token, free_memory_bytes(self.device)
-        if free is not None and need > free:
-            raise ValueError(f"A KV cache of {kv_tokens} tokens needs {need / 2**30:.1f} GiB, and the "
-                             f"{self.device.type} has {free / 2**30:.1f} GiB free; lower max_total_tokens.")
-        return num_pages
 
     @cached_property
     def health(self) -> Health:
