@@ -85,7 +85,7 @@ class FlexAttentionBackend:
         fb.attn = self.metadata(fb)
 
     def metadata(self, fb: ForwardBatch) -> FlexMeta:
-        self.record_page_positions(fb.page_table)
+        self.record_page_positions(fb.page_table, fb.seq_lens)
         if fb.mode == "decode":
             q_len = 1
             # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
@@ -110,12 +110,15 @@ class FlexAttentionBackend:
         for dst, src in zip(self.graph_meta[bs].step_tensors(), self.metadata(fb).step_tensors()):
             dst.copy_(src)
 
-    def record_page_positions(self, page_table: torch.Tensor) -> None:
-        """page_pos[page_table[b, j]] = j for every entry, on the device. Padding entries all name the
-        dummy page, which padding rows read at index 0."""
+    def record_page_positions(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """page_pos[page_table[b, j]] = j for each request's pages, on the device. Entries past a
+        request's last page are not its pages (padding, or a graph's static table left from an
+        earlier step): they count as the dummy page, which padding rows read at index 0."""
         b, w = page_table.shape
         logical = torch.arange(w, dtype=torch.int32, device=page_table.device).expand(b, w)
-        self.page_pos.scatter_(0, page_table.reshape(-1).long(), logical.reshape(-1))
+        n_pages = (seq_lens + self.pool.page_size - 1) // self.pool.page_size
+        pages = torch.where(logical < n_pages[:, None], page_table, DUMMY_PAGE)
+        self.page_pos.scatter_(0, pages.reshape(-1).long(), logical.reshape(-1))
         self.page_pos[DUMMY_PAGE] = 0
 
     def block_mask(self, fb: ForwardBatch, q_len: int) -> tuple[BlockMask, list[torch.Tensor]]:
