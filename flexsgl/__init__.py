@@ -23,8 +23,11 @@ def _map_source_overrides() -> None:
 
 _map_source_overrides()
 
+from flexsgl.config import EngineConfig
 from flexsgl.engine import LLM
+from flexsgl.errors import CheckpointError, EngineDeadError, InputError, PromptError, SamplingParamsError
 from flexsgl.request import RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "InputError", "PromptError",
+           "SamplingParamsError", "CheckpointError", "EngineDeadError"]
 __version__ = "0.1.0"

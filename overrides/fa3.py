@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flexsgl.attention.base import ForwardBatch
+from flexsgl.attention.base import ForwardBatch, KernelBackend
 from flexsgl.cache.pool import KVPool
 
 
@@ -44,21 +44,11 @@ class FA3Meta:
     max_seqlen_q: int
 
 
-class FA3Backend:
+class FA3Backend(KernelBackend):
     name = "fa3"
-    graphable = True
-    compiles_per_shape = False
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
         self.pool = pool
-
-    @staticmethod
-    def max_pool_elements(device: torch.device) -> int | None:
-        return None
-
-    @staticmethod
-    def unsupported(page_size: int, device: torch.device) -> str | None:
-        return None
 
     def prepare(self, fb: ForwardBatch) -> None:
         cu = F.pad(torch.cumsum(fb.q_lens, 0, dtype=torch.int32), (1, 0))

@@ -26,7 +26,7 @@ from itertools import accumulate
 
 import torch
 
-from flexsgl.attention.base import ForwardBatch
+from flexsgl.attention.base import ForwardBatch, KernelBackend
 from flexsgl.cache.pool import KVPool
 
 FLOAT_WORKSPACE_BYTES = 256 << 20
@@ -64,12 +64,10 @@ def float_workspace(device: torch.device) -> torch.Tensor:
     return _WORKSPACES[device]
 
 
-class FlashInferDecodeBackend:
+class FlashInferDecodeBackend(KernelBackend):
     """FlashInfer decode; prefill is left to another backend (`fa3-prefill,fi-decode`)."""
 
     name = "fi-decode"
-    graphable = True
-    compiles_per_shape = False
 
     def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
         import flashinfer
@@ -92,14 +90,6 @@ class FlashInferDecodeBackend:
             del _BACKENDS[gone]
         self.handle = max(_BACKENDS, default=-1) + 1
         _BACKENDS[self.handle] = weakref.ref(self)
-
-    @staticmethod
-    def max_pool_elements(device: torch.device) -> int | None:
-        return None
-
-    @staticmethod
-    def unsupported(page_size: int, device: torch.device) -> str | None:
-        return None
 
     # ---- planning (host)
 

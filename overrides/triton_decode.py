@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from flexsgl.attention.base import ForwardBatch
+from flexsgl.attention.base import ForwardBatch, KernelBackend
 from flexsgl.cache.pool import KVPool
 
 MAX_SPLITS = 32
@@ -166,21 +166,15 @@ def _(q, k_cache, v_cache, page_table, seq_lens, counter, page_size):
     return torch.empty_like(q)
 
 
-class TritonDecodeBackend:
+class TritonDecodeBackend(KernelBackend):
     """`triton-decode`: the split-KV kernel above for decode; prefill is left to another backend."""
 
     name = "triton-decode"
-    graphable = True
-    compiles_per_shape = False
 
     def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
         self.pool, self.hq = pool, num_heads
         self.hkv = pool.k[0].shape[1]
         self.counter = torch.zeros(0, dtype=torch.int32, device=pool.device)
-
-    @staticmethod
-    def max_pool_elements(device: torch.device) -> int | None:
-        return None
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:

@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from flexsgl.attention.base import KernelBackend
 
-class TrtllmMLABackend:
+
+class TrtllmMLABackend(KernelBackend):
     name = "trtllm-mla"
-    graphable = True
-    compiles_per_shape = False
 
     def __init__(self, pool, num_heads: int | None = None, compiled: bool = False):
         raise NotImplementedError(self.unsupported(0, pool.device))
-
-    @staticmethod
-    def max_pool_elements(device: torch.device) -> int | None:
-        return None
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:

@@ -94,3 +94,19 @@ class AttentionBackend(Protocol):
     def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
         """At capture and replay: write this step's metadata (from fb) into the buffers bound for bs."""
 
+
+
+class KernelBackend:
+    """Defaults for a backend whose attention is one opaque kernel call: graphable, one compile for
+    every shape, no limit on the pool, runs wherever the registry lets it."""
+
+    graphable = True
+    compiles_per_shape = False
+
+    @staticmethod
+    def max_pool_elements(device: torch.device) -> int | None:
+        return None
+
+    @staticmethod
+    def unsupported(page_size: int, device: torch.device) -> str | None:
+        return None
