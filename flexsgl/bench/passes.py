@@ -20,6 +20,7 @@ import time
 import torch
 
 from flexsgl.bench.roofline import sync
+from flexsgl.log import progress as log_progress
 
 BAR_INTERVAL = 0.1 if sys.stderr.isatty() else 10.0  # seconds between progress updates; fewer in a log
 
@@ -61,8 +62,6 @@ def throughput_requests(seed: int, n: int, input_range: tuple[int, int], output_
 
 def timed_pass(llm, prompts: list[list[int]], out_lens: list[int], desc: str, progress: bool) -> dict:
     """Run requests to completion through the step API; wall time and per-request token times."""
-    from tqdm import tqdm
-
     from flexsgl import SamplingParams
 
     first: dict[int, float] = {}
@@ -75,8 +74,7 @@ def timed_pass(llm, prompts: list[list[int]], out_lens: list[int], desc: str, pr
         last[req.request_id] = now
         count[0] += 1
 
-    bar = tqdm(total=sum(out_lens), desc=desc, unit="tok", file=sys.stderr, disable=not progress, leave=False,
-               mininterval=BAR_INTERVAL)
+    bar = log_progress(total=sum(out_lens), desc=desc, unit="tok", disable=not progress, mininterval=BAR_INTERVAL)
     freeze_heap()
     sync(llm.device)
     t0 = time.perf_counter()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict
 
@@ -20,7 +19,7 @@ from flexsgl.bench.machine import environment
 from flexsgl.bench.passes import BAR_INTERVAL, free_memory, random_prompts, throughput_requests, timed_pass
 from flexsgl.bench.report import command_line, number, resolved, table_rows
 from flexsgl.bench.roofline import copy_bandwidth, decode_floor
-from flexsgl.log import logger
+from flexsgl.log import logger, progress as log_progress
 
 
 def run(p: Plan, progress: bool = True) -> dict:
@@ -71,13 +70,11 @@ def throughput(llm, p: Plan, bandwidth: float, progress: bool) -> dict:
 
 
 def latency(llm, p: Plan, bandwidth: float, progress: bool) -> dict:
-    from tqdm import tqdm
-
     rng = random.Random(p.args.seed)
     b, n_in, n_out = p.batch_size, p.input_range[0], p.output_range[0]
     passes, cached = [], 0
-    for r in tqdm(range(p.repeats + 1), desc="latency passes", file=sys.stderr, disable=not progress,
-                  mininterval=BAR_INTERVAL):
+    for r in log_progress(range(p.repeats + 1), desc="latency passes", disable=not progress,
+                          mininterval=BAR_INTERVAL):
         res = timed_pass(llm, random_prompts(rng, [n_in] * b, llm.config.vocab_size), [n_out] * b,
                          "warm-up" if r == 0 else f"pass {r}", progress)
         if r:  # pass 0 warms up (compiles this prefill shape and decode batch)
@@ -98,12 +95,10 @@ def latency(llm, p: Plan, bandwidth: float, progress: bool) -> dict:
 
 
 def prefill(llm, p: Plan, bandwidth: float, progress: bool) -> dict:
-    from tqdm import tqdm
-
     rng = random.Random(p.args.seed)
     rows, cached = [], 0
-    bar = tqdm(total=len(p.prefill_lens) * (p.repeats + 1), desc="prefill passes", file=sys.stderr,
-               disable=not progress, mininterval=BAR_INTERVAL)
+    bar = log_progress(total=len(p.prefill_lens) * (p.repeats + 1), desc="prefill passes", disable=not progress,
+                       mininterval=BAR_INTERVAL)
     for n_in in p.prefill_lens:
         times = []
         for r in range(p.repeats + 1):  # pass 0 warms up this length
