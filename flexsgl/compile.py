@@ -4,9 +4,10 @@
   miscompiles some dynamic shapes (duplicate size symbols) and cannot take fused epilogues
   (batch 1), so there each shape compiles on its own and nothing is fused after attention.
 - Decode steps pad to a batch bucket (DECODE_BUCKETS / FINE_DECODE_BUCKETS) and CUDA graphs are
-  captured per bucket. A backend that compiles per shape (flex: its split-KV decode kernel wants a
-  static batch) compiles once per bucket and gets few buckets; a kernel override is one opaque op,
-  so one compile with a symbolic batch serves every size and it gets SGLang's finer spacing.
+  captured per bucket. On CUDA the decode step compiles once with a symbolic batch: attention is
+  one opaque op for every backend (flex's is flex_decode, which compiles one small kernel per batch
+  size, so flex gets the few buckets; a kernel override gets SGLang's finer spacing). On the CPU
+  each decode bucket compiles the step.
 - No varying dimension of a compiled prefill step is 0 or 1 (MIN_COMPILED_SIZE): torch.compile
   specialises such a dimension, so a batch-1 or one-block prefill after multi-request ones would
   recompile the whole model (~50 s for Qwen3-0.6B with flex on an H200). The runner pads requests
@@ -18,8 +19,7 @@
   blocks took the 8 KV heads' symbol, a decode batch equal to its token buffer's size took that
   buffer's).
 
-Compiled artifacts are cached by Inductor and AOTAutograd under torch's cache directory
-(TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_$USER); deleting it clears them.
+Compiled artifacts persist across processes: compile_cache.py says where.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.fx.experimental._config as fx_config
 
+from flexsgl.compile_cache import cache_dir
 from flexsgl.log import logger
 
 MIN_COMPILED_SIZE = 2
@@ -65,6 +66,7 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, name: str, dynamic: bool, cpu: bool):
         opts = {"epilogue_fusion": False} if cpu else None
+        cache_dir()  # before the first compile reads it
         self.name = name
         self.fn = torch.compile(fn, dynamic=dynamic, options=opts)
         self.compile_s = 0.0  # seconds spent in calls that compiled
@@ -82,8 +84,8 @@ class CompiledStep:
         return out
 
 
-def compile_steps(prefill: Callable, decode: Callable, device: torch.device, decode_compiles_per_shape: bool):
+def compile_steps(prefill: Callable, decode: Callable, device: torch.device):
     """(prefill, decode) step functions compiled by this policy."""
     cpu = device.type == "cpu"
     return (CompiledStep(prefill, "prefill", dynamic=not cpu, cpu=cpu),
-            CompiledStep(decode, "decode", dynamic=not cpu and not decode_compiles_per_shape, cpu=cpu))
+            CompiledStep(decode, "decode", dynamic=not cpu, cpu=cpu))

@@ -49,10 +49,10 @@ class ModelRunner:
         self.table_width = KVPool.num_pages_for(max_len, pool.page_size) if compile else None
         self.buckets = decode_buckets(backends.decode.compiles_per_shape, max_running)
         self.graphs: GraphManager | None = None
+        self.capture_s = 0.0
         self._prefill, self._decode = self._prefill_forward, self._decode_forward
         if compile:
-            self._prefill, self._decode = compile_steps(self._prefill_forward, self._decode_forward, device,
-                                                        backends.decode.compiles_per_shape)
+            self._prefill, self._decode = compile_steps(self._prefill_forward, self._decode_forward, device)
 
     @property
     def compile_s(self) -> float:
@@ -78,6 +78,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.graphs.capture()
         took, compiling = time.perf_counter() - t0, self.compile_s - compiled_before
+        self.capture_s += took
         logger.info(f"captured {len(sizes)} decode graphs in {took:.1f}s"
                     + (f" ({compiling:.1f}s of it compiling)" if compiling else ""))
         # Decode batches pad to a captured size; larger ones to the compile buckets above it.

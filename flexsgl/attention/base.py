@@ -66,8 +66,8 @@ class AttentionBackend(Protocol):
 
     name: str
     graphable: bool  # False: say so, and decode runs without graphs
-    # True: a compiled step that runs it recompiles per batch shape (flex's kernels want static
-    # shapes), so decode gets few buckets (flexsgl/compile.py); False: one opaque op, any shape.
+    # True: its kernels compile per batch size and page-table width (flex's want static shapes), so
+    # decode gets few buckets and full-width tables (flexsgl/compile.py); False: one op, any shape.
     compiles_per_shape: bool
 
     @staticmethod

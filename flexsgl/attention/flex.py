@@ -1,23 +1,21 @@
 """FlexAttention over the paged KV pool: the default backend.
 
 Layout: the pool is one long KV sequence, `[1, Hkv, pages * page_size, D]`, and a KV block is a
-page. Queries are laid out per request, `[B, Hq, Lq, D]` (Lq = 1 for decode), and broadcast
-against that single KV sequence. The BlockMask is built on the device straight from the page
-table: for each (request, query block) the pages wholly before its first query row are *full*
-blocks (no mask_mod call), and the pages that reach the block's causal frontier are *partial*
-blocks where the mask_mod runs. Mask memory is B x query blocks x pages per request (on
-the CPU, compiled, x pool pages: Inductor's CPU kernel wants full-width index rows).
+page. Decode queries are `[B, 1]`, one per request; prefill queries are packed into one sequence
+`[1, rows]` in which each request starts a query block of its own, so a ragged batch pays at most
+a block's padding per request, not the longest request's length. The BlockMask is built on the
+device from the page table: for each query block, the pages wholly before its first row are *full*
+KV blocks (no mask_mod call) and the pages that reach its causal frontier are *partial* ones where
+the mask_mod (flex_masks.py) runs. Mask memory is query blocks x pages per request (on the CPU,
+compiled, x pool pages: Inductor's CPU kernel wants full-width index rows).
 
-The mask_mod is correct on its own over the whole pool (eager flex evaluates it everywhere):
-a KV slot is visible to request b's query row iff its page is b's page at the logical index
-`page_pos[page]`, and its position is not after the query's. `page_pos[p]` is the logical index page
-p holds in the requests using it (a page shared through a prefix is at the same index in each of
-them); the backend writes it on the device from each step's page table, before the step runs.
+Compiled on CUDA, decode runs through flex_ops.py's opaque op (a kernel per batch size, outside
+the model's compiled step); prefill runs flex_attention inside the step. `page_pos[p]`, the logical index page
+p holds in the requests that use it, is written here on the device before each step.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -26,10 +24,10 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexsgl.attention.base import ForwardBatch
+from flexsgl.attention.flex_ops import flex_decode, prefill_options
+from flexsgl.attention.flex_masks import Q_BLOCK, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 from flexsgl.compile import MIN_COMPILED_SIZE
-
-Q_BLOCK = 128
 
 # Eager flex (CPU, tests) is a deliberate choice here, not a missed torch.compile.
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -38,9 +36,10 @@ warnings.filterwarnings("ignore", message="flex_attention called without torch.c
 @dataclass
 class FlexMeta:
     block_mask: BlockMask
-    q_len: int  # padded query length per request
-    # (request, row) of each packed token in the padded `[B, q_len]` layout; None: a plain view does.
-    q_index: tuple[torch.Tensor, torch.Tensor] | None
+    # Decode: queries `[B, 1]`, one per request. Prefill: one packed sequence `[1, rows]` in which
+    # each request starts at a query block of its own; `rows` places each token in it.
+    query_shape: tuple[int, int]
+    rows: tuple[torch.Tensor, torch.Tensor] | None  # each token's (sequence, row); None: a plain view
     mask_state: list[torch.Tensor]  # tensors the mask_mod reads besides the batch's page table
 
     def step_tensors(self) -> list[torch.Tensor]:
@@ -52,18 +51,19 @@ class FlexMeta:
 class FlexAttentionBackend:
     name = "flex"
     graphable = True
-    compiles_per_shape = True
+    compiles_per_shape = True  # its kernels are compiled per batch size and page-table width
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
         """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
-        fewer shapes); otherwise flex runs eagerly and the mask is evaluated once per step."""
+        fewer shapes; on CUDA decode goes through flex_ops.py's op); otherwise flex runs eagerly
+        and the mask is evaluated once per step."""
         self.pool = pool
         self.compiled = compiled
-        ps = pool.page_size
+        self.decode_op = compiled and pool.device.type == "cuda"  # flex_ops.py
         self.page_pos = torch.zeros(pool.num_pages, dtype=torch.int32, device=pool.device)
-        self.kernel_options = None
-        if pool.device.type == "cuda" and ps % 128:  # the kernel's KV tile (up to 128) must divide a page
-            self.kernel_options = {"BLOCK_N": math.gcd(ps, 64)}
+        self.kernel_options = None  # eager flex and the CPU take none
+        if pool.device.type == "cuda":
+            self.kernel_options = prefill_options(pool.k[0].shape[-1], pool.page_size)
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:
@@ -86,17 +86,7 @@ class FlexAttentionBackend:
 
     def metadata(self, fb: ForwardBatch) -> FlexMeta:
         self.record_page_positions(fb.page_table, fb.seq_lens)
-        if fb.mode == "decode":
-            q_len = 1
-            # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
-            q_index = _query_index(fb) if fb.input_ids.device.type == "cpu" else None
-        else:
-            q_len = fb.max_q_len
-            if self.compiled:  # whole blocks, and at least two: see MIN_COMPILED_SIZE
-                q_len = max(-(-q_len // Q_BLOCK), MIN_COMPILED_SIZE) * Q_BLOCK
-            q_index = _query_index(fb)
-        block_mask, mask_state = self.block_mask(fb, q_len)
-        return FlexMeta(block_mask, q_len, q_index, mask_state)
+        return self._decode_meta(fb) if fb.mode == "decode" else self._prefill_meta(fb)
 
     # CUDA graphs: the BlockMask of a captured size lives in tensors the graph reads; a step's
     # mask is built as usual from the static batch and copied into them.
@@ -121,79 +111,102 @@ class FlexAttentionBackend:
         self.page_pos.scatter_(0, pages.reshape(-1).long(), logical.reshape(-1))
         self.page_pos[DUMMY_PAGE] = 0
 
-    def block_mask(self, fb: ForwardBatch, q_len: int) -> tuple[BlockMask, list[torch.Tensor]]:
+    def _decode_meta(self, fb: ForwardBatch) -> FlexMeta:
+        """One query block per request, its one token at position seq_len - 1."""
+        b = fb.batch_size
+        last = fb.seq_lens.long() - 1
+        valid = torch.ones(b, dtype=torch.bool, device=last.device)
+        blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), last, last, valid)
+        mask_mod = paged_causal(fb.page_table, last, self.page_pos, self.pool.page_size)
+        # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
+        rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
+        return self._meta(fb, [x[:, None, None] for x in blocks], mask_mod, (b, 1), rows, [last], Q_BLOCK)
+
+    def _prefill_meta(self, fb: ForwardBatch) -> FlexMeta:
+        """Queries packed into one sequence; each request starts a query block (a block belongs to one
+        request, so its KV block list is that request's pages). Compiled, blocks are Q_BLOCK rows (at
+        most Q_BLOCK - 1 padding rows per request, at least MIN_COMPILED_SIZE blocks); eager flex
+        evaluates its mask densely, so there a block is one row and nothing is padded."""
+        dev = fb.page_table.device
+        align = Q_BLOCK if self.compiled else 1
+        q_lens = fb.q_lens.long()
+        per_req = (q_lens + align - 1) // align
+        n_real = sum(-(-n // align) for n in fb.host_q_lens)
+        n_blocks = max(n_real, MIN_COMPILED_SIZE) if self.compiled else n_real
+        first_block = torch.cumsum(per_req, 0) - per_req
+        req = torch.repeat_interleave(torch.arange(fb.batch_size, device=dev), per_req, output_size=n_real)
+        req = F.pad(req, (0, n_blocks - n_real), value=fb.batch_size - 1)  # padding blocks see nothing
+        index = torch.arange(n_blocks, device=dev)
+        prefix = (fb.seq_lens - fb.q_lens).long()[req]  # tokens cached before this step
+        first = prefix + (index - first_block[req]) * align
+        last = prefix + torch.minimum((index - first_block[req] + 1) * align, q_lens[req]) - 1
+        blocks = self._kv_blocks(fb, req, first, last, index < n_real)
+        mask_mod = packed_paged_causal(fb.page_table, req, first, self.page_pos, self.pool.page_size, align)
+        token_req, token_row = _query_index(fb)
+        rows = (torch.zeros_like(token_row), first_block[token_req] * align + token_row)
+        return self._meta(fb, [x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
+                          [req, first], align)
+
+    def _kv_blocks(self, fb: ForwardBatch, req, first_pos, last_pos, valid):
+        """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos: the
+        pages wholly before the first row are *full* KV blocks (no mask_mod call), the pages up to
+        the last row's are *partial* ones. Returns (partial count, partial pages, full count, full
+        pages), each with a leading query-block dimension."""
         ps = self.pool.page_size
-        page_table, q_lens = fb.page_table, fb.q_lens
-        b, w = page_table.shape
-        prefix = (fb.seq_lens - q_lens).long()  # tokens already in the cache before this step
-        starts = torch.arange(0, q_len, Q_BLOCK, device=page_table.device)  # [nqb] first row of each block
-        valid = starts[None, :] < q_lens[:, None]
-        first_pos = prefix[:, None] + starts[None, :]
-        last_pos = prefix[:, None] + torch.minimum(starts[None, :] + Q_BLOCK, q_lens[:, None].long()) - 1
+        w = fb.page_table.shape[1]
         n_visible = torch.where(valid, last_pos // ps + 1, 0)
         n_full = torch.where(valid, (first_pos + 1) // ps, 0)
-        cols = torch.arange(w, device=page_table.device)
-        partial_cols = (n_full[..., None] + cols).clamp_(max=w - 1)  # [B, nqb, W]
-        partial_idx = torch.gather(page_table[:, None, :].expand(b, len(starts), w), 2, partial_cols)
-        full_idx = page_table[:, None, :].expand(b, len(starts), w)
-        mask_mod = self.mask_mod(page_table, prefix)
-        mask_state = [prefix]
+        full_idx = fb.page_table[req]
+        cols = torch.arange(w, device=req.device)
+        partial_idx = torch.gather(full_idx, 1, (n_full[:, None] + cols).clamp_(max=w - 1))
+        return (n_visible - n_full).to(torch.int32), partial_idx, n_full.to(torch.int32), full_idx
+
+    def _meta(self, fb: ForwardBatch, blocks, mask_mod, query_shape, rows, mask_state, q_block: int) -> FlexMeta:
+        ps = self.pool.page_size
+        n_kv = fb.num_kv_pages * ps
+        num_partial, partial_idx, num_full, full_idx = blocks
         if not self.compiled:
             # Eager flex evaluates mask_mod over every (query, key) pair in every layer, under four
             # vmaps whose per-index cost dominates a small model's step: evaluate it once per step.
-            dev = page_table.device
-            visible = mask_mod(torch.arange(b, device=dev)[:, None, None], None,
-                               torch.arange(q_len, device=dev)[None, :, None],
-                               torch.arange(fb.num_kv_pages * ps, device=dev)[None, None, :])
+            dev = fb.page_table.device
+            nb, nq = query_shape
+            visible = mask_mod(torch.arange(nb, device=dev)[:, None, None], None,
+                               torch.arange(nq, device=dev)[None, :, None], torch.arange(n_kv, device=dev)[None, None, :])
             mask_mod = lambda b, h, q_idx, kv_idx: visible[b, q_idx, kv_idx]  # noqa: E731
             mask_state = [visible]
-        if self.compiled and page_table.device.type == "cpu" and w < fb.num_kv_pages:
+        elif fb.page_table.device.type == "cpu" and partial_idx.shape[-1] < fb.num_kv_pages:
             # Inductor's CPU flex kernel wants an index row as wide as the KV sequence has blocks.
-            pad = (0, fb.num_kv_pages - w)
+            pad = (0, fb.num_kv_pages - partial_idx.shape[-1])
             partial_idx, full_idx = F.pad(partial_idx, pad), F.pad(full_idx, pad)
-        return BlockMask.from_kv_blocks(
-            (n_visible - n_full).to(torch.int32)[:, None],
-            partial_idx[:, None].contiguous(),
-            n_full.to(torch.int32)[:, None],
-            full_idx[:, None].contiguous(),
-            BLOCK_SIZE=(Q_BLOCK, ps),
-            mask_mod=mask_mod,
-            seq_lengths=(q_len, fb.num_kv_pages * ps),
-            compute_q_blocks=False,
-        ), mask_state
-
-    def mask_mod(self, page_table: torch.Tensor, prefix: torch.Tensor):
-        ps, page_pos, w = self.pool.page_size, self.page_pos, page_table.shape[1]
-
-        def paged_causal(b, h, q_idx, kv_idx):
-            page = kv_idx // ps
-            logical = page_pos[page]
-            owned = page_table[b, logical.clamp(0, w - 1)] == page
-            return owned & (logical * ps + kv_idx % ps <= prefix[b] + q_idx)
-
-        return paged_causal
+        block_mask = BlockMask.from_kv_blocks(
+            num_partial, partial_idx.contiguous(), num_full, full_idx.contiguous(), BLOCK_SIZE=(q_block, ps),
+            mask_mod=mask_mod, seq_lengths=(query_shape[1], n_kv), compute_q_blocks=False)
+        return FlexMeta(block_mask, query_shape, rows, mask_state)
 
     def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
         meta: FlexMeta = fb.attn
         t, hq, d = q.shape
-        b = fb.batch_size
-        if meta.q_index is None:
-            qb = q.view(b, 1, hq, d)
+        if fb.mode == "decode" and self.decode_op:
+            bm = meta.block_mask
+            return flex_decode(q, self.pool.k[layer], self.pool.v[layer], bm.kv_num_blocks, bm.kv_indices,
+                               bm.full_kv_num_blocks, bm.full_kv_indices, fb.page_table, *meta.mask_state,
+                               self.page_pos, self.pool.page_size)
+        nb, nq = meta.query_shape
+        if meta.rows is None:
+            qb = q.view(nb, nq, hq, d)
         else:
-            qb = q.new_zeros(b, meta.q_len, hq, d).index_put_(meta.q_index, q)
+            qb = q.new_zeros(nb, nq, hq, d).index_put_(meta.rows, q)
         n = fb.num_kv_pages * self.pool.page_size
         kb = self.pool.k[layer][None, :n].transpose(1, 2)
         vb = self.pool.v[layer][None, :n].transpose(1, 2)
         out = flex_attention(qb.transpose(1, 2), kb, vb, block_mask=meta.block_mask,
                              enable_gqa=hq != kb.shape[1], kernel_options=self.kernel_options)
-        out = out.transpose(1, 2)  # [B, Lq, Hq, D]
-        if meta.q_index is None:
-            return out.reshape(t, hq, d)
-        return out[meta.q_index]
+        out = out.transpose(1, 2)  # [nb, nq, Hq, D]
+        return out.reshape(t, hq, d) if meta.rows is None else out[meta.rows]
 
 
 def _query_index(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(request, row within its padded query block) of each packed token."""
+    """(request, index among its request's tokens in this step) of each packed token."""
     req = torch.repeat_interleave(torch.arange(fb.batch_size, device=fb.q_lens.device), fb.q_lens.long(),
                                   output_size=fb.num_tokens)
     return req, torch.arange(fb.num_tokens, device=req.device) - fb.q_offsets.long()[req]

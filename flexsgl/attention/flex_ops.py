@@ -1,0 +1,106 @@
+"""Flex decode on CUDA, compiled: one opaque op, a flex-decoding kernel per batch size.
+
+Inductor lowers short queries to its flex-decoding kernel (KV split across programs, a KV head's
+query heads in one tile) only for a static batch; with a symbolic one it falls back to the main
+kernel, which gives each query head a 128-row tile. Compiling the whole decode step per batch size
+cost a model compile per size (~25 s for an 8B, twelve sizes). Here decode attention is a custom
+op that the model's compiled step cannot see into: the step compiles once with a symbolic batch,
+as it does around a kernel override, and the op runs flex_attention compiled for the batch size it
+receives (one kernel, about 2 s to compile; Inductor's cache keeps it across processes).
+
+Kernel options (H100 sweep, 32/8 heads, d=128, pages of 64, docs/BENCHMARKS.md). Decode: 4 warps
+and 3 stages (Inductor's default config is up to 2.2x slower at batch 8), and at least 16 KV splits
+while batch x KV heads is at most 32 (Inductor gives batch 4 only 8: 48 µs against 39 at 4k
+tokens). Prefill (run inside the model's step), up to head_dim 128: 64x64 tiles, 4 warps, 3 stages
+(5-9% faster than 128x64 with 8 warps). The KV tile must divide a page.
+
+Prefill stays inside the model's step: the same op pattern for it, compiled with dynamic shapes,
+failed to compile (torch 2.11, "XBLOCK is not defined" in the flex template, with the page size
+made symbolic; with dynamo's automatic dynamic, the embedded model's engine steps still failed).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from flexsgl.attention.flex_masks import Q_BLOCK, paged_causal
+
+MIN_SPLITS, FEW_PROGRAMS = 16, 32
+
+
+@functools.cache
+def decode_options(batch: int, kv_heads: int, page_size: int) -> dict:
+    """flex-decoding kernel options for a static batch size."""
+    options = {"num_warps": 4, "num_stages": 3}
+    if page_size % 128:
+        options["BLOCK_N"] = math.gcd(page_size, 64)
+    if batch * kv_heads <= FEW_PROGRAMS:
+        sms = torch.cuda.get_device_properties().multi_processor_count
+        options["SPLIT_KV"] = max(MIN_SPLITS, sms // (batch * kv_heads) * 2)  # Inductor's rule, floored
+    return options
+
+
+def prefill_options(head_dim: int, page_size: int) -> dict:
+    """Main-kernel options for prefill on CUDA."""
+    options = {"BLOCK_N": math.gcd(page_size, 64)}
+    if head_dim <= 128:
+        options.update(BLOCK_M=64, num_warps=4, num_stages=3)
+    return options
+
+
+def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_pos,
+            page_size: int, options: dict):
+    b, hq, d = q.shape
+    block_mask = BlockMask.from_kv_blocks(
+        kv_num_blocks, kv_indices, full_num_blocks, full_indices, BLOCK_SIZE=(Q_BLOCK, page_size),
+        mask_mod=paged_causal(page_table, last_pos, page_pos, page_size), seq_lengths=(1, k.shape[0]),
+        compute_q_blocks=False)
+    out = flex_attention(q.view(b, 1, hq, d).transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
+                         block_mask=block_mask, enable_gqa=hq != k.shape[1], kernel_options=options)
+    return out.transpose(1, 2).reshape(b, hq, d)
+
+
+@functools.cache
+def _compiled(fn, key: tuple, dynamic: bool | None):
+    """fn compiled for `key`, as a code object of its own: dynamo counts recompiles per code object,
+    and past its limit it would run flex eagerly."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{abs(hash(key))}")
+    return torch.compile(types.FunctionType(code, fn.__globals__), fullgraph=True, dynamic=dynamic)
+
+
+_warm: set[tuple] = set()
+
+
+def _run(fn, key: tuple, dynamic: bool | None, *args):
+    """fn compiled for `key`; its first call compiles, under flexsgl's compile settings."""
+    from flexsgl.compile import settings
+
+    compiled = _compiled(fn, key, dynamic)
+    if key in _warm:
+        return compiled(*args)
+    with settings():
+        out = compiled(*args)
+    _warm.add(key)
+    return out
+
+
+@torch.library.custom_op("flexsgl::flex_decode", mutates_args=())
+def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks: torch.Tensor,
+                kv_indices: torch.Tensor, full_num_blocks: torch.Tensor, full_indices: torch.Tensor,
+                page_table: torch.Tensor, last_pos: torch.Tensor, page_pos: torch.Tensor,
+                page_size: int) -> torch.Tensor:
+    """Decode attention of q `[B, Hq, D]` over one layer's pool `k`, `v` (`[slots, Hkv, D]`) through
+    the BlockMask given by its four tensors (`[B, 1, 1, ...]`); returns `[B, Hq, D]`."""
+    key = ("decode", *q.shape, *k.shape, page_table.shape[1], q.dtype, page_size, q.device)
+    return _run(_decode, key, False, q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table,
+                last_pos, page_pos, page_size, decode_options(q.shape[0], k.shape[1], page_size))
+
+
+@flex_decode.register_fake
+def _(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_pos, page_size):
+    return torch.empty_like(q)
