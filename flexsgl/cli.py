@@ -27,8 +27,11 @@ class TokenPrinter:
 
     def __init__(self, llm, prompt: str):
         self.llm, self.prompt, self.shown = llm, prompt, ""
+        self.first_token_at: float | None = None  # perf_counter() when the first token arrived
 
     def __call__(self, req) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         if self.prompt is not None:
             sys.stdout.write(self.prompt)
             self.prompt = None
@@ -75,12 +78,16 @@ def generate(
         # The batch is known: run it all at once, and capture (and compile) decode graphs only
         # for the batch sizes it can reach, not for a server's 256.
         llm = LLM(engine.replace(max_running_requests=min(len(prompts), engine.max_running_requests)))
-        logger.info(f"ready in {time.perf_counter() - t0:.1f}s")
+        ready = llm.startup_times()
+        logger.info(f"ready in {time.perf_counter() - t0:.1f}s (loading {ready['load_s']:.1f}s"
+                    + (f", CUDA graphs {ready['capture_s']:.1f}s with {ready['compile_s']:.1f}s of compiling"
+                       if ready["capture_s"] else "") + ")")
         stream = len(prompts) == 1 and not json_out
         t1 = time.perf_counter()
         printer = TokenPrinter(llm, prompts[0]) if stream else None
         outs = llm.generate(prompts, sampling, on_token=printer)
         elapsed = time.perf_counter() - t1
+        compiling = llm.startup_times()["compile_s"] - ready["compile_s"]
     except ValueError as e:
         fail(str(e))
     except EngineDeadError as e:
@@ -95,14 +102,17 @@ def generate(
         return
     if stream:
         printer.finish(outs[0].token_ids)
+        if printer.first_token_at is not None:
+            logger.info(f"first token {printer.first_token_at - t0:.1f}s after start")
     else:
         for p, o in zip(prompts, outs):
             shown = o.text if o.text is not None else " " + " ".join(map(str, o.token_ids))
             typer.echo(f"{p} [{o.error}]" if o.error else f"{p}{shown}")
             typer.echo("---")
     n = sum(len(o.token_ids) for o in outs)
-    logger.info(f"{n} tokens in {elapsed:.2f}s ({n / max(elapsed, 1e-9):.1f} tok/s); finish: "
-        + ", ".join(sorted({o.finish_reason for o in outs})))
+    logger.info(f"{n} tokens in {elapsed:.2f}s ({n / max(elapsed, 1e-9):.1f} tok/s"
+                + (f"; {compiling:.1f}s of it compiling new shapes, {n / max(elapsed - compiling, 1e-9):.1f} tok/s "
+                   "without" if compiling else "") + "); finish: " + ", ".join(sorted({o.finish_reason for o in outs})))
     failed = [o.error for o in outs if o.finish_reason == "error"]
     if failed:  # a fault, not bad input: the others' outputs are above
         fail(failed[0] if len(failed) == 1 else f"{len(failed)} requests failed; the first: {failed[0]}", code=1)
@@ -169,6 +179,18 @@ def backends(device: str = typer.Option(None, help="cpu, cuda or cuda:N (default
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+
+
+@app.command()
+def cache(clear: bool = typer.Option(False, "--clear", help="Delete the cached compiled code.")) -> None:
+    """Show where torch.compile's caches live (compiled code reused across processes), or clear them."""
+    from flexsgl import compile_cache
+
+    path = compile_cache.cache_dir()
+    if clear:
+        typer.echo(f"cleared {path} ({compile_cache.clear() / 1e6:,.1f} MB)")
+    else:
+        typer.echo(f"{path} ({compile_cache.size_bytes(path) / 1e6:,.1f} MB); set {compile_cache.ENV} to move it")
 
 
 if __name__ == "__main__":

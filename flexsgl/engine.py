@@ -30,6 +30,7 @@ Errors (flexsgl/errors.py has the types):
 from __future__ import annotations
 
 import itertools
+import time
 from functools import cached_property
 from typing import Callable, Sequence
 
@@ -84,8 +85,10 @@ class LLM:
                              f"(this engine runs on {self.device.type}) and disable_cuda_graph unset.")
         logger.info(f"loading {self.src.name} ({self.src.load_format}, {mcfg.num_params() / 1e6:.1f}M params, "
                     f"{dtype_name}, {self.device})")
+        t0 = time.perf_counter()
         self.model = build_model(self.src, self.device, self.dtype, cfg.random_seed)
         self.tokenizer = load_tokenizer(self.src)
+        self.load_s = time.perf_counter() - t0  # weights and tokenizer
         num_pages = kv_cache_pages(cfg, mcfg, self.dtype, self.device, choice.max_pool_elements(self.device))
         self.pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                            self.dtype, self.device)
@@ -115,6 +118,11 @@ class LLM:
                 return torch.float32
             return torch.float16 if self.config.torch_dtype == "float16" else torch.bfloat16
         return DTYPES[dtype]
+
+    def startup_times(self) -> dict[str, float]:
+        """Seconds spent loading the model, capturing CUDA graphs (compiling included) and compiling
+        so far (in graph capture and in the first steps of each new shape)."""
+        return {"load_s": self.load_s, "capture_s": self.runner.capture_s, "compile_s": self.runner.compile_s}
 
     @cached_property
     def health(self) -> Health:

@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flexsgl.bench import commit
+from flexsgl.bench.report import STARTUP_ROWS
 from flexsgl.cli import app
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.presets import PRESETS
@@ -27,7 +28,8 @@ TOP = {"workload", "model", "load_format", "device", "copy_bandwidth_bytes_per_s
        "environment", "results"}
 ENV = {"hostname", "cpu", "cpu_count", "platform", "python", "torch", "cuda", "transformers", "gpu",
        "gpu_memory_bytes", "gpu_capability", "commit", "date"}
-COMMON = {"override", "backends", "load_s", "kv_cache_tokens", "compile", "dtype", "cached_tokens"}
+COMMON = {"override", "backends", "startup_s", "load_s", "capture_s", "compile_s", "kv_cache_tokens", "compile",
+          "dtype", "cached_tokens"}
 FIELDS = {
     "throughput": {"requests", "input_tokens", "output_tokens", "requested_output_tokens", "wall_s", "warmup_s",
                    "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "prefill_steps",
@@ -51,7 +53,8 @@ def run_bench(tmp_path, *args):
     for res in report["results"]:
         assert set(res) == COMMON | FIELDS[w], set(res) ^ (COMMON | FIELDS[w])
         assert res["backends"] == "flex" and res["cached_tokens"] == 0  # fresh prompts: no prefix-cache hits
-        assert res["load_s"] > 0 and res["kv_cache_tokens"] > 0
+        assert res["startup_s"] >= res["load_s"] > 0 and res["kv_cache_tokens"] > 0
+        assert res["capture_s"] == 0 and res["compile_s"] == 0  # the CPU runs eager, without CUDA graphs
     assert report["copy_bandwidth_bytes_per_s"] > 1e8
     assert report["environment"]["cpu_count"] >= 1 and report["environment"]["commit"]
     assert report["command"].startswith("flexsgl bench") and "--json" not in report["command"]
@@ -88,7 +91,8 @@ def test_latency_on_two_overrides_gives_two_columns(tmp_path):
     lines = out.splitlines()
     assert lines[1].split() == ["flex", "flex", "#2"]
     rows = lines[2:]
-    assert len(rows) == 6 and all(row.rstrip().endswith("x)") for row in rows), out
+    assert len(rows) == 10 and all(row.rstrip().endswith("x)") for row in rows[:6]), out
+    assert [row.split("  ")[0].strip() for row in rows[6:]] == [label for label, _ in STARTUP_ROWS], out
     bw = report["copy_bandwidth_bytes_per_s"]
     for res in report["results"]:
         assert res["output_tokens"] == b * n_out

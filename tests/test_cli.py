@@ -84,3 +84,27 @@ def test_bad_input_exits_2_with_one_error_line(runs, name):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and len(errors[0]) > len("error: "), r.stderr
     assert "Traceback" not in r.stdout + r.stderr, r.stderr
+
+
+def test_stream_reports_startup_and_first_token(runs):
+    err = runs["stream"].stderr
+    assert any(line.startswith("[flexsgl] ready in ") and "(loading " in line for line in err.splitlines()), err
+    assert any(line.startswith("[flexsgl] first token ") for line in err.splitlines()), err
+
+
+def test_cache_shows_and_clears_the_compile_cache(tmp_path):
+    where = tmp_path / "inductor"
+    (where / "fxgraph").mkdir(parents=True)
+    (where / "fxgraph" / "entry").write_bytes(os.urandom(2_000_000))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(where)}
+    show = subprocess.run([sys.executable, "-m", "flexsgl.cli", "cache"], env=env, text=True, capture_output=True)
+    assert show.returncode == 0 and show.stdout.startswith(f"{where} (2.0 MB)"), show
+    cleared = subprocess.run([sys.executable, "-m", "flexsgl.cli", "cache", "--clear"], env=env, text=True,
+                             capture_output=True)
+    assert cleared.returncode == 0 and "2.0 MB" in cleared.stdout and not where.exists(), cleared
+
+
+def test_cache_defaults_under_the_user_cache_dir(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"XDG_CACHE_HOME": str(tmp_path)}
+    show = subprocess.run([sys.executable, "-m", "flexsgl.cli", "cache"], env=env, text=True, capture_output=True)
+    assert show.returncode == 0 and show.stdout.startswith(f"{tmp_path}/flexsgl/inductor (0.0 MB)"), show

@@ -50,9 +50,18 @@ def table_rows(workload: str, res: dict) -> list[tuple[str, float]]:
                 ("decode tok/s", "decode_tokens_per_s", 1), ("floor TPOT ms", "floor_tpot_s", 1e3),
                 ("% of decode floor", "pct_of_floor", 1)]
     else:
-        return [row for r in res["prefill"] for row in ((f"TTFT ms @ {r['input_len']}", r["ttft_s"] * 1e3),
+        keys = []
+    rows = [(label, res[key] * scale) for label, key, scale in keys]
+    if workload == "prefill":
+        rows = [row for r in res["prefill"] for row in ((f"TTFT ms @ {r['input_len']}", r["ttft_s"] * 1e3),
                                                         (f"prefill tok/s @ {r['input_len']}", r["tokens_per_s"]))]
-    return [(label, res[key] * scale) for label, key, scale in keys]
+    return rows + [(label, res[key]) for label, key in STARTUP_ROWS]
+
+
+# Start-up figures, the same rows under every workload: the engine's construction (loading the
+# weights and capturing CUDA graphs), and all compiling of the run (in capture and warm-up passes).
+STARTUP_ROWS = [("start-up s", "startup_s"), ("of it loading s", "load_s"), ("of it graph capture s", "capture_s"),
+                ("compile s (all)", "compile_s")]
 
 
 def format_table(report: dict) -> str:

@@ -32,10 +32,13 @@ def run(p: Plan, progress: bool = True) -> dict:
     for override, label in zip(p.overrides, p.backends):
         t0 = time.perf_counter()
         llm = build_llm(p, override)
-        res = {"override": override, "backends": label, "load_s": time.perf_counter() - t0,
+        res = {"override": override, "backends": label, "startup_s": time.perf_counter() - t0,
                "kv_cache_tokens": (llm.pool.num_pages - 1) * llm.pool.page_size,
                "compile": llm.compile, "dtype": str(llm.dtype).removeprefix("torch.")}
         res.update(WORKLOADS_RUN[p.args.workload](llm, p, bandwidth, progress))
+        # Start-up apart from run time: loading, graph capture, and compiling wherever it happened
+        # (in capture, and in warm-up passes, which the timed figures above leave out).
+        res.update(llm.startup_times())
         results.append(res)
         # Each backend's figures as soon as they exist: a run cut short still reports what it measured.
         say(f"{label}: " + ", ".join(f"{name} {number(v)}" for name, v in table_rows(p.args.workload, res)))
