@@ -1,0 +1,246 @@
+"""The attention kernel matrix: every backend on the same paged batches, beside the hardware floor.
+
+    python benchmarks/attention_matrix.py [--pages 16,64,128] [--gqa 4,8] [--json PATH]   (a GPU)
+
+Shapes: decode at batch 1, 8, 32, 128, 256 with contexts of 1k, 4k and 16k tokens; ragged prefill
+of 8k and 32k new tokens in all (requests of 512 to 4096 new tokens, drawn with a fixed seed),
+without and with cached prefixes (each request then extends a cached prefix of 256 to 8192
+tokens); GQA 4 (32 query / 8 KV heads) and 8 (64 / 8); head_dim 128, bf16; pages of 16, 64, 128
+tokens, handed out in shuffled order as the engine's allocator does.
+
+Backends: flex compiled (decode through its per-batch-size op, prefill compiled per shape), each
+kernel override the registry lets run here (fa3, fi-decode, triton-decode), and SDPA over the same
+K/V gathered into contiguous per-request tensors (the dense lower bound, gather not timed).
+
+Timing: `INNER` calls captured in one CUDA graph, CUDA events around each replay, the median of
+`ROUNDS` replays. Floors: decode reads every cached K/V byte once (over the copy bandwidth measured
+here); prefill does 4 * Hq * D FLOPs per causal (query, key) pair (over the GPU's dense bf16 peak,
+--peak-tflops). Every cell's output is checked on 64 sampled query rows against float64 attention;
+`err` is the largest absolute error, and a cell over 0.02 is marked `!`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flexsgl.attention.base import ForwardBatch  # noqa: E402
+from flexsgl.attention.registry import SPECS, backend_class, why_not  # noqa: E402
+from flexsgl.bench import copy_bandwidth  # noqa: E402
+from flexsgl.cache.pool import KVPool, PageAllocator  # noqa: E402
+
+D, DTYPE, KV_HEADS = 128, torch.bfloat16, 8
+DECODE_BATCHES, DECODE_CONTEXTS = (1, 8, 32, 128, 256), (1024, 4096, 16384)
+PREFILL_TOTALS, NEW_RANGE, PREFIX_RANGE = (8192, 32768), (512, 4096), (256, 8192)
+INNER = {"decode": 10, "prefill": 2}
+ROUNDS, CHECK_ROWS, TOLERANCE = 7, 64, 0.02
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}  # dense bf16, SXM
+
+
+def ragged(total: int, with_prefix: bool, seed: int) -> list[tuple[int, int]]:
+    """(cached prefix, new tokens) per request, new tokens summing to `total`."""
+    rng = random.Random(seed)
+    specs, left = [], total
+    while left:
+        new = min(left, rng.randint(*NEW_RANGE))
+        specs.append((rng.randint(*PREFIX_RANGE) if with_prefix else 0, new))
+        left -= new
+    return specs
+
+
+def paged_batch(specs, page: int, hq: int, seed: int = 0):
+    """A pool holding each request's prefix + new K/V (random), the step's ForwardBatch and queries."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    pages = [KVPool.num_pages_for(p + n, page) for p, n in specs]
+    pool = KVPool(1, sum(pages) + 1, page, KV_HEADS, D, DTYPE, "cuda")
+    pool.k[0].normal_(generator=gen), pool.v[0].normal_(generator=gen)
+    alloc = PageAllocator(pool.num_pages, shuffle_seed=seed)
+    tables = [alloc.alloc(n) for n in pages]
+    positions = [torch.arange(p, p + n) for p, n in specs]
+    slots = [torch.tensor(t)[pos // page] * page + pos % page for t, pos in zip(tables, positions)]
+    q_lens = [n for _, n in specs]
+    seq_lens = [p + n for p, n in specs]
+    offsets = [0, *torch.tensor(q_lens).cumsum(0).tolist()][:-1]
+    w = max(pages)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    t = sum(q_lens)
+    fb = ForwardBatch(
+        mode="decode" if all(n == 1 for n in q_lens) else "prefill",
+        input_ids=torch.zeros(t, dtype=torch.long, device="cuda"), positions=torch.cat(positions).cuda(),
+        out_slots=torch.cat(slots).cuda(), page_table=i32([tb + [0] * (w - len(tb)) for tb in tables]),
+        seq_lens=i32(seq_lens), q_lens=i32(q_lens), q_offsets=i32(offsets),
+        logits_index=torch.tensor([o + n - 1 for o, n in zip(offsets, q_lens)], device="cuda"),
+        max_q_len=max(q_lens), num_kv_pages=pool.num_pages, host_seq_lens=seq_lens, host_q_lens=q_lens,
+        host_pages=tables)
+    q = torch.randn(t, hq, D, dtype=DTYPE, device="cuda", generator=gen)
+    return pool, fb, q, tables
+
+
+def gathered(pool: KVPool, tables, seq_lens) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each request's K and V `[len, Hkv, D]` in order, out of its pages."""
+    ps, out = pool.page_size, []
+    for t, n in zip(tables, seq_lens):
+        slots = (torch.tensor(t, device="cuda")[:, None] * ps + torch.arange(ps, device="cuda")).flatten()[:n]
+        out.append((pool.k[0][slots], pool.v[0][slots]))
+    return out
+
+
+def reference_rows(q, kv, specs, rows) -> torch.Tensor:
+    """float64 attention of the packed query rows `rows`."""
+    starts = [0, *torch.tensor([n for _, n in specs]).cumsum(0).tolist()]
+    out = []
+    for row in rows:
+        r = next(i for i in range(len(specs)) if starts[i] <= row < starts[i + 1])
+        pos = specs[r][0] + row - starts[r]
+        k, v = (x[:pos + 1].double() for x in kv[r])
+        qi = q[row].double()  # [Hq, D]
+        g = qi.shape[0] // k.shape[1]
+        s = torch.einsum("hd,khd->hk", qi, k.repeat_interleave(g, 1)) / D ** 0.5
+        out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v.repeat_interleave(g, 1)))
+    return torch.stack(out)
+
+
+def sdpa(q, kv, specs):
+    """SDPA per request over its contiguous K/V; bottom-right causal alignment for extends."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    outs, off = [], 0
+    for (k, v), (p, n) in zip(kv, specs):
+        qi = q[off:off + n].transpose(0, 1)[None]
+        off += n
+        mask = None if n == 1 else causal_lower_right(n, p + n)
+        o = F.scaled_dot_product_attention(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+                                           enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def median_us(fn, inner: int) -> float:
+    """Median µs per call of `fn`, `inner` calls replayed from one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    times = []
+    for _ in range(ROUNDS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / inner)
+    return statistics.median(times)
+
+
+def attend_fn(name: str, pool, fb, q, hq: int, kv):
+    """A callable running `name` on this batch, or the reason it cannot run here."""
+    if name == "sdpa":
+        specs = [(s - n, n) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
+        return lambda: sdpa(q, kv, specs)
+    spec = SPECS[name]
+    reason = why_not(spec, torch.device("cuda"), "gqa")
+    if reason is None and fb.mode not in spec.phases:
+        reason = f"it runs {', '.join(spec.phases)} only"
+    cls = backend_class(spec) if reason is None else None
+    reason = reason or cls.unsupported(pool.page_size, torch.device("cuda"))
+    limit = cls.max_pool_elements(torch.device("cuda")) if cls else None
+    if limit and pool.k[0].numel() > limit:
+        reason = f"its kernels index at most {limit:,} elements per layer"  # the engine sizes pools below it
+    if reason:
+        return reason
+    backend = cls(pool, num_heads=hq, compiled=True)
+    fb.backend = backend
+    backend.prepare(fb)
+    fn = lambda: backend.forward(q, 0, fb)  # noqa: E731
+    if name == "flex" and fb.mode == "prefill":  # decode compiles inside its op (flex_ops.py); prefill here
+        torch._dynamo.reset()
+        fn = torch.compile(fn, dynamic=False)
+    return fn
+
+
+def cases(pages, gqas):
+    for page in pages:
+        for gqa in gqas:
+            for bs in DECODE_BATCHES:
+                for ctx in DECODE_CONTEXTS:
+                    yield "decode", f"{bs}x{ctx}", [(ctx - 1, 1)] * bs, page, gqa
+            for total in PREFILL_TOTALS:
+                for with_prefix in (False, True):
+                    specs = ragged(total, with_prefix, seed=total + with_prefix)
+                    label = f"{total // 1024}k new in {len(specs)}" + (" +prefix" if with_prefix else "")
+                    yield "prefill", label, specs, page, gqa
+
+
+def floor_us(phase, specs, hq, bandwidth, peak_tflops) -> float:
+    if phase == "decode":
+        return sum(p + n for p, n in specs) * 2 * KV_HEADS * D * 2 / bandwidth * 1e6
+    pairs = sum(n * p + n * (n + 1) / 2 for p, n in specs)
+    return 4 * hq * D * pairs / (peak_tflops * 1e12) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pages", default="16,64,128")
+    ap.add_argument("--gqa", default="4,8")
+    ap.add_argument("--phases", default="decode,prefill")
+    ap.add_argument("--backends", default="flex,fa3,fi-decode,triton-decode,sdpa")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    name = torch.cuda.get_device_name()
+    peak = a.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0)
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    print(f"{name}: copy bandwidth {bandwidth / 1e9:,.0f} GB/s, bf16 peak {peak:,.0f} TFLOP/s; µs per call "
+          f"(x floor), err = max |out - float64| on {CHECK_ROWS} rows", flush=True)
+    rows = []
+    backends = a.backends.split(",")
+    phases = a.phases.split(",")
+    for phase, label, specs, page, gqa in cases([int(p) for p in a.pages.split(",")], [int(g) for g in a.gqa.split(",")]):
+        if phase not in phases:
+            continue
+        hq = KV_HEADS * gqa
+        with torch.inference_mode():
+            pool, fb, q, tables = paged_batch(specs, page, hq)
+            check = torch.randperm(fb.num_tokens, generator=torch.Generator().manual_seed(0))[:CHECK_ROWS].sort().values
+            kv = gathered(pool, tables, fb.host_seq_lens)
+            ref = reference_rows(q, kv, specs, check.tolist())
+            floor = floor_us(phase, specs, hq, bandwidth, peak)
+            cells = {}
+            for b in backends:
+                try:
+                    fn = attend_fn(b, pool, fb, q, hq, kv)
+                    if isinstance(fn, str):
+                        continue  # cannot run here (the registry's reason)
+                    err = (fn()[check.cuda()].double() - ref).abs().max().item()
+                    cells[b] = {"us": median_us(fn, INNER[phase]), "err": err}
+                except Exception as e:  # noqa: BLE001 - one failing cell must not end the matrix
+                    cells[b] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+            del pool, fb, q, kv
+            torch.cuda.empty_cache()
+        row = {"phase": phase, "shape": label, "page_size": page, "gqa": gqa, "floor_us": floor, "cells": cells}
+        rows.append(row)
+        shown = "  ".join(f"{b} {c['us']:,.1f} ({c['us'] / floor:.2f}x){'!' if c['err'] > TOLERANCE else ''}"
+                          if "us" in c else f"{b} failed: {c['error']}" for b, c in cells.items())
+        print(f"{phase:7} {label:22} page {page:3} gqa {gqa}  floor {floor:,.1f}  {shown}", flush=True)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"gpu": name, "copy_bandwidth": bandwidth, "peak_tflops": peak,
+                                                "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
