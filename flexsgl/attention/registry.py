@@ -28,6 +28,7 @@ class BackendSpec:
     head_dims: tuple[int, ...] | None = None  # head sizes its kernels are built for; None: any
     dtypes: tuple[str, ...] | None = None  # KV/activation dtypes it runs; None: any
     doc: str = ""
+    mla_target: str | None = None  # the class serving MLA models, where it is another one
 
 
 HALF = ("bfloat16", "float16")
@@ -35,6 +36,7 @@ HALF = ("bfloat16", "float16")
 
 SPECS = {s.name: s for s in (
     BackendSpec("flex", "flexsgl.attention.flex:FlexAttentionBackend", ("prefill", "decode"), None, None,
+                attention=("gqa", "mla"), mla_target="flexsgl.attention.flex_mla:FlexMLABackend",
                 doc="torch.compile + FlexAttention block masks over the paged KV (default path)"),
     BackendSpec("fa3", "flexsgl.overrides.fa3:FA3Backend", ("prefill", "decode"), (90,), "sgl_kernel",
                 head_dims=(64, 96, 128, 192, 256), dtypes=HALF,
@@ -86,7 +88,7 @@ def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa", hea
     if spec.package and importlib.util.find_spec(spec.package) is None:
         return f"the package {spec.package!r} is not installed"
     if page_size is not None:  # the backend itself knows, once its package imports
-        return backend_class(spec).unsupported(page_size, device)
+        return backend_class(spec, attention).unsupported(page_size, device)
     return None
 
 
@@ -174,8 +176,10 @@ def check_override(override: str, device: torch.device | str, attention: str = "
     return resolve_override(override, torch.device(device), attention).label
 
 
-def backend_class(spec: BackendSpec):
-    module, cls = spec.target.split(":")
+def backend_class(spec: BackendSpec, attention: str = "gqa"):
+    """The class that serves models of this attention kind for `spec`."""
+    target = spec.mla_target if attention == "mla" and spec.mla_target else spec.target
+    module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
 
 

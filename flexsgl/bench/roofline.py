@@ -58,7 +58,7 @@ def weight_bytes(model) -> dict:
 def decode_floor(llm, batch_size: int, mean_context: float, bandwidth: float) -> dict:
     """The fastest a decode step can be on this device: bytes it reads over the copy bandwidth."""
     w = weight_bytes(llm.model)
-    itemsize = llm.pool.k[0].element_size()
+    itemsize = llm.dtype.itemsize
     kv = batch_size * mean_context * llm.config.kv_bytes_per_token(itemsize)
     step = w["weight_bytes_read"] + kv
     return {**w, "kv_bytes_read": kv, "mean_context": mean_context, "bytes_per_step": step,
