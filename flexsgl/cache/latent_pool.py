@@ -24,7 +24,7 @@ class LatentKVPool:
                  device: torch.device | str):
         self.page_size, self.num_pages, self.device = page_size, num_pages, torch.device(device)
         self.kv_lora_rank, self.rope_dim = mla.kv_lora_rank, mla.qk_rope_head_dim
-        self.softmax_scale = mla.softmax_scale
+        self.qk_nope_head_dim, self.softmax_scale = mla.qk_nope_head_dim, mla.softmax_scale
         # Zeroed: masked slots still enter P @ V as p=0 times v, and 0 * NaN is NaN.
         self.kv = [torch.zeros(num_pages * page_size, 1, mla.latent_dim, dtype=dtype, device=device)
                    for _ in range(num_layers)]
