@@ -60,3 +60,23 @@ def test_compiled_mla_through_graph_buffers_matches_hf(tmp_path):
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=s, temperature=0.0) for s in steps])
     for p, s, o in zip(prompts, steps, outs):
         assert o.token_ids == hf_reference(hf, p, s)[0], f"seed={seed}"
+
+
+def test_latent_pool_sizes_and_decode_floor():
+    """The pool holds one latent vector per token and layer; sizing and the decode floor count
+    latent bytes, and the floor counts only the routed experts a batch is expected to read."""
+    from flexsgl.bench.roofline import decode_floor
+
+    llm = LLM("tiny-mla", device="cpu", load_format="dummy", max_total_tokens=640, page_size=64)
+    cfg, mla, moe = llm.config, llm.config.mla, llm.config.moe
+    assert [tuple(t.shape) for t in llm.pool.kv] == [(11 * 64, 1, 64 + 16)] * cfg.num_layers  # + the dummy page
+    assert cfg.kv_bytes_per_token(4) == cfg.num_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) * 4
+    params = sum(p.numel() for p in llm.model.parameters())
+    assert cfg.num_params() == params
+    h, e, i = cfg.hidden_size, moe.n_routed_experts, moe.intermediate_size
+    routed = (cfg.num_layers - moe.first_k_dense_replace) * e * 3 * h * i * 4
+    for b in (1, 2, 16):
+        floor = decode_floor(llm, b, 100.0, bandwidth=1e9)
+        read = 1 - (1 - moe.top_k / e) ** b  # the expected share of experts a batch of b picks
+        assert floor["weight_bytes_read"] == pytest.approx(4 * (params - cfg.vocab_size * h) - routed * (1 - read))
+        assert floor["kv_bytes_read"] == b * 100.0 * cfg.kv_bytes_per_token(4)

@@ -54,7 +54,7 @@ def test_moe_matches_a_per_token_loop(monkeypatch, grouped, method, norm_topk, s
     norm = RMSNorm(HIDDEN, 1e-6)
     norm.weight.data.uniform_(0.5, 1.5)
     if not grouped:
-        monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda x, w: False)
+        monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda x, w, sm90: False)
     x = torch.randn(11, HIDDEN)  # more tokens than experts: some experts take several, some none
     with torch.no_grad():
         ours = m(x, norm, residual=x)

@@ -194,9 +194,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         return None
 
     def bind_kv_pool(self, pool) -> None:
-        """Give every attention layer the latent pool it stores its latents in."""
+        """Give every attention layer the latent pool it stores its latents in (once, before the first step)."""
         for layer in self.model.layers:
             layer.self_attn.kv_pool = pool
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.experts.place(pool.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """The logits of the tokens at `fb.logits_index`, in the model's dtype."""

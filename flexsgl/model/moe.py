@@ -32,10 +32,15 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.sm90 = False  # on an SM90+ GPU: set once by `place`, outside compiled code
+
+    def place(self, device: torch.device) -> None:
+        """Note what the device is (before the first step: compiled code reads a plain bool)."""
+        self.sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k] -> sum over k of weight * expert(x), [T, H]."""
-        if grouped_mm_runs(x, self.down_proj):
+        if grouped_mm_runs(x, self.down_proj, self.sm90):
             return self._grouped(x, experts, weights)
         return self._gathered(x, experts, weights)
 
@@ -58,12 +63,12 @@ class Experts(nn.Module):
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
 
-def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, sm90: bool) -> bool:
     """Whether torch's grouped_mm takes these operands here (see the module docstring)."""
     if any(n * x.element_size() % 16 for n in weight.shape[1:]):
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+        return x.dtype == torch.bfloat16 and sm90
     if x.device.type == "cpu":
         return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
     return False
