@@ -7,6 +7,7 @@ prefill, and a second round of prompts that extend the first round's, served fro
 """
 
 import random
+import re
 
 import pytest
 import torch
@@ -80,3 +81,24 @@ def test_latent_pool_sizes_and_decode_floor():
         read = 1 - (1 - moe.top_k / e) ** b  # the expected share of experts a batch of b picks
         assert floor["weight_bytes_read"] == pytest.approx(4 * (params - cfg.vocab_size * h) - routed * (1 - read))
         assert floor["kv_bytes_read"] == b * 100.0 * cfg.kv_bytes_per_token(4)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"topk_method": "noaux_tc"}, "sets topk_method to 'noaux_tc', which flexsgl does not run"),
+    ({"scoring_func": "sigmoid"}, "sets scoring_func to 'sigmoid'; flexsgl runs softmax"),
+    ({"n_group": 3}, "'n_routed_experts' (64) must split into 'n_group' (3) groups"),
+    ({"num_experts_per_tok": 65}, "'num_experts_per_tok' (65) is more than 'n_routed_experts' (64)"),
+    ({"moe_layer_freq": 2}, "sets moe_layer_freq to 2, which flexsgl does not run"),
+    ({"attention_bias": True}, "sets attention_bias, which flexsgl's DeepSeek-V2 does not run"),
+    ({"kv_lora_rank": None}, "lacks 'kv_lora_rank', which the model needs"),
+    ({"rope_scaling": {"type": "yarn", "factor": 40}}, "lacks 'original_max_position_embeddings'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE type 'dynamic' is not supported for "
+                                                           "DeepseekV2ForCausalLM; flexsgl runs 'default' and 'yarn'"),
+])
+def test_deepseek_configs_flexsgl_cannot_run_are_refused(change, message):
+    from flexsgl.errors import CheckpointError
+    from flexsgl.model.config import ModelConfig
+    from flexsgl.model.presets import PRESETS
+
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        ModelConfig.from_hf({**PRESETS["deepseek-v2-lite"]["config"], **change})

@@ -51,6 +51,8 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def deepseek_v2_fields(get, d: dict, rope: dict, source: str) -> dict:
     """ModelConfig fields of a DeepSeek-V2 config beyond the common ones (get: config._Keys)."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if get.typed("attention_bias", bool, False):
+        raise CheckpointError(f"{source} sets attention_bias, which flexsgl's DeepSeek-V2 does not run.")
     nope, rope_dim, v = get.positive("qk_nope_head_dim"), get.positive("qk_rope_head_dim"), get.positive("v_head_dim")
     if rope_dim % 2:
         raise CheckpointError(f"{source}: 'qk_rope_head_dim' must be even for rotary embeddings, got {rope_dim}.")
