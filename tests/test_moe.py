@@ -15,6 +15,7 @@ HIDDEN = 32
 
 
 def reference(m: MoE, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """float64 from the normed input on (in its own dtype, so routing sees what the model sees)."""
     c = m.cfg
     h = norm(x).double()
     out = []
@@ -28,7 +29,7 @@ def reference(m: MoE, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         chosen = sorted(allowed, key=lambda e: -scores[e].item())[:c.top_k]
         w = scores[chosen]
         w = w / w.sum() if c.norm_topk_prob else w * c.routed_scaling_factor
-        y = h.new_zeros(HIDDEN)
+        y = h.new_zeros(h.shape[-1])
         for e, we in zip(chosen, w):
             gate, up = (m.experts.gate_up_proj[e].double() @ h[t]).chunk(2)
             y += we * (m.experts.down_proj[e].double() @ (torch.nn.functional.silu(gate) * up))
@@ -60,3 +61,27 @@ def test_moe_matches_a_per_token_loop(monkeypatch, grouped, method, norm_topk, s
         ours = m(x, norm, residual=x)
     torch.testing.assert_close(ours.double(), reference(m, x, norm), rtol=1e-5, atol=1e-5,
                                msg=lambda msg: f"seed={seed}: {msg}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_grouped_moe_in_bf16_on_gpu(tokens):
+    """grouped_mm on the GPU (SM90+, bfloat16), compiled as decode and prefill steps are, against
+    the float64 loop: bf16 rounding of the activations and weights only."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("grouped_mm runs on SM90+ GPUs")
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    cfg = MoEConfig(n_routed_experts=64, n_shared_experts=2, top_k=6, intermediate_size=128, first_k_dense_replace=0,
+                    routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False)
+    m, norm = MoE(256, cfg).cuda().bfloat16(), RMSNorm(256, 1e-6).cuda().bfloat16()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    m.experts.place(torch.device("cuda"))
+    assert moe_module.grouped_mm_runs(torch.empty(1, 256, device="cuda", dtype=torch.bfloat16), m.experts.down_proj,
+                                      m.experts.sm90)
+    x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ours = torch.compile(m, dynamic=False)(x, norm, residual=x)
+    ref = reference(m, x, norm)  # the same bf16 routing input; float64 from there
+    torch.testing.assert_close(ours.double(), ref, rtol=3e-2, atol=3e-2, msg=lambda msg: f"seed={seed}: {msg}")

@@ -10,6 +10,8 @@ tensor, no copy). The output is `[T, H, kv_lora_rank]`, still in latent space.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -24,9 +26,10 @@ class FlexMLABackend(FlexAttentionBackend):
     def __init__(self, pool: LatentKVPool, num_heads: int | None = None, compiled: bool = False):
         super().__init__(pool, num_heads, compiled)
         if pool.device.type == "cuda":
-            # A latent row is 576 values (DeepSeek-V2): smaller tiles than flex's defaults keep a
-            # query block, a key block and a value block within shared memory.
-            self.kernel_options = {**(self.kernel_options or {}), "BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
+            # A latent row is 576 values (DeepSeek-V2), which flex's kernels round up to 1024: smaller
+            # tiles than its defaults keep a query block, a key block and a value block within
+            # shared memory; a KV tile still divides a page.
+            self.kernel_options = {"BLOCK_M": 32, "BLOCK_N": math.gcd(pool.page_size, 32), "num_stages": 1}
 
     def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
         meta: FlexMeta = fb.attn

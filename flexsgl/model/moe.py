@@ -26,6 +26,9 @@ from flexsgl.kernels import gemv
 from flexsgl.model.layers import GatedMLP
 from flexsgl.model.mla_config import MoEConfig
 
+# torch.nn.functional.grouped_mm (torch 2.9+) wraps torch._grouped_mm (2.8+), which CUDA builds of 2.8 have.
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
 
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, inter: int):
@@ -50,9 +53,9 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # pairs sorted by expert; pair p is token p // k
         ends = torch.searchsorted(flat[order], torch.arange(self.down_proj.shape[0], device=x.device),
                                   right=True).to(torch.int32)  # where each expert's segment ends
-        gate_up = F.grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=ends)
+        gate_up = GROUPED_MM(x[order // k], self.gate_up_proj.transpose(1, 2), offs=ends)
         gate, up = gate_up.chunk(2, dim=-1)
-        out = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        out = GROUPED_MM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         out = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # back to (token, slot) order
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
@@ -65,7 +68,7 @@ class Experts(nn.Module):
 
 def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, sm90: bool) -> bool:
     """Whether torch's grouped_mm takes these operands here (see the module docstring)."""
-    if any(n * x.element_size() % 16 for n in weight.shape[1:]):
+    if GROUPED_MM is None or any(n * x.element_size() % 16 for n in weight.shape[1:]):
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and sm90
