@@ -28,7 +28,7 @@ def make_checkpoint(arch: str, path, seed: int, tie: bool = False, vocab: int = 
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
 
@@ -62,8 +62,9 @@ def hf_reference(hf, prompt, steps):
 
 
 def make_deepseek_checkpoint(path, seed: int, q_lora_rank: int | None = None, topk_method: str = "greedy",
-                             vocab: int = 320, **overrides):
-    """A tiny random DeepSeek-V2 (MLA with YaRN, a dense layer then MoE layers with a shared expert)."""
+                             vocab: int = 320, max_shard_size: str | None = None, **overrides):
+    """A tiny random DeepSeek-V2 (MLA with YaRN, a dense layer then MoE layers with a shared expert),
+    in one safetensors file or, with max_shard_size, several."""
     import transformers
 
     cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -80,5 +81,5 @@ def make_deepseek_checkpoint(path, seed: int, q_lora_rank: int | None = None, to
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model

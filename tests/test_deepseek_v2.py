@@ -18,13 +18,15 @@ from tests.hf_models import capture_logits, hf_reference, make_deepseek_checkpoi
 STEPS = 32
 
 
-@pytest.mark.parametrize("q_lora_rank,topk_method,page_size,max_batch_tokens", [
-    (None, "greedy", 16, 8192),
-    (24, "group_limited_greedy", 7, 48),  # chunked prefill, pages of 7
+@pytest.mark.parametrize("q_lora_rank,topk_method,page_size,max_batch_tokens,shards", [
+    (None, "greedy", 16, 8192, None),
+    (24, "group_limited_greedy", 7, 48, "200KB"),  # chunked prefill, pages of 7, a sharded checkpoint
 ])
-def test_deepseek_v2_matches_hf(tmp_path, monkeypatch, q_lora_rank, topk_method, page_size, max_batch_tokens):
+def test_deepseek_v2_matches_hf(tmp_path, monkeypatch, q_lora_rank, topk_method, page_size, max_batch_tokens, shards):
     seed = random.randrange(1 << 30)
-    hf = make_deepseek_checkpoint(tmp_path, seed, q_lora_rank=q_lora_rank, topk_method=topk_method)
+    hf = make_deepseek_checkpoint(tmp_path, seed, q_lora_rank=q_lora_rank, topk_method=topk_method,
+                                  max_shard_size=shards)
+    assert (len(list(tmp_path.glob("*.safetensors"))) > 1) == (shards is not None), "the checkpoint's files"
     hf.config._attn_implementation = "eager"
     rng = random.Random(seed)
     first = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (1, 5, 17, 33, 70)]
