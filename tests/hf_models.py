@@ -28,7 +28,7 @@ def make_checkpoint(arch: str, path, seed: int, tie: bool = False, vocab: int = 
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    model.save_pretrained(path)
     return model
 
 
