@@ -172,13 +172,13 @@ def backends(device: str = typer.Option(None, help="cpu, cuda or cuda:N (default
     except ValueError as e:
         fail(str(e))
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    typer.echo(f"attention backends on {where} (models served here: Qwen3, Llama = GQA)")
-    rows = [("name", "phases", "runs here", "why not / about")]
-    rows += [(r["name"], r["phases"], "yes" if r["runs_here"] else "no", r["why_not"] or r["about"])
-             for r in table(dev)]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    typer.echo(f"attention backends on {where} (models: GQA = Qwen3, Llama; MLA = DeepSeek-V2)")
+    rows = [("name", "phases", "models", "runs here", "about (and why not)")]
+    rows += [(r["name"], r["phases"], r["models"], "yes" if r["runs_here"] else "no",
+              r["about"] + (f"; not here: {r['why_not']}" if r["why_not"] else "")) for r in table(dev)]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
 
 
 @app.command()

@@ -38,7 +38,7 @@ import torch
 
 from flexsgl.attention.registry import resolve_override
 from flexsgl.attention.router import PhaseRouter
-from flexsgl.cache.pool import KVPool, PageAllocator
+from flexsgl.cache.pool import PageAllocator, build_kv_pool
 from flexsgl.cache.sizing import kv_cache_pages
 from flexsgl.config import EngineConfig
 from flexsgl.log import logger, progress
@@ -79,7 +79,8 @@ class LLM:
         self.dtype = self._pick_dtype(cfg.dtype)
         dtype_name = str(self.dtype).removeprefix("torch.")
         # Refuses before the model loads, with the reason.
-        choice = resolve_override(cfg.override, self.device, "gqa", cfg.page_size, mcfg.head_dim, dtype_name)
+        choice = resolve_override(cfg.override, self.device, mcfg.attention, cfg.page_size,
+                                  mcfg.kv_layout[2], dtype_name)
         if cfg.cuda_graph_bs is not None and not cfg.cuda_graphs:
             raise ValueError("cuda_graph_bs was given, but CUDA graphs are off: they need a CUDA device "
                              f"(this engine runs on {self.device.type}) and disable_cuda_graph unset.")
@@ -90,8 +91,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.src)
         self.load_s = time.perf_counter() - t0  # weights and tokenizer
         num_pages = kv_cache_pages(cfg, mcfg, self.dtype, self.device, choice.max_pool_elements(self.device))
-        self.pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
-                           self.dtype, self.device)
+        self.pool = build_kv_pool(mcfg, num_pages, cfg.page_size, self.dtype, self.device)
         self.model.bind_kv_pool(self.pool)
         self.allocator = PageAllocator(num_pages)
         logger.info(f"KV cache: {num_pages - 1} pages of {cfg.page_size} tokens")

@@ -39,7 +39,7 @@ _WORKSPACES: dict = {}  # device -> float workspace shared by every wrapper (one
 def flashinfer_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, handle: int,
                          page_size: int) -> torch.Tensor:
     hkv, d = k_cache.shape[-2:]
-    wrapper = _BACKENDS[handle]().active
+    wrapper = active_wrapper(handle)
     return wrapper.run(q.contiguous(), (k_cache.view(-1, page_size, hkv, d), v_cache.view(-1, page_size, hkv, d)))
 
 
@@ -56,6 +56,20 @@ def csr_pages(seq_lens: list[int], pages: list[list[int]], page_size: int):
     last = [s - (c - 1) * page_size for s, c in zip(seq_lens, counts)]
     indices = [p for ps, c in zip(pages, counts) for p in ps[:c]]
     return indptr, last, indices
+
+
+def register(backend) -> int:
+    """A handle through which a custom op finds `backend` (held weakly)."""
+    for gone in [h for h, ref in _BACKENDS.items() if ref() is None]:
+        del _BACKENDS[gone]
+    handle = max(_BACKENDS, default=-1) + 1
+    _BACKENDS[handle] = weakref.ref(backend)
+    return handle
+
+
+def active_wrapper(handle: int):
+    """The wrapper the backend behind `handle` planned for this step."""
+    return _BACKENDS[handle]().active
 
 
 def float_workspace(device: torch.device) -> torch.Tensor:
@@ -86,10 +100,7 @@ class FlashInferDecodeBackend(KernelBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores)
         self.active = None
-        for gone in [h for h, ref in _BACKENDS.items() if ref() is None]:
-            del _BACKENDS[gone]
-        self.handle = max(_BACKENDS, default=-1) + 1
-        _BACKENDS[self.handle] = weakref.ref(self)
+        self.handle = register(self)
 
     # ---- planning (host)
 

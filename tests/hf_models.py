@@ -59,3 +59,27 @@ def hf_reference(hf, prompt, steps):
                           min_new_tokens=steps, pad_token_id=0)[0, len(prompt):].tolist()
         logits = hf(torch.tensor([prompt + gen])).logits[0, len(prompt) - 1:-1]
     return gen, logits
+
+
+def make_deepseek_checkpoint(path, seed: int, q_lora_rank: int | None = None, topk_method: str = "greedy",
+                             vocab: int = 320, max_shard_size: str | None = None, **overrides):
+    """A tiny random DeepSeek-V2 (MLA with YaRN, a dense layer then MoE layers with a shared expert),
+    in one safetensors file or, with max_shard_size, several."""
+    import transformers
+
+    cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, moe_intermediate_size=16,
+               first_k_dense_replace=1, routed_scaling_factor=1.5, topk_method=topk_method, n_group=4, topk_group=2,
+               rms_norm_eps=1e-6, max_position_embeddings=2048, initializer_range=0.15, tie_word_embeddings=False,
+               eos_token_id=None, bos_token_id=None,
+               rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7})
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**{**cfg, **overrides})).eval()
+    with torch.no_grad():  # norms away from 1 so a missed norm weight shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return model

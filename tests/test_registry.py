@@ -93,12 +93,46 @@ def test_missing_package_is_named_and_auto_falls_back(fake_gpu):
 def test_trtllm_mla_is_refused_off_blackwell_and_on_gqa_models(fake_gpu):
     fake_gpu(90)
     with pytest.raises(ValueError, match="runs on SM 100, and this GPU is SM 90"):
-        resolve_override("trtllm-mla", GPU)
+        resolve_override("trtllm-mla", GPU, attention="mla")
     fake_gpu(100)
     with pytest.raises(ValueError, match="serves MLA models, and this model is GQA"):
         resolve_override("trtllm-mla", GPU)
-    # Even on Blackwell with an MLA model it says what is missing: flexsgl has no MLA model yet.
-    assert "no MLA model" in registry.backend_class(SPECS["trtllm-mla"]).unsupported(64, GPU)
+    with pytest.raises(ValueError, match="reads? pages of 32 or 64 tokens, and page_size is 16"):
+        resolve_override("trtllm-mla", GPU, attention="mla", page_size=16)
+    with pytest.raises(ValueError, match=r"latent sizes \(kv_lora_rank \+ rope dims\) 576/320, and this model's is 80"):
+        resolve_override("trtllm-mla", GPU, attention="mla", head_dim=80)
+    assert labels("trtllm-mla", GPU, attention="mla", page_size=64, head_dim=576) == ("flex", "trtllm-mla")
+
+
+@pytest.mark.parametrize("name", ["fa3", "fa3-prefill", "fi", "fi-decode", "triton-decode"])
+def test_gqa_kernels_are_refused_for_mla_models(fake_gpu, name):
+    fake_gpu(90)
+    with pytest.raises(ValueError, match=f"^Override '{name}' cannot run here: it serves GQA models, and this "
+                                         "model is MLA.$"):
+        resolve_override(name, GPU, attention="mla", head_dim=576, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("sm,expected", [(80, ("fi-mla", "fi-mla")), (90, ("fi-mla", "fi-mla")),
+                                         (100, ("fi-mla", "trtllm-mla")), (120, ("flex", "flex"))])
+def test_auto_for_mla_models(fake_gpu, sm, expected):
+    fake_gpu(sm)
+    assert labels("auto", GPU, attention="mla", head_dim=576, dtype="bfloat16", page_size=64) == expected
+    # Latent sizes the kernels are not built for, or no flashinfer: flex
+    assert labels("auto", GPU, attention="mla", head_dim=80, dtype="bfloat16", page_size=64) == ("flex", "flex")
+    fake_gpu(sm, packages=("sgl_kernel", "triton"))
+    assert labels("auto", GPU, attention="mla", head_dim=576, dtype="bfloat16", page_size=64) == ("flex", "flex")
+
+
+def test_engine_refuses_a_gqa_kernel_for_an_mla_model_before_loading(monkeypatch, fake_gpu):
+    import flexsgl.engine
+
+    fake_gpu(90)
+    monkeypatch.setattr(flexsgl.engine, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(flexsgl.engine.LLM, "_pick_dtype", lambda self, dtype: torch.bfloat16)
+    monkeypatch.setattr(flexsgl.engine.EngineConfig, "torch_device", property(lambda self: GPU))
+    with pytest.raises(ValueError, match="^Override 'fi-decode' cannot run here: it serves GQA models, and this "
+                                         "model is MLA.$"):
+        LLM("tiny-mla", load_format="dummy", override="fi-decode")
 
 
 @pytest.mark.parametrize("override,match", [
@@ -127,6 +161,8 @@ def test_engine_refuses_an_override_before_loading(monkeypatch):
 def test_table_lists_every_backend_with_a_reason():
     rows = {r["name"]: r for r in registry.table(CPU)}
     assert set(rows) == set(SPECS) | {"auto"}
+    assert rows["flex"]["models"] == "gqa,mla" and rows["trtllm-mla"]["models"] == "mla"
+    assert "untested on hardware" in rows["trtllm-mla"]["about"]
     assert rows["flex"]["runs_here"] and rows["auto"]["runs_here"]
     for name in SPECS:
         if name != "flex":

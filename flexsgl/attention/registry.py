@@ -28,6 +28,7 @@ class BackendSpec:
     head_dims: tuple[int, ...] | None = None  # head sizes its kernels are built for; None: any
     dtypes: tuple[str, ...] | None = None  # KV/activation dtypes it runs; None: any
     doc: str = ""
+    mla_target: str | None = None  # the class serving MLA models, where it is another one
 
 
 HALF = ("bfloat16", "float16")
@@ -35,6 +36,7 @@ HALF = ("bfloat16", "float16")
 
 SPECS = {s.name: s for s in (
     BackendSpec("flex", "flexsgl.attention.flex:FlexAttentionBackend", ("prefill", "decode"), None, None,
+                attention=("gqa", "mla"), mla_target="flexsgl.attention.flex_mla:FlexMLABackend",
                 doc="torch.compile + FlexAttention block masks over the paged KV (default path)"),
     BackendSpec("fa3", "flexsgl.overrides.fa3:FA3Backend", ("prefill", "decode"), (90,), "sgl_kernel",
                 head_dims=(64, 96, 128, 192, 256), dtypes=HALF,
@@ -49,12 +51,17 @@ SPECS = {s.name: s for s in (
     BackendSpec("triton-decode", "flexsgl.overrides.triton_decode:TritonDecodeBackend", ("decode",),
                 (80, 86, 89, 90, 100, 120), "triton", head_dims=(64, 128, 256), dtypes=HALF,
                 doc="flexsgl's split-KV decode kernel (Triton), one launch per layer (prefill: flex or another)"),
+    BackendSpec("fi-mla", "flexsgl.overrides.flashinfer_mla:FlashInferMLABackend", ("prefill", "decode"),
+                (80, 86, 89, 90, 100, 120), "flashinfer", attention=("mla",), head_dims=(576,), dtypes=HALF,
+                doc="FlashInfer BatchMLAPagedAttentionWrapper over the latent pool (MLA models)"),
     BackendSpec("trtllm-mla", "flexsgl.overrides.trtllm_mla:TrtllmMLABackend", ("decode",), (100,), "flashinfer",
-                attention=("mla",), dtypes=HALF, doc="FlashInfer TRT-LLM MLA decode (Blackwell, MLA models)"),
+                attention=("mla",), head_dims=(576, 320), dtypes=HALF,
+                doc="FlashInfer TRT-LLM MLA decode (Blackwell, MLA models; untested on hardware)"),
 )}
 
 # What `auto` means per (SM version, attention kind) when those backends can run; otherwise flex.
-AUTO = {(90, "gqa"): "fa3-prefill,fi-decode", (100, "gqa"): "fi"}
+AUTO = {(90, "gqa"): "fa3-prefill,fi-decode", (100, "gqa"): "fi",
+        (80, "mla"): "fi-mla", (90, "mla"): "fi-mla", (100, "mla"): "fi-mla,trtllm-mla"}
 # Where a decode backend beats `auto`'s at small batches: it takes decode batches up to the size given
 # (`PREFILL,DECODE,SMALL_DECODE<=N`), when it can run. Measured on an H200: docs/BENCHMARKS.md.
 AUTO_SMALL_DECODE = {(90, "gqa"): "triton-decode<=64"}
@@ -80,13 +87,14 @@ def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa", hea
     if attention not in spec.attention:
         return f"it serves {'/'.join(a.upper() for a in spec.attention)} models, and this model is {attention.upper()}"
     if head_dim is not None and spec.head_dims is not None and head_dim not in spec.head_dims:
-        return f"its kernels take head sizes {'/'.join(map(str, spec.head_dims))}, and this model's is {head_dim}"
+        what = "latent sizes (kv_lora_rank + rope dims)" if attention == "mla" else "head sizes"
+        return f"its kernels take {what} {'/'.join(map(str, spec.head_dims))}, and this model's is {head_dim}"
     if dtype is not None and spec.dtypes is not None and dtype not in spec.dtypes:
         return f"it runs {' and '.join(spec.dtypes)}, and this engine runs {dtype}"
     if spec.package and importlib.util.find_spec(spec.package) is None:
         return f"the package {spec.package!r} is not installed"
     if page_size is not None:  # the backend itself knows, once its package imports
-        return backend_class(spec).unsupported(page_size, device)
+        return backend_class(spec, attention).unsupported(page_size, device)
     return None
 
 
@@ -174,20 +182,25 @@ def check_override(override: str, device: torch.device | str, attention: str = "
     return resolve_override(override, torch.device(device), attention).label
 
 
-def backend_class(spec: BackendSpec):
-    module, cls = spec.target.split(":")
+def backend_class(spec: BackendSpec, attention: str = "gqa"):
+    """The class that serves models of this attention kind for `spec`."""
+    target = spec.mla_target if attention == "mla" and spec.mla_target else spec.target
+    module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
-def table(device: torch.device, attention: str = "gqa") -> list[dict]:
-    """One row per backend: its phases, whether it runs here and why not."""
+def table(device: torch.device) -> list[dict]:
+    """One row per backend: its phases, the models it serves, whether it runs here for them and why not."""
     rows = []
     for spec in SPECS.values():
-        reason = why_not(spec, device, attention)
-        rows.append({"name": spec.name, "phases": ",".join(spec.phases), "runs_here": reason is None,
-                     "why_not": reason or "", "about": spec.doc})
-    rows.append({"name": "auto", "phases": "prefill,decode", "runs_here": True, "why_not": "",
-                 "about": f"here: {auto_choice(device, attention)} (SM90: fa3-prefill,fi-decode, "
-                          "with triton-decode for batches up to 64 where triton is installed; SM100: fi; "
-                          "otherwise, or when those cannot run: flex)"})
+        reasons = {a: why_not(spec, device, a) for a in spec.attention}
+        runs = [a for a, r in reasons.items() if r is None]
+        rows.append({"name": spec.name, "phases": ",".join(spec.phases), "models": ",".join(spec.attention),
+                     "runs_here": bool(runs), "why_not": "" if runs else next(iter(reasons.values())),
+                     "about": spec.doc})
+    rows.append({"name": "auto", "phases": "prefill,decode", "models": "gqa,mla", "runs_here": True, "why_not": "",
+                 "about": f"here: {auto_choice(device, 'gqa')} for GQA, {auto_choice(device, 'mla')} for MLA "
+                          "(SM90: fa3-prefill,fi-decode, with triton-decode for batches up to 64 where triton is "
+                          "installed, and fi-mla for MLA; SM100: fi, and fi-mla,trtllm-mla for MLA; otherwise, or "
+                          "when those cannot run: flex)"})
     return rows

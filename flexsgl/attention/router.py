@@ -15,7 +15,7 @@ class PhaseRouter:
         built = {}
         for spec in (choice.prefill, choice.decode, choice.small_decode):
             if spec is not None and spec.target not in built:
-                built[spec.target] = backend_class(spec)(pool, num_heads=num_heads, compiled=compiled)
+                built[spec.target] = backend_class(spec, pool.attention)(pool, num_heads=num_heads, compiled=compiled)
         self.prefill = built[choice.prefill.target]
         self.decode = built[choice.decode.target]  # graph hooks go to this one
         if choice.small_decode is not None:

@@ -3,9 +3,10 @@
 The decode floor: a decode step is memory-bound, so it cannot take less than the bytes it must
 read over the device's memory bandwidth. Bytes per step = the weights read (every parameter once;
 a tied embedding/lm_head matrix once; an *untied* input embedding table is left out, since a step
-gathers only one row of it per request, and reported apart as `embedding_bytes`) + the KV cache
-read by the batch at its mean context. The bandwidth is measured here with a large device-to-device
-copy, which reads and writes every byte: bandwidth = 2 * bytes / time.
+gathers only one row of it per request, and reported apart as `embedding_bytes`; of a MoE model's
+routed experts, only those the batch is expected to pick, see `decode_floor`) + the KV cache read
+by the batch at its mean context (an MLA model's latent cache). The bandwidth is measured here
+with a large device-to-device copy, which reads and writes every byte: bandwidth = 2 * bytes / time.
 """
 
 from __future__ import annotations
@@ -56,9 +57,17 @@ def weight_bytes(model) -> dict:
 
 
 def decode_floor(llm, batch_size: int, mean_context: float, bandwidth: float) -> dict:
-    """The fastest a decode step can be on this device: bytes it reads over the copy bandwidth."""
+    """The fastest a decode step can be on this device: bytes it reads over the copy bandwidth.
+    A MoE model's step reads only the routed experts its tokens pick: with k of E experts per
+    token, routed uniformly, a batch of B reads a fraction 1 - (1 - k/E)^B of them per layer."""
     w = weight_bytes(llm.model)
-    itemsize = llm.pool.k[0].element_size()
+    moe = llm.config.moe
+    if moe is not None:
+        routed = sum(p.numel() * p.element_size() for n, p in llm.model.named_parameters() if ".experts." in n)
+        read = 1 - (1 - moe.top_k / moe.n_routed_experts) ** batch_size
+        w = {**w, "routed_expert_bytes": routed, "routed_fraction_read": read,
+             "weight_bytes_read": w["weight_bytes_read"] - routed * (1 - read)}
+    itemsize = llm.dtype.itemsize
     kv = batch_size * mean_context * llm.config.kv_bytes_per_token(itemsize)
     step = w["weight_bytes_read"] + kv
     return {**w, "kv_bytes_read": kv, "mean_context": mean_context, "bytes_per_step": step,

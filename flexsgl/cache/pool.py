@@ -67,6 +67,8 @@ class PageAllocator:
 class KVPool:
     """K and V per layer, `[slots, Hkv, D]`, and the one path that writes them (module docstring)."""
 
+    attention = "gqa"  # the attention kind whose cache this is (the latent pool's is "mla")
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.page_size = page_size
@@ -104,3 +106,12 @@ class KVPool:
     @staticmethod
     def num_pages_for(tokens: int, page_size: int) -> int:
         return -(-tokens // page_size)
+
+
+def build_kv_pool(mcfg, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+    """The pool for model config `mcfg`: K/V per KV head, or the latent pool of an MLA model."""
+    if mcfg.mla is not None:
+        from flexsgl.cache.latent_pool import LatentKVPool
+
+        return LatentKVPool(mcfg.num_layers, num_pages, page_size, mcfg.mla, dtype, device)
+    return KVPool(mcfg.num_layers, num_pages, page_size, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)

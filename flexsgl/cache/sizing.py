@@ -38,13 +38,15 @@ def kv_cache_pages(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             # Room for one step's activations: the widest layer over the token budget, and logits.
-            act = cfg.max_num_batched_tokens * (2 * mcfg.intermediate_size + 4 * mcfg.hidden_size) * itemsize * 2
+            widest = max(mcfg.intermediate_size, mcfg.num_heads * mcfg.mla.latent_dim if mcfg.mla else 0)
+            act = cfg.max_num_batched_tokens * (2 * widest + 4 * mcfg.hidden_size) * itemsize * 2
             act += cfg.max_running_requests * mcfg.vocab_size * 4 * 4 + (1 << 30)
             kv_tokens = int((free * cfg.mem_fraction_static - act) // per_token)
         else:
             kv_tokens = CPU_DEFAULT_KV_TOKENS
     if max_elements is not None:  # the attention backends' own limit (e.g. flex's 32-bit indexing)
-        most = (max_elements // (mcfg.num_kv_heads * mcfg.head_dim) // ps - 1) * ps
+        _, heads, dim = mcfg.kv_layout
+        most = (max_elements // (heads * dim) // ps - 1) * ps
         if cfg.max_total_tokens is not None and kv_tokens > most:
             raise ValueError(f"max_total_tokens {kv_tokens} is more than these attention backends can index "
                              f"({most} tokens of this model per pool); lower it.")

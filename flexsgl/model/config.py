@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexsgl.errors import CheckpointError, short_repr
+from flexsgl.model.mla_config import MLAConfig, MoEConfig, deepseek_v2_params
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class Architecture:
     model_type: str
     target: str
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE
+    rope_types: tuple[str, ...] = ("default", "llama3")
+    # "module:function" reading the architecture's own config keys into ModelConfig fields
+    extra_fields: str | None = None
 
 
 DECODER = "flexsgl.model.decoder:DecoderForCausalLM"
@@ -26,13 +30,20 @@ DECODER = "flexsgl.model.decoder:DecoderForCausalLM"
 ARCHITECTURES = {
     "Qwen3ForCausalLM": Architecture("qwen3", DECODER, qk_norm=True),
     "LlamaForCausalLM": Architecture("llama", DECODER, qk_norm=False),
+    "DeepseekV2ForCausalLM": Architecture("deepseek_v2", "flexsgl.model.deepseek_v2:DeepseekV2ForCausalLM",
+                                          qk_norm=False, rope_types=("default", "yarn"),
+                                          extra_fields="flexsgl.model.mla_config:deepseek_v2_fields"),
 }
 
 
 def model_class(architecture: str) -> type:
     """The class that builds models of `architecture` (a key of ARCHITECTURES)."""
-    module, cls = ARCHITECTURES[architecture].target.split(":")
-    return getattr(importlib.import_module(module), cls)
+    return _load(ARCHITECTURES[architecture].target)
+
+
+def _load(target: str):
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
@@ -53,11 +64,26 @@ class ModelConfig:
     rope_scaling: dict | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2); None: GQA
+    moe: MoEConfig | None = None
     hf: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def qk_norm(self) -> bool:
         return ARCHITECTURES[self.architecture].qk_norm
+
+    @property
+    def attention(self) -> str:
+        """The attention kind backends are declared for: "gqa" (MHA/GQA) or "mla"."""
+        return "gqa" if self.mla is None else "mla"
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """What the KV pool keeps per token and layer: (tensors, heads, dim): K and V of every KV
+        head, or one latent vector (MLA)."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "The model config") -> "ModelConfig":
@@ -85,9 +111,10 @@ class ModelConfig:
         theta = get.number({**d, **rope}, "rope_theta", 10000.0)
         rope.pop("rope_theta", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise CheckpointError(f"RoPE type {short_repr(rope_type)} is not supported; flexsgl runs 'default' and "
-                                  "'llama3'.")
+        rope_types = ARCHITECTURES[arch].rope_types
+        if rope_type not in rope_types:
+            raise CheckpointError(f"RoPE type {short_repr(rope_type)} is not supported for {arch}; flexsgl runs "
+                                  f"{' and '.join(map(repr, rope_types))}.")
         if rope_type == "llama3":
             for key in LLAMA3_ROPE_KEYS:
                 get.number(rope, key)
@@ -110,6 +137,10 @@ class ModelConfig:
         if head_dim % 2:
             raise CheckpointError(f"{source}: 'head_dim' must be even for rotary embeddings, got {head_dim}.")
         dtype = d.get("torch_dtype") or d.get("dtype")
+        extra = ARCHITECTURES[arch].extra_fields
+        fields = {} if extra is None else _load(extra)(get, d, rope, source)
+        fields.setdefault("rope_scaling", rope if rope_type != "default" else None)
+        fields.setdefault("head_dim", head_dim)
         return cls(
             architecture=arch,
             vocab_size=get.positive("vocab_size"),
@@ -118,16 +149,15 @@ class ModelConfig:
             num_layers=get.positive("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=head_dim,
             rms_norm_eps=get.number(d, "rms_norm_eps", 1e-6),
             rope_theta=theta,
             max_position=get.positive("max_position_embeddings", 4096),
             tie_word_embeddings=get.typed("tie_word_embeddings", bool, False),
             attention_bias=get.typed("attention_bias", bool, False),
-            rope_scaling=rope if rope_type == "llama3" else None,
             eos_token_ids=eos,
             torch_dtype=dtype if isinstance(dtype, str) else None,
             hf=d,
+            **fields,
         )
 
     @classmethod
@@ -147,9 +177,12 @@ class ModelConfig:
         return cls.from_hf(d, f"Config file {str(file)!r}")
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        tensors, heads, dim = self.kv_layout
+        return tensors * self.num_layers * heads * dim * itemsize
 
     def num_params(self) -> int:
+        if self.mla is not None:
+            return deepseek_v2_params(self)
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
@@ -158,7 +191,8 @@ class ModelConfig:
 
 
 # config.json settings flexsgl's decoder does not implement, and the values it does.
-UNSUPPORTED_SETTINGS = {"hidden_act": ("silu",), "mlp_bias": (False,), "use_sliding_window": (False,)}
+UNSUPPORTED_SETTINGS = {"hidden_act": ("silu",), "mlp_bias": (False,), "use_sliding_window": (False,),
+                        "moe_layer_freq": (1,)}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _MISSING = object()
 

@@ -189,7 +189,9 @@ def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tup
     return plan
 
 
-def _shard(model, param: torch.Tensor, target: str, shard: int) -> torch.Tensor:
+def _shard(model, param: torch.Tensor, target: str, shard) -> torch.Tensor:
+    if hasattr(model, "checkpoint_shard"):  # a model with its own fused or stacked parameters
+        return model.checkpoint_shard(param, target, shard)
     sizes = model.shard_sizes(target.split(".")[-2])
     return param.narrow(0, sum(sizes[:shard]), sizes[shard])
 
@@ -205,7 +207,9 @@ def _open_safetensors(f: Path):
         yield st
 
 
-def _map_name(model, hf_name: str) -> tuple[str, int | None]:
+def _map_name(model, hf_name: str) -> tuple[str, object]:
+    if hasattr(model, "checkpoint_name"):
+        return model.checkpoint_name(hf_name)
     for frag, (fused, shard) in model.packed_weights.items():
         if f".{frag}." in hf_name:
             return hf_name.replace(f".{frag}.", f".{fused}."), shard
@@ -215,6 +219,9 @@ def _map_name(model, hf_name: str) -> tuple[str, int | None]:
 def _is_loaded(model, name: str, loaded) -> bool:
     if name in loaded:
         return True
+    shards = model.checkpoint_shards(name) if hasattr(model, "checkpoint_shards") else None
+    if shards is not None:
+        return all(f"{name}#{s}" in loaded for s in shards)
     fused = name.split(".")[-2]
     if fused in ("qkv_proj", "gate_up_proj"):
         return all(f"{name}#{i}" in loaded for i in range(len(model.shard_sizes(fused))))

@@ -16,6 +16,24 @@ def _qwen3(hidden, layers, heads, kv, inter, tie, vocab=151936, max_pos=40960, h
     }
 
 
+def _deepseek_v2(hidden, layers, heads, inter, kv_rank, nope, rope, v, experts, shared, top_k, moe_inter,
+                 vocab=102400, max_pos=163840, yarn_factor=40.0, original_max_pos=4096, mscale=0.707):
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "q_lora_rank": None,
+        "kv_lora_rank": kv_rank, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v,
+        "n_routed_experts": experts, "n_shared_experts": shared, "num_experts_per_tok": top_k,
+        "moe_intermediate_size": moe_inter, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": False, "scoring_func": "softmax", "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": yarn_factor, "original_max_position_embeddings": original_max_pos,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": mscale, "mscale_all_dim": mscale},
+        "max_position_embeddings": max_pos, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16",
+    }
+
+
 # Named presets: embedded configs so `--load-format dummy` works offline. `hub` is where real weights live.
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": {"hub": "Qwen/Qwen3-0.6B", "config": _qwen3(1024, 28, 16, 8, 3072, True)},
@@ -32,9 +50,17 @@ PRESETS: dict[str, dict] = {
             "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
         },
     },
+    # DeepSeek-V2-Lite's own config: MLA (512 + 64 latent dims per token), 64 routed experts, 6 per token.
+    "deepseek-v2-lite": {"hub": "deepseek-ai/DeepSeek-V2-Lite",
+                         "config": _deepseek_v2(2048, 27, 16, 10944, 512, 128, 64, 128, 64, 2, 6, 1408)},
     # A few hundred thousand parameters: seeded random weights, runs anywhere in a blink.
     "tiny": {"hub": None, "config": {**_qwen3(128, 2, 4, 2, 256, True, vocab=512, max_pos=4096, head_dim=32),
                                      "eos_token_id": None, "torch_dtype": "float32"}},
+    # DeepSeek-V2's shape in miniature: MLA, YaRN, a dense layer then a MoE layer with a shared expert.
+    "tiny-mla": {"hub": None, "config": {**_deepseek_v2(128, 2, 4, 256, 64, 32, 16, 32, 8, 1, 2, 64, vocab=512,
+                                                         max_pos=4096, yarn_factor=4.0, original_max_pos=1024,
+                                                         mscale=1.0),
+                                         "eos_token_id": None, "bos_token_id": None, "torch_dtype": "float32"}},
 }
 # Models shipped inside the package, by name. tiny-docs: a 3.4M-parameter Qwen3 trained by
 # tools/train_tiny.py on the standard library's docstrings (see its training.json).

@@ -1,0 +1,35 @@
+"""The latent KV pool of multi-head latent attention (MLA) models.
+
+Per layer one tensor `[slots, 1, kv_lora_rank + qk_rope_head_dim]`: each token's normed compressed
+KV followed by its rotated shared key, one "head", never expanded into per-head K and V. Slots,
+pages, the dummy page, the allocator, the radix cache and the scheduler are the GQA pool's
+(flexsgl/cache/pool.py); only what a slot holds differs. The same memory read as
+`[pages, page_size, D]` is what FlashInfer's MLA kernels and TRT-LLM's take.
+
+The model's attention layers write their latents through `store`; backends read `kv`, and take the
+split point and softmax scale of scores over it from the pool (`kv_lora_rank`, `softmax_scale`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexsgl.model.mla_config import MLAConfig
+
+
+class LatentKVPool:
+    attention = "mla"
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, mla: MLAConfig, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.page_size, self.num_pages, self.device = page_size, num_pages, torch.device(device)
+        self.kv_lora_rank, self.rope_dim = mla.kv_lora_rank, mla.qk_rope_head_dim
+        self.qk_nope_head_dim, self.softmax_scale = mla.qk_nope_head_dim, mla.softmax_scale
+        # Zeroed: masked slots still enter P @ V as p=0 times v, and 0 * NaN is NaN.
+        self.kv = [torch.zeros(num_pages * page_size, 1, mla.latent_dim, dtype=dtype, device=device)
+                   for _ in range(num_layers)]
+
+    def store(self, layer: int, latent: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write latent `[tokens, kv_lora_rank + rope dims]` into `layer`'s slots, in place (an index
+        put on the pool tensor itself, which compiled graphs keep in place)."""
+        self.kv[layer][slots] = latent.to(self.kv[layer].dtype)[:, None]

@@ -1,0 +1,209 @@
+"""DeepSeek-V2: multi-head latent attention (MLA) over a latent KV pool, dense then MoE layers.
+
+Attention caches, per token, one latent vector: the normed compressed KV `c` (kv_lora_rank) and
+the rotated shared key `k_pe` (qk_rope_head_dim), written to the latent pool
+(flexsgl/cache/latent_pool.py). Attention runs in the *absorbed* form for every step, prefill and
+decode: with kv_b_proj split per head into W_UK (key) and W_UV (value),
+
+    score(q, token) = q_nope . (W_UK c) + q_pe . k_pe = (W_UK^T q_nope) . c + q_pe . k_pe
+
+so each head's query is projected into the latent space, `[W_UK^T q_nope, q_pe]`, and attends over
+the latent cache as one shared KV head whose key is the whole latent vector and whose value is
+`c`; the output, in latent space, goes through W_UV per head and then o_proj. K and V are never
+expanded, and a prefill over a cached prefix reads the prefix's latents like any other.
+
+RoPE is DeepSeek's: it rotates interleaved pairs of the rope dims (HF applies it as a complex
+product), with YaRN frequencies and YaRN's attention factor on cos/sin where the config asks; the
+softmax scale carries YaRN's mscale_all_dim factor (MLAConfig.softmax_scale).
+
+Parameter names follow HF's, except that the projections reading the normed hidden state are fused
+(`qkv_a_proj`: q_proj or q_a_proj, then kv_a_proj_with_mqa) and so are gate/up (`gate_up_proj`);
+routed experts are stacked (flexsgl/model/moe.py). `checkpoint_*` map HF tensor names onto them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from flexsgl.kernels import gemv
+from flexsgl.model.config import ModelConfig
+from flexsgl.model.layers import GatedMLP, RMSNorm, rms_norm
+from flexsgl.model.mla_config import yarn_mscale
+from flexsgl.model.moe import MoE
+
+LATENT_NORM_EPS = 1e-6  # HF's DeepseekV2RMSNorm default, used for q_a_layernorm and kv_a_layernorm
+
+
+def yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and attention factor, as HF computes them (float32)."""
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                            else yarn_mscale(factor))
+
+    def correction_dim(rotations):
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class InterleavedRotary(nn.Module):
+    """cos/sin tables `[positions, D/2]` of DeepSeek's RoPE (the attention factor folded in), for
+    the rotation of pairs (x[2i], x[2i+1]). Same constructor as layers.RotaryEmbedding."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
+        super().__init__()
+        if scaling is None:
+            inv_freq, factor = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+        else:
+            inv_freq, factor = yarn_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos() * factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * factor, persistent=False)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, heads, D]` rotated at `positions`, in float32 then back to x's dtype."""
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        m = self.mla = cfg.mla
+        self.layer_id, self.hq = layer_id, cfg.num_heads
+        self.q_dim = cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        self.q_a_dim = self.q_dim if m.q_lora_rank is None else m.q_lora_rank
+        self.qkv_a_proj = nn.Linear(cfg.hidden_size, self.q_a_dim + m.latent_dim, bias=False)
+        if m.q_lora_rank is not None:
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.q_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, bias=False)
+        self.kv_pool = None  # DeepseekV2ForCausalLM.bind_kv_pool sets it
+
+    def forward(self, x, norm, positions, rope: InterleavedRotary, fb) -> torch.Tensor:
+        """x + attention(norm(x)), `[T, hidden]`."""
+        m, t = self.mla, x.shape[0]
+        q, latent = gemv.norm_linear(x, norm, self.qkv_a_proj).split([self.q_a_dim, m.latent_dim], dim=-1)
+        if m.q_lora_rank is not None:
+            q = gemv.norm_linear(q, self.q_a_layernorm, self.q_b_proj)
+        q_nope, q_pe = q.view(t, self.hq, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        c, k_pe = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        c = rms_norm(c, self.kv_a_layernorm.weight, LATENT_NORM_EPS)
+        self.kv_pool.store(self.layer_id, torch.cat([c, rope.rotate(positions, k_pe[:, None])[:, 0]], dim=-1),
+                           fb.out_slots)
+        w_kv = self.kv_b_proj.weight.view(self.hq, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
+        out = fb.backend.forward(torch.cat([q_latent, rope.rotate(positions, q_pe)], dim=-1), self.layer_id, fb)
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return gemv.linear(out.reshape(t, -1), self.o_proj, residual=x)
+
+
+class DeepseekV2Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        moe = cfg.moe
+        self.mlp = (MoE(cfg.hidden_size, moe) if moe is not None and layer_id >= moe.first_k_dense_replace
+                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size))
+
+    def forward(self, x, positions, rope, fb):
+        x = self.self_attn(x, self.input_layernorm, positions, rope, fb)
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x, self.post_attention_layernorm, residual=x)
+        gate_up = gemv.norm_linear(x, self.post_attention_layernorm, self.mlp.gate_up_proj)
+        return gemv.silu_linear(gate_up, self.mlp.down_proj, residual=x)
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV2Layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = InterleavedRotary(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+
+
+# HF tensor name fragment -> (fused parameter fragment, shard)
+FUSED = {"q_proj": ("qkv_a_proj", 0), "q_a_proj": ("qkv_a_proj", 0), "kv_a_proj_with_mqa": ("qkv_a_proj", 1),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DeepseekV2Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ---- checkpoint names (flexsgl/model/loader.py)
+
+    def checkpoint_name(self, hf_name: str) -> tuple[str, object]:
+        """The parameter an HF tensor fills and which part of it (None: all)."""
+        expert = EXPERT.match(hf_name)
+        if expert:
+            prefix, e, proj = expert.groups()
+            return (f"{prefix}.down_proj", (int(e), None)) if proj == "down_proj" else \
+                (f"{prefix}.gate_up_proj", (int(e), int(proj == "up_proj")))
+        for frag, (fused, shard) in FUSED.items():
+            if f".{frag}." in hf_name:
+                return hf_name.replace(f".{frag}.", f".{fused}."), shard
+        return hf_name, None
+
+    def checkpoint_shard(self, param: torch.Tensor, target: str, shard) -> torch.Tensor:
+        if isinstance(shard, tuple):  # (expert, 0 gate / 1 up / None down)
+            expert, part = shard
+            p = param[expert]
+            return p if part is None else p.narrow(0, part * (p.shape[0] // 2), p.shape[0] // 2)
+        if target.endswith("qkv_a_proj.weight"):
+            q = param.shape[0] - self.cfg.mla.latent_dim
+            return param[:q] if shard == 0 else param[q:]
+        half = param.shape[0] // 2
+        return param.narrow(0, shard * half, half)
+
+    def checkpoint_shards(self, name: str) -> list | None:
+        """Every part of parameter `name` a checkpoint fills separately (None: it comes whole)."""
+        if name.endswith("experts.gate_up_proj"):
+            return [(e, p) for e in range(self.cfg.moe.n_routed_experts) for p in (0, 1)]
+        if name.endswith("experts.down_proj"):
+            return [(e, None) for e in range(self.cfg.moe.n_routed_experts)]
+        if name.endswith(("qkv_a_proj.weight", "gate_up_proj.weight")):
+            return [0, 1]
+        return None
+
+    def bind_kv_pool(self, pool) -> None:
+        """Give every attention layer the latent pool it stores its latents in (once, before the first step)."""
+        for layer in self.model.layers:
+            layer.self_attn.kv_pool = pool
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.experts.place(pool.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
+        """The logits of the tokens at `fb.logits_index`, in the model's dtype."""
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        for layer in m.layers:
+            x = layer(x, positions, m.rotary, fb)
+        return gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)

@@ -1,0 +1,114 @@
+"""DeepSeek's mixture-of-experts layer: a softmax router, top-k routed experts and shared experts.
+
+The routed experts run as a grouped computation, without a Python loop over experts or tokens:
+the (token, expert) pairs are sorted by expert, each expert's rows form one contiguous segment
+whose bounds are found on the device (`searchsorted`, no host sync), and two grouped matrix
+products (`torch.nn.functional.grouped_mm`: one GEMM per expert segment in one launch, the experts
+with no rows reading nothing) compute gate/up and down for every pair; the outputs go back to
+token order by the inverse permutation and are summed with their routing weights.
+
+Where grouped_mm does not run (it takes bfloat16 on SM90+ GPUs and under torch.compile, and float32
+only eagerly on the CPU; its strides must be multiples of 16 bytes), each (token, expert) pair
+gathers its expert's weights and multiplies them batched: also one launch per projection and no
+host sync, but it copies an expert's weights once per pair, so it is only fit for small models.
+
+Expert weights are stacked, `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]` (HF's layout in
+transformers 5); checkpoints with one tensor per expert load into slices of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flexsgl.kernels import gemv
+from flexsgl.model.layers import GatedMLP
+from flexsgl.model.mla_config import MoEConfig
+
+# torch.nn.functional.grouped_mm (torch 2.9+) wraps torch._grouped_mm (2.8+), which CUDA builds of 2.8 have.
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.sm90 = False  # on an SM90+ GPU: set once by `place`, outside compiled code
+
+    def place(self, device: torch.device) -> None:
+        """Note what the device is (before the first step: compiled code reads a plain bool)."""
+        self.sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; experts, weights [T, k] -> sum over k of weight * expert(x), [T, H]."""
+        if grouped_mm_runs(x, self.down_proj, self.sm90):
+            return self._grouped(x, experts, weights)
+        return self._gathered(x, experts, weights)
+
+    def _grouped(self, x, experts, weights):
+        t, k = experts.shape
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # pairs sorted by expert; pair p is token p // k
+        ends = torch.searchsorted(flat[order], torch.arange(self.down_proj.shape[0], device=x.device),
+                                  right=True).to(torch.int32)  # where each expert's segment ends
+        gate_up = GROUPED_MM(x[order // k], self.gate_up_proj.transpose(1, 2), offs=ends)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = GROUPED_MM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        out = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # back to (token, slot) order
+        return (out * weights.to(out.dtype)[..., None]).sum(1)
+
+    def _gathered(self, x, experts, weights):
+        gate_up = torch.einsum("th,tkih->tki", x, self.gate_up_proj[experts])
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, self.down_proj[experts])
+        return (out * weights.to(out.dtype)[..., None]).sum(1)
+
+
+def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, sm90: bool) -> bool:
+    """Whether torch's grouped_mm takes these operands here (see the module docstring)."""
+    if GROUPED_MM is None or any(n * x.element_size() % 16 for n in weight.shape[1:]):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and sm90
+    if x.device.type == "cpu":
+        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
+    return False
+
+
+class MoE(nn.Module):
+    """Router (`gate`), routed `experts` and `shared_experts`, named as in HF checkpoints."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(hidden, cfg.n_routed_experts, bias=False)
+        self.experts = Experts(cfg.n_routed_experts, hidden, cfg.intermediate_size)
+        self.shared_experts = (GatedMLP(hidden, cfg.intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k experts of each token and their weights (float32), as DeepSeek-V2 routes."""
+        c = self.cfg
+        scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)
+        if c.topk_method == "group_limited_greedy":  # only experts of the topk_group best groups
+            groups = scores.view(-1, c.n_group, c.n_routed_experts // c.n_group)
+            best = groups.amax(-1).topk(c.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            scores = groups.masked_fill(~keep[..., None], 0.0).view_as(scores)
+        weights, experts = torch.topk(scores, k=c.top_k, dim=-1, sorted=False)
+        if c.top_k > 1 and c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        else:
+            weights = weights * c.routed_scaling_factor
+        return experts, weights
+
+    def forward(self, x: torch.Tensor, norm, residual: torch.Tensor) -> torch.Tensor:
+        """residual + moe(norm(x))."""
+        h = norm(x)
+        out = self.experts(h, *self.route(h)) + residual
+        if self.shared_experts is None:
+            return out
+        return gemv.silu_linear(F.linear(h, self.shared_experts.gate_up_proj.weight), self.shared_experts.down_proj,
+                                residual=out)

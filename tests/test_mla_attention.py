@@ -1,0 +1,104 @@
+"""MLA attention backends over the latent pool against float64 attention on random paged layouts.
+
+MLA in the absorbed form is attention with one shared KV head whose key is the latent vector and
+whose value is its first kv_lora_rank dims, at the model's softmax scale; the float64 reference is
+tests/attention_reference.py's dense attention on exactly that. GPU tests (`-m gpu`): flex and
+fi-mla on the same batches in bf16, and the bf16 engine with each against HF transformers.
+"""
+
+import random
+
+import pytest
+import torch
+
+from flexsgl.attention.flex_mla import FlexMLABackend
+from flexsgl.attention.registry import SPECS, backend_class, why_not
+from flexsgl.cache.latent_pool import LatentKVPool
+from flexsgl.cache.pool import KVPool, PageAllocator
+from flexsgl.model.mla_config import MLAConfig
+from tests.attention_reference import dense_attention, random_paged_batch
+from tests.hf_models import make_deepseek_checkpoint
+from tests.test_flex_attention import CASES
+
+gpu = pytest.mark.gpu
+
+
+class LatentAsKV:
+    """The latent pool seen as a one-head K/V pool (K = V = the latent), for random_paged_batch."""
+
+    def __init__(self, pool: LatentKVPool):
+        self.pool, self.page_size, self.num_pages, self.k = pool, pool.page_size, pool.num_pages, pool.kv
+
+    def store(self, layer, k, v, slots):
+        self.pool.store(layer, k[:, 0], slots)
+
+
+def run_mla_case(specs, page_size, device, dtype, rtol, atol, backend_cls=FlexMLABackend, forward=None,
+                 compiled=False, hq=4, rank=32, rope=8, seed=None):
+    """A random paged batch of latents in the pool, `backend_cls` on it against float64; returns its output."""
+    seed = random.randrange(1 << 30) if seed is None else seed
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
+    scale = rng.uniform(0.5, 1.5) / (rank + rope) ** 0.5
+    pool = LatentKVPool(1, pages, page_size, MLAConfig(rank, None, 16, rope, 16, scale), dtype, device)
+    pool.kv[0].normal_()  # noise in every slot, so a slot the mask let through would show
+    fb, q, latent, _, dense = random_paged_batch(LatentAsKV(pool), PageAllocator(pages, shuffle_seed=seed), specs,
+                                                 hq, device, dtype, rng)
+    backend = backend_cls(pool, num_heads=hq, compiled=compiled)
+    backend.prepare(fb)
+    pool.store(0, latent[:, 0].to(device, dtype), fb.out_slots)
+    out = (forward or type(backend).forward)(backend, q.to(device, dtype), 0, fb)
+    # dense_attention scales by 1/sqrt(D); the query carries the rest of the model's scale.
+    ref = dense_attention(q * scale * (rank + rope) ** 0.5, [(k, k[..., :rank]) for k, _ in dense], specs)
+    assert out.shape == (q.shape[0], hq, rank)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol, msg=lambda m: f"seed={seed}: {m}")
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flex_mla_matches_float64(case, page_size):
+    run_mla_case(CASES[case], page_size, "cpu", torch.float32, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_flex_mla_on_cpu_matches_float64():
+    run_mla_case(CASES["prefix-extend"], 16, "cpu", torch.float32, rtol=1e-4, atol=1e-5, compiled=True,
+                 forward=torch.compile(FlexMLABackend.forward, dynamic=False))
+
+
+# ---- GPU: DeepSeek-V2's latent sizes (512 + 64), 16 heads, bf16
+
+def skip_unless_runs(name: str) -> None:
+    reason = why_not(SPECS[name], torch.device("cuda"), "mla", 576, "bfloat16")
+    if reason:
+        pytest.skip(f"{name}: {reason}")
+
+
+@gpu
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("page_size", [64])
+def test_fi_mla_and_flex_match_float64_on_gpu(case, page_size):
+    shape = dict(hq=16, rank=512, rope=64, seed=random.randrange(1 << 30))
+    flex = run_mla_case(CASES[case], page_size, "cuda", torch.bfloat16, 1e-2, 1e-2, compiled=True,
+                        forward=torch.compile(FlexMLABackend.forward, dynamic=False), **shape)
+    skip_unless_runs("fi-mla")
+    ours = run_mla_case(CASES[case], page_size, "cuda", torch.bfloat16, 1e-2, 1e-2,
+                        backend_cls=backend_class(SPECS["fi-mla"], "mla"), **shape)
+    torch.testing.assert_close(ours.float(), flex.float(), rtol=2e-2, atol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("override", ["flex", "fi-mla"])
+def test_bf16_mla_engine_tracks_hf(tmp_path, monkeypatch, override):
+    """The compiled bf16 engine with decode from CUDA graphs, on a tiny DeepSeek-V2 with the real
+    latent sizes, against transformers in float32 and bf16 (tests/test_gpu.py's bounds)."""
+    from tests.test_gpu import check_tracks_hf
+
+    if override != "flex":
+        skip_unless_runs(override)
+    seed = random.randrange(1 << 30)
+    make_deepseek_checkpoint(tmp_path, seed, q_lora_rank=48, kv_lora_rank=512, qk_rope_head_dim=64,
+                             qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.05)
+    check_tracks_hf(str(tmp_path), monkeypatch, seed, 64, override=override, max_total_tokens=32768,
+                    cuda_graph_bs=[1, 2, 8])
