@@ -61,9 +61,11 @@ class FlexAttentionBackend:
         self.compiled = compiled
         self.decode_op = compiled and pool.device.type == "cuda"  # flex_ops.py
         self.page_pos = torch.zeros(pool.num_pages, dtype=torch.int32, device=pool.device)
-        self.kernel_options = None  # eager flex and the CPU take none
-        if pool.device.type == "cuda":
-            self.kernel_options = prefill_options(pool.k[0].shape[-1], pool.page_size)
+        self.kernel_options = self.cuda_kernel_options() if pool.device.type == "cuda" else None
+
+    def cuda_kernel_options(self) -> dict:
+        """Options of flex's main kernel on CUDA (prefill; eager flex and the CPU take none)."""
+        return prefill_options(self.pool.k[0].shape[-1], self.pool.page_size)
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:
@@ -191,18 +193,24 @@ class FlexAttentionBackend:
             return flex_decode(q, self.pool.k[layer], self.pool.v[layer], bm.kv_num_blocks, bm.kv_indices,
                                bm.full_kv_num_blocks, bm.full_kv_indices, fb.page_table, *meta.mask_state,
                                self.page_pos, self.pool.page_size)
+        n = fb.num_kv_pages * self.pool.page_size
+        kb = self.pool.k[layer][None, :n].transpose(1, 2)
+        vb = self.pool.v[layer][None, :n].transpose(1, 2)
+        return self.attend(q, kb, vb, meta)
+
+    def attend(self, q, k, v, meta: FlexMeta, scale: float | None = None) -> torch.Tensor:
+        """flex_attention of q `[T, Hq, D]`, laid out as the step's metadata says, over the pool read
+        as one KV sequence, k `[1, Hkv, N, D]` and v `[1, Hkv, N, Dv]`; returns `[T, Hq, Dv]`."""
+        t, hq, d = q.shape
         nb, nq = meta.query_shape
         if meta.rows is None:
             qb = q.view(nb, nq, hq, d)
         else:
             qb = q.new_zeros(nb, nq, hq, d).index_put_(meta.rows, q)
-        n = fb.num_kv_pages * self.pool.page_size
-        kb = self.pool.k[layer][None, :n].transpose(1, 2)
-        vb = self.pool.v[layer][None, :n].transpose(1, 2)
-        out = flex_attention(qb.transpose(1, 2), kb, vb, block_mask=meta.block_mask,
-                             enable_gqa=hq != kb.shape[1], kernel_options=self.kernel_options)
-        out = out.transpose(1, 2)  # [nb, nq, Hq, D]
-        return out.reshape(t, hq, d) if meta.rows is None else out[meta.rows]
+        out = flex_attention(qb.transpose(1, 2), k, v, block_mask=meta.block_mask, scale=scale,
+                             enable_gqa=hq != k.shape[1], kernel_options=self.kernel_options)
+        out = out.transpose(1, 2)  # [nb, nq, Hq, Dv]
+        return out.reshape(t, hq, v.shape[-1]) if meta.rows is None else out[meta.rows]
 
 
 def _query_index(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
