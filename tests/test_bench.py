@@ -259,3 +259,15 @@ def test_cpu_warns_before_a_long_default_run_and_names_a_quick_one(caplog):
             assert p.args.workload == workload and caplog.records == [], caplog.records
     finally:
         logger.removeHandler(caplog.handler)
+
+
+def test_plan_checks_overrides_against_the_models_attention(monkeypatch):
+    """bench checks each override for the model's attention kind (an MLA model's, here), before loading."""
+    from flexsgl import EngineConfig, bench
+    from flexsgl.attention import registry
+
+    seen = []
+    real = registry.resolve_override
+    monkeypatch.setattr(registry, "resolve_override", lambda o, dev, kind, *a: seen.append(kind) or real(o, dev, kind, *a))
+    p = bench.plan(bench.BenchArgs(workload="latency", overrides=["flex"], engine=EngineConfig(device="cpu", model="tiny-mla")))
+    assert p.backends == ["flex"] and seen == ["mla"]

@@ -104,8 +104,10 @@ def plan(args: BenchArgs) -> Plan:
     load_format = "dummy" if model in PRESETS and e.load_format == "auto" else e.load_format
     engine = e.replace(model=model, load_format=load_format, device=str(e.torch_device), random_seed=args.seed)
     overrides = args.overrides or ["auto"]
-    # Every override, with this page size, before anything runs: a later one cannot fail after an earlier ran.
-    backends = [resolve_override(o, engine.torch_device, "gqa", engine.page_size).label for o in overrides]
+    mcfg = resolve(model, load_format).config  # reads a config; loads no weights
+    # Every override, for this model's attention and page size, before anything runs: a later one
+    # cannot fail after an earlier ran.
+    backends = [resolve_override(o, engine.torch_device, mcfg.attention, engine.page_size).label for o in overrides]
     p = Plan(args, engine, overrides, backends)
     if w == "throughput":
         p.num_prompts = d["num_prompts"]
@@ -131,7 +133,6 @@ def plan(args: BenchArgs) -> Plan:
         p.repeats = d["repeats"]
         p.prefill_lens = parse_lengths(d["input_len"], "--input-len")
         longest = max(p.prefill_lens) + 1
-    mcfg = resolve(model, load_format).config  # reads a config; loads no weights
     ctx = mcfg.max_position
     if longest > ctx and args.input_len is None and args.output_len is None:
         longest = _fit_defaults(p, ctx)
