@@ -19,7 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 @app.callback()
 def main() -> None:
-    """Keeps `generate` a subcommand while it is the only one."""
+    """flexsgl's commands: generate, serve, bench, backends."""
 
 
 class TokenPrinter:
@@ -148,6 +148,35 @@ def bench(
         except OSError as e:
             fail(f"Could not write {json_path!r}: {e.strerror or e}.")
         typer.echo(f"[flexsgl bench] wrote {json_path}", err=True)
+
+
+@app.command()
+@engine_options(exclude=("model",))
+def serve(
+    model: str = typer.Argument(None, help="Preset, local HF model directory or hub id (default: the embedded model)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    served_model_name: str = typer.Option(None, help="The model name clients pass (default: MODEL as given)."),
+    *, engine: EngineConfig,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics), streaming with stream: true."""
+    try:
+        from flexsgl.serve import serve as run_server
+        import fastapi, uvicorn  # noqa: F401  (the serve extra)
+    except ImportError as e:
+        fail(f"flexsgl serve needs FastAPI and uvicorn ({e.name} is missing): pip install 'flexsgl[serve]'.")
+    if not 0 < port < 65536:
+        fail(f"--port must be from 1 to 65535, got {port}.")
+    try:
+        config = engine.replace(model=model)
+        from flexsgl.model.loader import resolve
+        from flexsgl.model.presets import DEFAULT_MODEL
+
+        resolve(config.model or DEFAULT_MODEL, config.load_format)  # a model that cannot be found: say so now
+    except ValueError as e:
+        fail(str(e))
+    run_server(config, host=host, port=port, served_model_name=served_model_name)
 
 
 @app.command()
