@@ -269,14 +269,13 @@ class LLM:
 
     def _notify(self, req: Request) -> str | None:
         """Detokenize req's new token (ending it at a stop string) and run its on_token callback;
-        returns why req must end with an error, if either raised."""
+        returns why req must end with an error, if the callback raised. A request whose text cannot
+        be decoded runs on without text (and stop strings), and reports the error at its end."""
         if req.detokenizer is not None:
             try:
                 advance(req)
             except Exception as e:
-                logger.debug("detokenizing request %d failed", req.request_id, exc_info=True)
-                req.detokenizer = None
-                return f"Detokenizing the output failed: {describe(e)}."
+                self._text_failed(req, e)
         if req.on_token is None:
             return None
         try:
@@ -344,19 +343,21 @@ class LLM:
             if req is not None and req in self._done:
                 self._done.remove(req)
 
+    def _text_failed(self, req: Request, e: Exception) -> None:
+        logger.debug("detokenizing request %d failed", req.request_id, exc_info=True)
+        req.detokenizer, req.text_error = None, f"Detokenizing the output failed: {describe(e)}."
+
     def _output(self, req: Request) -> RequestOutput:
-        failed = None
-        if self.tokenizer is not None:
+        if req.detokenizer is not None:
             try:
                 finish_text(req)  # what the detokenizer held back, for a request that ended otherwise
             except Exception as e:
-                logger.debug("detokenizing request %d failed", req.request_id, exc_info=True)
-                failed = f"Detokenizing the output failed: {describe(e)}."
+                self._text_failed(req, e)
         out = req.output()
         if self.tokenizer is not None:
             out.text = req.text
-        if failed is not None or (out.error or "").startswith("Detokenizing"):
-            out.finish_reason, out.error = FinishReason.ERROR.value, out.error or failed
+        if req.text_error is not None:
+            out.text, out.finish_reason, out.error = None, FinishReason.ERROR.value, out.error or req.text_error
         return out
 
     def decode_text(self, ids: list[int]) -> str | None:

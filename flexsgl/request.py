@@ -311,6 +311,7 @@ class Request:
     text: str = ""  # the output's text so far (cut at a stop string)
     new_text: str = ""  # text released with the latest token (held back while it may start a stop string)
     released: int = 0  # characters of `text` released so far
+    text_error: str | None = None  # why the output could not be detokenized
 
     def __post_init__(self):
         if self.sampling.seed is not None:

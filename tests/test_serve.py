@@ -266,3 +266,14 @@ def test_bad_requests_through_the_client_and_by_hand(server, client):
     assert post(server + "/v1/chat/completions", json.dumps({"messages": []}).encode())[0] == 400
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny-docs"]
+
+
+@pytest.mark.parametrize("args", [["no/such-model-dir"], ["--port", "0"], ["--max-total-tokens", "-5"],
+                                  ["--override", "nope"]])
+def test_serve_refuses_bad_arguments_with_one_line(args):
+    from typer.testing import CliRunner
+
+    from flexsgl.cli import app
+
+    r = CliRunner().invoke(app, ["serve", *args])
+    assert r.exit_code == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.output, r.output

@@ -10,7 +10,9 @@ for a handler. When nothing runs it sleeps on its queue.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -85,8 +87,11 @@ class EngineThread:
         try:
             self.llm = self.make_llm()
         except Exception as e:
-            logger.exception("the engine could not start")
             self.failure = f"The engine could not start: {describe(e)}."
+            logger.error(self.failure)
+            self.ready.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # the server stops (uvicorn shuts down on SIGTERM)
+            return
         self.ready.set()
         if self.failure is None:
             logger.info("engine ready")
