@@ -195,3 +195,22 @@ def test_generation_config_sets_the_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 5}))
     with pytest.raises(CheckpointError, match="top_p"):
         LLM(str(tmp_path), max_total_tokens=256)
+
+
+@pytest.mark.gpu
+def test_penalties_logprobs_and_n_on_cuda_graphs_match_the_cpu():
+    """The request features through CUDA graphs and torch.compile give the CPU's tokens and logprobs."""
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(20, 90))] for _ in range(6)]
+    sp = SamplingParams(max_tokens=12, temperature=0.7, seed=seed, n=2, presence_penalty=0.8, frequency_penalty=0.3,
+                        repetition_penalty=1.2, min_tokens=4, logprobs=3, ignore_eos=True)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM("tiny", device=device, dtype="float32", page_size=16, max_total_tokens=8192, max_running_requests=16)
+        outs[device] = llm.generate(prompts, sp)
+        del llm
+    for a, b in zip(outs["cpu"], outs["cuda"]):
+        assert a.token_ids == b.token_ids, f"seed={seed}"
+        assert [t.logprob for t in a.logprobs] == pytest.approx([t.logprob for t in b.logprobs], abs=1e-3)
+        assert [[i for i, _ in t.top] for t in a.logprobs] == [[i for i, _ in t.top] for t in b.logprobs]

@@ -214,6 +214,25 @@ def test_a_disconnect_aborts_the_request_and_frees_its_pages(server, client):
     assert metric(server, "flexsgl_num_requests_running") == 0
 
 
+def test_a_client_that_leaves_before_a_whole_response_aborts_its_request(server):
+    aborted = metric(server, 'flexsgl_requests_finished_total{reason="abort"}')
+    body = json.dumps({"model": "tiny-docs", "prompt": random_prompt(random.Random()), "max_tokens": 900,
+                       "ignore_eos": True}).encode()
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + TIMEOUT
+        while metric(server, "flexsgl_kv_pages_used") == 0:  # it is running
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    deadline = time.monotonic() + TIMEOUT
+    while metric(server, 'flexsgl_requests_finished_total{reason="abort"}') == aborted:
+        assert time.monotonic() < deadline, "the request was not aborted after its client went away"
+        time.sleep(0.1)
+    assert metric(server, "flexsgl_kv_pages_used") == 0
+
+
 def test_64_concurrent_streams_match_the_offline_api(client, offline):
     rng = random.Random()
     prompts = [random_prompt(rng, rng.randrange(3, 12)) for _ in range(64)]

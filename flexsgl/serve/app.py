@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -124,21 +125,28 @@ async def _run(engine: EngineThread, request: Request, reqs, choices: Choices, b
     if body.stream:
         return StreamingResponse(_stream(engine, events, ids, choices, want_logprobs, body.include_usage),
                                  media_type="text/event-stream")
+    getter, checked = None, time.monotonic()
     try:
         while not choices.done:
-            try:
-                ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            getter = getter or asyncio.ensure_future(events.get())
+            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:  # tokens or not: is the client still there?
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     engine.abort(ids)
                     return JSONResponse(error_body("The client disconnected.", 499), status_code=499)
+            if not done:
                 continue
+            ev, getter = getter.result(), None
             if ev.error is not None:
                 raise APIError(500, ev.error, kind="internal_error")
             choices.add(ev)
     except asyncio.CancelledError:
         engine.abort(ids)
         raise
+    finally:
+        if getter is not None:
+            getter.cancel()
     failed = [o for o in choices.outputs if o.finish_reason in ("error", "refused")]
     if failed:
         raise APIError(500 if failed[0].finish_reason == "error" else 400, failed[0].error,

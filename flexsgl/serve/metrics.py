@@ -75,7 +75,7 @@ class Metrics:
             out += [f"# HELP flexsgl_{name} {help}", f"# TYPE flexsgl_{name} counter", f"flexsgl_{name} {value}"]
         name = "flexsgl_requests_finished_total"
         out += [f"# HELP {name} Requests finished, by reason.", f"# TYPE {name} counter"]
-        out += [f'{name}{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
+        out += [f'{name}{{reason="{r}"}} {n}' for r, n in sorted(dict(self.finished).items())]
         out += self.ttft.lines("flexsgl_time_to_first_token_seconds", "Time from arrival to the first token.")
         out += self.tpot.lines("flexsgl_time_per_output_token_seconds",
                                "Mean time between a request's tokens after its first.")
