@@ -19,7 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 @app.callback()
 def main() -> None:
-    """Keeps `generate` a subcommand while it is the only one."""
+    """flexsgl's commands: generate, serve, bench, backends."""
 
 
 class TokenPrinter:
@@ -122,8 +122,9 @@ def generate(
 @engine_options(exclude=("override", "random_seed"))
 def bench(
     workload: str = typer.Option("throughput", help="throughput (offline), latency (TTFT, TPOT, % of the "
-                                 "decode floor) or prefill (TTFT of long prompts)."),
-    num_prompts: int = typer.Option(None, help="throughput: requests (default 256)."),
+                                 "decode floor), prefill (TTFT of long prompts) or serve (flexsgl serve under "
+                                 "Poisson load: throughput, TTFT, TPOT, ITL percentiles)."),
+    num_prompts: int = typer.Option(None, help="throughput, serve: requests (default 256)."),
     input_len: str = typer.Option(None, help="Prompt tokens. throughput: MIN:MAX (default 100:1024); "
                                   "latency: N (default 1024); prefill: N[,N...] (default 4096,16384); "
                                   "defaults are cut to fit a shorter context."),
@@ -135,16 +136,20 @@ def bench(
                                        "--override flex --override fa3-prefill,fi-decode (default: auto)."),
     seed: int = typer.Option(0, help="Seed of the random prompts and lengths (and of dummy weights)."),
     json_path: str = typer.Option(None, "--json", help="Also write every figure, the machine and the arguments here."),
+    request_rate: str = typer.Option(None, help="serve: requests per second, Poisson arrivals, or inf (default)."),
+    max_concurrency: int = typer.Option(None, help="serve: most requests in flight (default: no limit)."),
+    base_url: str = typer.Option(None, help="serve: measure this running server (http://HOST:PORT) instead of "
+                                 "starting one per --override."),
     *, engine: EngineConfig,
 ) -> None:
-    """Measure throughput, latency or prefill on one or more attention backends; one table, one column
+    """Measure throughput, latency, prefill or serving on one or more attention backends; one table, one column
     each. A preset runs with dummy weights unless --load-format says otherwise."""
     from flexsgl import bench as b
     from flexsgl.bench import format_table, write_json
 
     args = b.BenchArgs(workload=workload, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                        batch_size=batch_size, repeats=repeats, overrides=list(override or []), seed=seed,
-                       engine=engine)
+                       engine=engine, request_rate=request_rate, max_concurrency=max_concurrency, base_url=base_url)
     if json_path and not os.path.isdir(os.path.dirname(os.path.abspath(json_path))):
         fail(f"The folder of --json {json_path!r} does not exist.")
     try:
@@ -158,6 +163,37 @@ def bench(
         except OSError as e:
             fail(f"Could not write {json_path!r}: {e.strerror or e}.")
         typer.echo(f"[flexsgl bench] wrote {json_path}", err=True)
+
+
+@app.command()
+@engine_options(exclude=("model",))
+def serve(
+    model: str = typer.Argument(None, help="Preset, local HF model directory or hub id (default: the embedded model)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    served_model_name: str = typer.Option(None, help="The model name clients pass (default: MODEL as given)."),
+    *, engine: EngineConfig,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics), streaming with stream: true."""
+    try:
+        from flexsgl.serve import serve as run_server
+        import fastapi, uvicorn  # noqa: F401  (the serve extra)
+    except ImportError as e:
+        fail(f"flexsgl serve needs FastAPI and uvicorn ({e.name} is missing): pip install 'flexsgl[serve]'.")
+    if not 0 < port < 65536:
+        fail(f"--port must be from 1 to 65535, got {port}.")
+    try:
+        from flexsgl.attention.registry import resolve_override
+        from flexsgl.model.loader import resolve
+        from flexsgl.model.presets import DEFAULT_MODEL
+
+        config = engine.replace(model=model)
+        resolve(config.model or DEFAULT_MODEL, config.load_format)  # a model that cannot be found: say so now
+        resolve_override(config.override, config.torch_device, "gqa", config.page_size)
+    except ValueError as e:
+        fail(str(e))
+    run_server(config, host=host, port=port, served_model_name=served_model_name)
 
 
 @app.command()

@@ -41,6 +41,8 @@ from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import PageAllocator, build_kv_pool
 from flexsgl.cache.sizing import kv_cache_pages
 from flexsgl.config import EngineConfig
+from flexsgl.detokenizer import IncrementalDetokenizer, advance, finish_text
+from flexsgl.generation_config import default_sampling
 from flexsgl.log import logger, progress
 from flexsgl.model.loader import DTYPES, build_model, resolve
 from flexsgl.errors import EngineDeadError, Health, PromptError, SamplingParamsError, describe
@@ -90,6 +92,7 @@ class LLM:
         self.model = build_model(self.src, self.device, self.dtype, cfg.random_seed)
         self.tokenizer = load_tokenizer(self.src)
         self.load_s = time.perf_counter() - t0  # weights and tokenizer
+        self.default_sampling = default_sampling(self.src)
         num_pages = kv_cache_pages(cfg, mcfg, self.dtype, self.device, choice.max_pool_elements(self.device))
         self.pool = build_kv_pool(mcfg, num_pages, cfg.page_size, self.dtype, self.device)
         self.model.bind_kv_pool(self.pool)
@@ -157,17 +160,45 @@ class LLM:
             eos = (self.tokenizer.eos_token_id,)
         return Request(next(self._ids), ids, sampling, eos, ctx)
 
+    def make_requests(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> list[Request]:
+        """make_request for each of sampling.n samples: sample 0 leads (its prompt pages go to the
+        prefix cache once computed) and the others wait for it, then reuse those pages."""
+        first = self.make_request(prompt, sampling, index)
+        rest = [Request(next(self._ids), first.prompt_ids, sampling, first.eos_ids, first.max_len, index=i,
+                        leader=first) for i in range(1, sampling.n)]
+        first.shares_prompt = bool(rest)
+        return [first, *rest]
+
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                     on_token: Callable[[Request], None] | None = None) -> int:
         """Queue one request; returns its id. Malformed input raises ValueError; a request that can
         never run here (longer than the context or the whole cache) finishes at once as "refused",
-        with the reason in its output's `error`."""
+        with the reason in its output's `error`. For n > 1 samples, add_requests."""
+        sampling = self.default_sampling if sampling is None else sampling
+        if isinstance(sampling, SamplingParams) and sampling.n > 1:
+            raise SamplingParamsError(f"add_request queues one sample; for n={sampling.n} call add_requests.")
+        return self.add_requests(prompt, sampling, on_token)[0]
+
+    def add_requests(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
+                     on_token: Callable[[Request], None] | None = None) -> list[int]:
+        """Queue sampling.n samples of one prompt, sharing its KV pages; returns their ids in
+        sample order (RequestOutput.index). Errors as add_request."""
         self.health.check()
         check_callback(on_token)
-        return self._add(self.make_request(prompt, SamplingParams() if sampling is None else sampling), on_token)
+        reqs = self.make_requests(prompt, self.default_sampling if sampling is None else sampling)
+        return [self._add(r, on_token) for r in reqs]
+
+    def submit(self, reqs: list[Request], on_token: Callable[[Request], None] | None = None) -> list[int]:
+        """Queue requests made by make_requests (a server makes them on its own threads, so that bad
+        input is answered there, and hands them to the thread that steps); returns their ids."""
+        self.health.check()
+        check_callback(on_token)
+        return [self._add(r, on_token) for r in reqs]
 
     def _add(self, req: Request, on_token) -> int:
         req.on_token = on_token
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
         self._live[req.request_id] = req
         reason = self.scheduler.refusal(req)
         if reason is None:
@@ -242,10 +273,17 @@ class LLM:
             self._finish_all(pending.batch.requests, f"Reading back the step that ran this request failed: "
                                                      f"{describe(e)}.")
             return
-        self._done += self.scheduler.process(pending.batch, tokens, self._notify)
+        self._done += self.scheduler.process(pending.batch, tokens, self._notify, pending.logprobs)
 
     def _notify(self, req: Request) -> str | None:
-        """Run req's on_token callback; returns why req must end with an error, if it raised."""
+        """Detokenize req's new token (ending it at a stop string) and run its on_token callback;
+        returns why req must end with an error, if the callback raised. A request whose text cannot
+        be decoded runs on without text (and stop strings), and reports the error at its end."""
+        if req.detokenizer is not None:
+            try:
+                advance(req)
+            except Exception as e:
+                self._text_failed(req, e)
         if req.on_token is None:
             return None
         try:
@@ -274,19 +312,21 @@ class LLM:
 
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_token: Callable[[Request], None] | None = None) -> list[RequestOutput]:
-        """Run `prompts` (strings or token-id lists) to completion; outputs come back in prompt order.
+        """Run `prompts` (strings or token-id lists) to completion; outputs come back in prompt order,
+        a prompt sampled n times giving n outputs in a row (RequestOutput.index 0..n-1). Without
+        `sampling`, default_sampling (the model's generation_config.json) applies.
 
         Bad input raises a ValueError before any request starts. On KeyboardInterrupt (Ctrl-C, or
         from on_token) this call's requests are aborted, and it is raised with the engine ready for
         the next call."""
         self.health.check()
         prompts = prompt_list(prompts)
-        sampling = sampling_list(sampling, len(prompts))
+        sampling = sampling_list(self.default_sampling if sampling is None else sampling, len(prompts))
         check_callback(on_token)
-        reqs = [self.make_request(p, s, i) for i, (p, s) in enumerate(zip(prompts, sampling))]
+        reqs = [r for i, (p, s) in enumerate(zip(prompts, sampling)) for r in self.make_requests(p, s, i)]
         ids = [self._add(r, on_token) for r in reqs]
         outs = {}
-        long_call = len(ids) >= PROGRESS_PROMPTS or sum(s.max_new_tokens for s in sampling) >= PROGRESS_TOKENS
+        long_call = len(ids) >= PROGRESS_PROMPTS or sum(r.sampling.max_new_tokens for r in reqs) >= PROGRESS_TOKENS
         bar = progress(total=len(ids), desc="generate", unit="req", disable=not long_call)
         try:
             with deferred_interrupts() as deferred:
@@ -311,14 +351,21 @@ class LLM:
             if req is not None and req in self._done:
                 self._done.remove(req)
 
+    def _text_failed(self, req: Request, e: Exception) -> None:
+        logger.debug("detokenizing request %d failed", req.request_id, exc_info=True)
+        req.detokenizer, req.text_error = None, f"Detokenizing the output failed: {describe(e)}."
+
     def _output(self, req: Request) -> RequestOutput:
+        if req.detokenizer is not None:
+            try:
+                finish_text(req)  # what the detokenizer held back, for a request that ended otherwise
+            except Exception as e:
+                self._text_failed(req, e)
         out = req.output()
         if self.tokenizer is not None:
-            try:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            except Exception as e:
-                logger.debug("detokenizing request %d failed", req.request_id, exc_info=True)
-                out.finish_reason, out.error = FinishReason.ERROR.value, f"Detokenizing the output failed: {describe(e)}."
+            out.text = req.text
+        if req.text_error is not None:
+            out.text, out.finish_reason, out.error = None, FinishReason.ERROR.value, out.error or req.text_error
         return out
 
     def decode_text(self, ids: list[int]) -> str | None:

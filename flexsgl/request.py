@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import numbers
@@ -19,15 +20,33 @@ from flexsgl.errors import InputError, PromptError, SamplingParamsError, short_r
 GREEDY_TEMPERATURE = 1e-5
 FLOAT32_MAX = 3.4028234663852886e38
 INT64_MAX = 2**63 - 1
+DEFAULT_MAX_NEW_TOKENS = 16
+MAX_N = 128  # samples of one prompt
+MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI's chat API allows
+MAX_STOP_STRINGS = 16
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. temperature 0 (or below 1e-5) means greedy; top_k 0 means no
-    top-k limit. Every field is checked for type and range here; a bad one raises
-    SamplingParamsError (a ValueError) that names it."""
+    """How to pick each next token and when to stop. temperature 0 (or below 1e-5) means greedy;
+    top_k 0 means no top-k limit. Every field is checked for type and range here; a bad one raises
+    SamplingParamsError (a ValueError) that names it.
 
-    max_new_tokens: int = 16
+    - max_tokens: OpenAI's name for max_new_tokens (give either; given both, they must agree).
+    - n: samples of the prompt; they share its KV pages (add_requests, generate). Sample i with a
+      seed draws with seed + i.
+    - stop: strings that end the output once its text holds one (checked on the detokenized text,
+      not before min_tokens); the stop string is cut from the text unless include_stop_str_in_output.
+    - logprobs: None, or how many of the most likely tokens to report with each output token's own
+      log-probability (0: only its own), up to MAX_LOGPROBS; of the model's distribution before
+      penalties, temperature and filters.
+    - presence_penalty, frequency_penalty (OpenAI, [-2, 2]) lower the logits of tokens the output
+      holds, by a constant and per occurrence; repetition_penalty (> 0; 1 is off) divides positive
+      and multiplies negative logits of tokens in the prompt or output.
+    - min_tokens: EOS and stop_token_ids cannot be sampled before this many output tokens.
+    """
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -35,11 +54,26 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    max_tokens: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self):
         put = partial(object.__setattr__, self)
         put("max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, 1, INT64_MAX,
                                        "an integer of at least 1"))
+        if self.max_tokens is not None:
+            put("max_tokens", _integer("max_tokens", self.max_tokens, 1, INT64_MAX, "None or an integer of at least 1"))
+            if self.max_new_tokens not in (self.max_tokens, DEFAULT_MAX_NEW_TOKENS):
+                raise SamplingParamsError(f"max_tokens ({self.max_tokens}) and max_new_tokens ({self.max_new_tokens}) "
+                                          "name the same limit; give one of them.")
+            put("max_new_tokens", self.max_tokens)
         temperature = _real("temperature", self.temperature, "a finite number >= 0")
         if not 0.0 <= temperature <= FLOAT32_MAX:
             raise SamplingParamsError(f"temperature must be a finite number >= 0, got {short_repr(self.temperature)}.")
@@ -56,18 +90,57 @@ class SamplingParams:
         if self.seed is not None:
             put("seed", _integer("seed", self.seed, 0, INT64_MAX, "None or a non-negative integer below 2**63"))
         put("stop_token_ids", _token_ids(self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError(f"ignore_eos must be True or False, got {short_repr(self.ignore_eos)}.")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name} must be True or False, got {short_repr(getattr(self, name))}.")
+        put("n", _integer("n", self.n, 1, MAX_N, f"an integer from 1 to {MAX_N}"))
+        put("stop", _stop_strings(self.stop))
+        if self.logprobs is not None:
+            put("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS,
+                                     f"None or an integer from 0 to {MAX_LOGPROBS}"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name), "a number in [-2, 2]")
+            if not -2.0 <= value <= 2.0:
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {short_repr(getattr(self, name))}.")
+            put(name, value)
+        repetition = _real("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 is off)")
+        if not 0.0 < repetition <= FLOAT32_MAX:
+            raise SamplingParamsError(f"repetition_penalty must be a finite number > 0 (1 is off), "
+                                      f"got {short_repr(self.repetition_penalty)}.")
+        put("repetition_penalty", repetition)
+        put("min_tokens", _integer("min_tokens", self.min_tokens, 0, self.max_new_tokens,
+                                   f"an integer from 0 to max_new_tokens ({self.max_new_tokens})"))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def replace(self, **changes) -> "SamplingParams":
+        """A copy with `changes`, checked again (max_tokens is folded into max_new_tokens)."""
+        return dataclasses.replace(self, **{"max_tokens": None, **changes})
 
 
 def _integer(name: str, value, low: int, high: int, what: str) -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
         raise SamplingParamsError(f"{name} must be {what}, got {short_repr(value)}.")
     return int(value)
+
+
+def _stop_strings(value) -> tuple[str, ...]:
+    stops = (value,) if isinstance(value, str) else value
+    if isinstance(stops, (bytes, bytearray, Mapping)) or not isinstance(stops, Iterable):
+        raise SamplingParamsError(f"stop must be a string or a list of strings, got {short_repr(value)}.")
+    stops = tuple(stops)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise SamplingParamsError(f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed.")
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise SamplingParamsError(f"stop must hold non-empty strings, got {short_repr(s)}.")
+    return stops
 
 
 def _real(name: str, value, what: str) -> float:
@@ -175,6 +248,15 @@ class State(enum.Enum):
 
 
 @dataclass
+class TokenLogprobs:
+    """One output token's log-probability and the most likely tokens at its position, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability)
+
+
+@dataclass
 class RequestOutput:
     request_id: int
     prompt_token_ids: list[int]
@@ -183,6 +265,9 @@ class RequestOutput:
     cached_tokens: int = 0
     text: str | None = None
     error: str | None = None  # why a request was refused or failed, in one sentence
+    index: int = 0  # which of its prompt's n samples
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
 
     @property
     def prompt_tokens(self) -> int:
@@ -217,11 +302,23 @@ class Request:
     prefix_node: object = None  # the radix-cache node this request holds locked
     fill_ids: list[int] = field(default_factory=list)
     on_token: object = None  # optional callback(request) after each new token (the engine calls it)
+    index: int = 0  # which of its prompt's n samples
+    leader: "Request | None" = None  # sample 0 of its group, whose cached prompt pages it waits for
+    shares_prompt: bool = False  # a leader: its prompt pages go to the prefix cache once prefilled
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None
+    detokenizer: object = None  # IncrementalDetokenizer, when the engine has a tokenizer
+    text: str = ""  # the output's text so far (cut at a stop string)
+    new_text: str = ""  # text released with the latest token (held back while it may start a stop string)
+    released: int = 0  # characters of `text` released so far
+    text_error: str | None = None  # why the output could not be detokenized
 
     def __post_init__(self):
         if self.sampling.seed is not None:
-            self.rng_seed = self.sampling.seed
+            self.rng_seed = self.sampling.seed + self.index
         self.fill_ids = self.prompt_ids
+        if self.sampling.logprobs is not None:
+            self.logprobs = []
 
     @property
     def all_ids(self) -> list[int]:
@@ -244,12 +341,19 @@ class Request:
     def finished(self) -> bool:
         return self.state is State.FINISHED
 
-    def append(self, token: int) -> None:
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Token ids that end the output: stop_token_ids, and EOS unless ignored."""
+        return self.sampling.stop_token_ids + (() if self.sampling.ignore_eos else self.eos_ids)
+
+    def append(self, token: int, logprobs: TokenLogprobs | None = None) -> None:
         """Record a token read back from the device, and finish on a stop condition."""
         self.output_ids.append(token)
-        stops = self.sampling.stop_token_ids + (() if self.sampling.ignore_eos else self.eos_ids)
-        if token in stops:
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+        if token in self.stop_ids:
             self.finish_reason = FinishReason.STOP
+            self.stop_reason = token if token in self.sampling.stop_token_ids else None
         elif len(self.output_ids) >= self.sampling.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
 
@@ -261,4 +365,7 @@ class Request:
             finish_reason=self.finish_reason.value if self.finish_reason else None,
             cached_tokens=self.cached_tokens,
             error=self.error,
+            index=self.index,
+            stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )

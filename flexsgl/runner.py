@@ -20,22 +20,39 @@ from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 from flexsgl.compile import MIN_COMPILED_SIZE, compile_steps, decode_buckets
 from flexsgl.graphs import GraphManager
 from flexsgl.log import logger
-from flexsgl.sampling import SamplingTensors, sample
+from flexsgl import sampling_batch
+from flexsgl.request import TokenLogprobs
+from flexsgl.sampling import sample, token_logprobs
 from flexsgl.scheduler import ScheduledBatch
+from flexsgl.token_counts import TokenCounts
 
 NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}  # _upload's host dtypes
 
 
 @dataclass
 class StepOutput:
+    """A launched step's sampled tokens on their way to the host: token ids [S] int64, or, when a
+    request asked for log-probabilities, token_logprobs' packed rows [S, 2 + 2k] float32."""
+
     batch: ScheduledBatch
     host_tokens: torch.Tensor
     ready: torch.cuda.Event | None
+    logprobs: list[TokenLogprobs | None] | None = None  # per sampled row, set by tokens()
 
     def tokens(self) -> list[int]:
+        """Wait for the step (the one read-back per step) and return its tokens."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host_tokens.tolist()
+        if self.host_tokens.dim() == 1:
+            return self.host_tokens.tolist()
+        rows = self.host_tokens.tolist()
+        k = (len(rows[0]) - 2) // 2
+        sampled = [r for r, s in zip(self.batch.requests, self.batch.samples) if s]
+        self.logprobs = [None if r.sampling.logprobs is None else
+                         TokenLogprobs(int(row[0]), row[1], [(int(i), v) for i, v in
+                                                             zip(row[2 + k:2 + k + r.sampling.logprobs], row[2:])])
+                         for r, row in zip(sampled, rows)]
+        return [int(row[0]) for row in rows]
 
 
 class ModelRunner:
@@ -45,6 +62,7 @@ class ModelRunner:
         self.compiled = compile
         self.max_len = max_len
         self.token_buf = torch.zeros(max_running, dtype=torch.long, device=device)  # last token per slot
+        self.token_counts = TokenCounts(max_running, model.cfg.vocab_size, device)  # for penalties
         # Compiled steps keep shapes few: decode batches padded to buckets, page tables full width.
         self.table_width = KVPool.num_pages_for(max_len, pool.page_size) if compile else None
         self.buckets = decode_buckets(backends.decode.compiles_per_shape, max_running)
@@ -101,6 +119,9 @@ class ModelRunner:
             logits = (self._decode if fb.mode == "decode" else self._prefill)(fb)
         tokens = sample(logits[:n_sampled], st)
         self.token_buf.index_copy_(0, write_slots, tokens)
+        self.token_counts.record(write_slots, tokens)
+        if st.logprobs >= 0:
+            tokens = token_logprobs(logits[:n_sampled], tokens, st.logprobs)
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -143,16 +164,13 @@ class ModelRunner:
             logits_index = list(range(n_real + pad))  # pad rows too: static shapes; sampled rows come first
         elif self.compiled:  # rows past the sampled ones are computed and dropped: see MIN_COMPILED_SIZE
             logits_index += [offsets[-1]] * (MIN_COMPILED_SIZE - len(logits_index))
-        sp = [r.sampling for r in sampled]
+        sampling_i64, sampling_f32 = sampling_batch.host_parts(sampled, not decode)
 
         i32 = self._upload(torch.int32, page_table=table, seq_lens=seq_lens, q_lens=q_lens, q_offsets=offsets)
         i64 = self._upload(
             torch.int64, input_ids=ids, positions=positions, out_slots=slots, logits_index=logits_index,
-            decode_slots=[r.slot for r in reqs] + [0] * pad, write_slots=[r.slot for r in sampled],
-            top_k=[p.top_k for p in sp], seed=[r.rng_seed for r in sampled],
-            step=[r.num_scheduled_outputs - 1 for r in sampled])
-        f32 = self._upload(torch.float32, temperature=[p.temperature for p in sp],
-                           top_p=[p.top_p for p in sp], min_p=[p.min_p for p in sp])
+            decode_slots=[r.slot for r in reqs] + [0] * pad, write_slots=[r.slot for r in sampled], **sampling_i64)
+        f32 = self._upload(torch.float32, **sampling_f32)
         input_ids = self.token_buf[i64["decode_slots"]] if decode else i64["input_ids"]
         fb = ForwardBatch(
             mode=batch.mode, input_ids=input_ids, positions=i64["positions"], out_slots=i64["out_slots"],
@@ -162,12 +180,7 @@ class ModelRunner:
             num_kv_pages=self.pool.num_pages if self.table_width else max(chain.from_iterable(tables)) + 1,
             host_seq_lens=seq_lens, host_q_lens=q_lens, host_pages=tables,
         )
-        st = SamplingTensors(
-            temperature=f32["temperature"], top_k=i64["top_k"], top_p=f32["top_p"], min_p=f32["min_p"],
-            seed=i64["seed"], step=i64["step"],
-            all_greedy=all(p.greedy for p in sp),
-            any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sp if not p.greedy),
-        )
+        st = sampling_batch.make_tensors(sampled, i64, f32, self.token_counts, i64["write_slots"])
         return fb, st, i64["write_slots"], len(sampled)
 
     def _narrow_table_ok(self, decode: bool, bs: int) -> bool:

@@ -1,4 +1,5 @@
-"""Token sampling on the device, with no host sync: greedy, temperature, top-k, top-p, min-p.
+"""Token sampling on the device, with no host sync: penalties, min_tokens, greedy, temperature,
+top-k, top-p, min-p; and the log-probabilities that requests ask for, read back with the tokens.
 
 Randomness is counter-based: the noise for (request seed, output index, vocab id) comes from an
 integer hash, so a request samples the same tokens whatever batch it shares and whichever device
@@ -16,6 +17,26 @@ _MASK32 = 0xFFFFFFFF
 
 
 @dataclass
+class Penalties:
+    """Per-row penalties and what they look at: counts of each row's output tokens, and its prompt's tokens."""
+
+    presence: torch.Tensor  # [S] float32, 0 = off
+    frequency: torch.Tensor  # [S] float32, 0 = off
+    repetition: torch.Tensor  # [S] float32, 1 = off
+    counts: torch.Tensor  # [S, V] int32: times each token occurs in the row's output so far
+    in_prompt: torch.Tensor  # [S, V] bool: whether each token occurs in the row's prompt
+
+
+@dataclass
+class MinTokens:
+    """Rows whose stop tokens are blocked until their output holds min_tokens tokens."""
+
+    min_tokens: torch.Tensor  # [S] int64
+    stop_ids: torch.Tensor  # [S, M] int64: EOS and stop_token_ids, each row padded with its first one (or 0)
+    has_stops: torch.Tensor  # [S] bool
+
+
+@dataclass
 class SamplingTensors:
     """Per-row sampling parameters on the device, plus host flags that pick the cheapest path."""
 
@@ -27,6 +48,9 @@ class SamplingTensors:
     step: torch.Tensor  # [S] int64, index of the output token being sampled
     all_greedy: bool
     any_filter: bool  # some row uses top-k, top-p or min-p
+    penalties: Penalties | None = None  # some row is penalized
+    min_tokens: MinTokens | None = None  # some row has min_tokens
+    logprobs: int = -1  # the most top log-probabilities a row asked for; -1: no row asked
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +78,29 @@ def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return (bits.float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """float32 logits [S, V] with repetition, then frequency and presence penalties applied (as vLLM)."""
+    seen = p.counts > 0
+    rep = p.repetition[:, None]
+    logits = torch.where(seen | p.in_prompt, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - p.frequency[:, None] * p.counts - p.presence[:, None] * seen
+
+
+def block_stop_tokens(logits: torch.Tensor, m: MinTokens, step: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] with each row's stop tokens at -inf while its output is shorter than min_tokens."""
+    block = ((step < m.min_tokens) & m.has_stops)[:, None].expand_as(m.stop_ids)
+    kept = logits.gather(1, m.stop_ids)
+    return logits.scatter(1, m.stop_ids, torch.where(block, float("-inf"), kept))
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits [S, V] (any float dtype; sampled in float32) -> token ids [S] int64."""
+    if st.penalties is not None or st.min_tokens is not None:
+        logits = logits.float()
+        if st.penalties is not None:
+            logits = apply_penalties(logits, st.penalties)
+        if st.min_tokens is not None:
+            logits = block_stop_tokens(logits, st.min_tokens, st.step)
     greedy = logits.argmax(dim=-1)  # upcasting first would change no value, so no argmax either
     if st.all_greedy:
         return greedy
@@ -77,3 +122,14 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         ids = torch.arange(vocab, device=logits.device)
         token = (probs / exponential_noise(st.seed, st.step, ids)).argmax(dim=-1)
     return torch.where(st.temperature > 0, token, greedy)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """The sampled tokens with their log-probabilities under the model's distribution (logits [S, V]
+    before penalties and temperature) and the k most likely, packed for one read-back: float32
+    [S, 2 + 2k] = token id, its log-probability, k log-probabilities, their k token ids (ids below
+    2**24 are exact in float32)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    own = logp.gather(1, tokens[:, None])
+    top, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], tokens[:, None][:, :0])
+    return torch.cat([tokens[:, None].float(), own, top, ids.float()], dim=1)

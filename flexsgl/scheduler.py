@@ -154,6 +154,8 @@ class Scheduler:
             r = self.waiting[0]
             if r.num_scheduled_outputs > len(r.output_ids):
                 break  # preempted with a token still in flight: readmit once it is read back
+            if r.leader is not None and not (r.leader.output_ids or r.leader.finished):
+                break  # a sample of n waits for its leader's prompt pages to reach the prefix cache
             r.fill_ids = r.all_ids
             pages, node = self.cache.match(r.fill_ids[: len(r.fill_ids) - 1])  # compute at least one token
             first_chunk = min(len(r.fill_ids) - len(pages) * self.ps, budget)
@@ -208,16 +210,18 @@ class Scheduler:
 
     # ---- results and endings
 
-    def process(self, batch: ScheduledBatch, tokens: list[int], notify=None) -> list[Request]:
-        """Hand a step's sampled tokens to their requests; returns the requests that finished.
-        notify(request), called after each token, returns None, or why the request must end with
-        an error (a callback that raised)."""
+    def process(self, batch: ScheduledBatch, tokens: list[int], notify=None, logprobs=None) -> list[Request]:
+        """Hand a step's sampled tokens (and log-probabilities, if asked for) to their requests;
+        returns the requests that finished. notify(request), called after each token, returns None,
+        or why the request must end with an error (a callback that raised)."""
         done = []
         sampled = (r for r, s in zip(batch.requests, batch.samples) if s)
-        for r, tok in zip(sampled, tokens):
+        for i, (r, tok) in enumerate(zip(sampled, tokens)):
             if r.finished:
                 continue  # it finished in an earlier step; this token was computed one step ahead
-            r.append(tok)
+            r.append(tok, None if logprobs is None else logprobs[i])
+            if r.shares_prompt:
+                self._share_prompt(r)
             if len(r.output_ids) == 1:
                 self.counters["prompt_tokens"] += r.prompt_len
                 self.counters["prefix_hit_tokens"] += r.cached_tokens
@@ -229,6 +233,21 @@ class Scheduler:
                 self.finish(r, r.finish_reason)
                 done.append(r)
         return done
+
+    def _share_prompt(self, r: Request) -> None:
+        """Put a leader's computed prompt pages in the prefix cache (its first token is back, so they
+        are computed), and hold them through the cache, so that its n - 1 samples reuse them."""
+        r.shares_prompt = False
+        n_full = min(r.prompt_len // self.ps, len(r.pages))
+        if r.state is not State.RUNNING or n_full == 0:
+            return  # preempted with this token in flight: its release cached what it computed
+        tokens = r.prompt_ids[: n_full * self.ps]
+        self.cache.insert(tokens, r.pages[:n_full])  # a page the tree already holds in another stays r's own
+        _, node = self.cache.match(tokens)
+        self.cache.lock(node)
+        if r.prefix_node is not None:
+            self.cache.unlock(r.prefix_node)
+        r.prefix_node = node
 
     def unschedule(self, batch: ScheduledBatch) -> None:
         """Take back a batch that failed before its tokens were computed and sampled, so that its

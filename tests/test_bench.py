@@ -39,7 +39,12 @@ FIELDS = {
                 "tied_embeddings", "kv_bytes_read", "mean_context", "bytes_per_step", "floor_tpot_s",
                 "pct_of_floor", "ttft_s_per_pass", "tpot_s_per_pass", "preemptions"},
     "prefill": {"repeats", "prefill"},
+    "serve": {"startup_s", "kv_cache_pages", "requests", "request_rate", "max_concurrency", "input_tokens",
+              "output_tokens", "requested_output_tokens", "wall_s", "warmup_s", "requests_per_s",
+              "output_tokens_per_s", "total_tokens_per_s", "cached_tokens"}
+    | {f"{m}_{q}_s" for m in ("ttft", "tpot", "itl") for q in ("p50", "p90", "p99", "mean")},
 }
+COMMON_SERVE = {"override", "backends"}  # the engine runs in the server's process
 TINY = ModelConfig.from_hf(PRESETS["tiny"]["config"])
 
 
@@ -51,10 +56,14 @@ def run_bench(tmp_path, *args):
     assert set(report) == TOP and set(report["environment"]) == ENV, report.keys()
     w = report["workload"]
     for res in report["results"]:
-        assert set(res) == COMMON | FIELDS[w], set(res) ^ (COMMON | FIELDS[w])
+        common = COMMON_SERVE if w == "serve" else COMMON
+        assert set(res) == common | FIELDS[w], set(res) ^ (common | FIELDS[w])
         assert res["backends"] == "flex" and res["cached_tokens"] == 0  # fresh prompts: no prefix-cache hits
-        assert res["startup_s"] >= res["load_s"] > 0 and res["kv_cache_tokens"] > 0
-        assert res["capture_s"] == 0 and res["compile_s"] == 0  # the CPU runs eager, without CUDA graphs
+        if w == "serve":
+            assert res["startup_s"] > 0 and res["kv_cache_pages"] > 0
+        else:
+            assert res["startup_s"] >= res["load_s"] > 0 and res["kv_cache_tokens"] > 0
+            assert res["capture_s"] == 0 and res["compile_s"] == 0  # the CPU runs eager, without CUDA graphs
     assert report["copy_bandwidth_bytes_per_s"] > 1e8
     assert report["environment"]["cpu_count"] >= 1 and report["environment"]["commit"]
     assert report["command"].startswith("flexsgl bench") and "--json" not in report["command"]
@@ -119,6 +128,23 @@ def test_prefill(tmp_path):
     assert "TTFT ms @ 64" in out and "prefill tok/s @ 32" in out
 
 
+def test_serve_starts_a_server_and_measures_its_streams(tmp_path):
+    out, report = run_bench(tmp_path, "--workload", "serve", "--num-prompts", "6", "--input-len", "8:16",
+                            "--output-len", "3:6", "--request-rate", "50", "--max-concurrency", "4",
+                            "--max-total-tokens", "1024")
+    assert report["resolved"] == {"num_prompts": 6, "input_len": [8, 16], "output_len": [3, 6],
+                                  "request_rate": "50.0", "max_concurrency": 4}
+    [res] = report["results"]
+    assert res["output_tokens"] == res["requested_output_tokens"] and 6 * 3 <= res["output_tokens"] <= 6 * 6
+    assert res["kv_cache_pages"] == 1024 // 64
+    assert close(res["requests_per_s"] * res["wall_s"], 6)
+    assert close(res["output_tokens_per_s"] * res["wall_s"], res["output_tokens"])
+    for m in ("ttft", "tpot", "itl"):
+        assert 0 <= res[f"{m}_p50_s"] <= res[f"{m}_p90_s"] <= res[f"{m}_p99_s"] < res["wall_s"], m
+    assert res["ttft_p50_s"] > 0 and res["tpot_p50_s"] > 0
+    assert out.splitlines()[0].startswith("serve: tiny (dummy) on cpu") and "ITL ms p99" in out
+
+
 BAD = {
     "unknown-workload": ["--workload", "nope"],
     "reversed-range": ["--input-len", "5:2"],
@@ -136,6 +162,12 @@ BAD = {
     "longer-than-context": ["--workload", "prefill", "--input-len", "5000"],
     "batch-above-max-running": ["--workload", "latency", "--batch-size", "8", "--max-running", "4"],
     "json-folder-missing": ["--json", "/no/such/folder/bench.json"],
+    "rate-for-throughput": ["--request-rate", "4"],
+    "zero-rate": ["--workload", "serve", "--request-rate", "0"],
+    "word-rate": ["--workload", "serve", "--request-rate", "fast"],
+    "zero-concurrency": ["--workload", "serve", "--max-concurrency", "0"],
+    "base-url-and-override": ["--workload", "serve", "--base-url", "http://127.0.0.1:1", "--override", "flex"],
+    "base-url-not-http": ["--workload", "serve", "--base-url", "localhost:8000"],
 }
 
 

@@ -5,6 +5,8 @@ resolved into a Plan before anything loads.
   token ids from a fixed seed, EOS ignored.
 - latency: one batch of fixed prompt and output length.
 - prefill: time to first token of one long prompt, per prompt length.
+- serve: the throughput workload's requests sent to `flexsgl serve` with Poisson arrivals at a
+  request rate (and a concurrency limit), streamed (bench/serving.py).
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ from dataclasses import dataclass, field
 from flexsgl.config import EngineConfig
 from flexsgl.log import logger
 
-WORKLOADS = ("throughput", "latency", "prefill")
+WORKLOADS = ("throughput", "latency", "prefill", "serve")
 # Defaults sized for a GPU; the tiny preset on a CPU wants small values on the command line.
 DEFAULTS = {
     "throughput": {"num_prompts": 256, "input_len": "100:1024", "output_len": "100:1024"},
     "latency": {"batch_size": 1, "input_len": "1024", "output_len": "256", "repeats": 3},
     "prefill": {"input_len": "4096,16384", "repeats": 3},
+    "serve": {"num_prompts": 256, "input_len": "100:1024", "output_len": "100:1024"},
 }
-APPLIES = {"num_prompts": ("throughput",), "batch_size": ("latency",), "repeats": ("latency", "prefill"),
-           "output_len": ("throughput", "latency")}
+APPLIES = {"num_prompts": ("throughput", "serve"), "batch_size": ("latency",), "repeats": ("latency", "prefill"),
+           "output_len": ("throughput", "latency", "serve"), "request_rate": ("serve",),
+           "max_concurrency": ("serve",), "base_url": ("serve",)}
 
 
 @dataclass
@@ -40,6 +44,9 @@ class BenchArgs:
     overrides: list[str] = field(default_factory=list)
     seed: int = 0  # the random prompts and lengths, and dummy weights
     engine: EngineConfig = field(default_factory=EngineConfig)
+    request_rate: str | None = None  # serve: requests per second, or inf (default)
+    max_concurrency: int | None = None  # serve: most requests in flight (default: no limit)
+    base_url: str | None = None  # serve: a running server to measure instead of starting one
 
 
 @dataclass
@@ -56,6 +63,7 @@ class Plan:
     prefill_lens: list[int] = field(default_factory=list)
     batch_size: int = 0
     repeats: int = 0
+    request_rate: float = float("inf")
 
 
 def parse_range(text: str, what: str) -> tuple[int, int]:
@@ -68,6 +76,17 @@ def parse_range(text: str, what: str) -> tuple[int, int]:
     if lo is None or lo < 1 or hi < lo:
         raise ValueError(f"{what} {text!r} should be N or MIN:MAX with 1 <= MIN <= MAX, e.g. 100:1024.")
     return lo, hi
+
+
+def parse_rate(text: str) -> float:
+    """'8', '0.5' or 'inf' into requests per second, or ValueError in one sentence."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = -1.0
+    if not rate > 0:
+        raise ValueError(f"--request-rate {text!r} should be a positive number of requests per second, or inf.")
+    return rate
 
 
 def parse_lengths(text: str, what: str) -> list[int]:
@@ -94,7 +113,7 @@ def plan(args: BenchArgs) -> Plan:
         if getattr(args, name) is not None and w not in workloads:
             raise ValueError(f"--{name.replace('_', '-')} does not apply to the {w} workload "
                              f"(it applies to {', '.join(workloads)}).")
-    for name in ("num_prompts", "batch_size", "repeats"):
+    for name in ("num_prompts", "batch_size", "repeats", "max_concurrency"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
@@ -109,7 +128,14 @@ def plan(args: BenchArgs) -> Plan:
     # cannot fail after an earlier ran.
     backends = [resolve_override(o, engine.torch_device, mcfg.attention, engine.page_size).label for o in overrides]
     p = Plan(args, engine, overrides, backends)
-    if w == "throughput":
+    if w == "serve":
+        p.request_rate = parse_rate(args.request_rate or "inf")
+        if args.base_url and args.overrides:
+            raise ValueError("--override picks the backend of a server the bench starts; with --base-url the "
+                             "server is already running.")
+        if args.base_url and not args.base_url.startswith("http://"):
+            raise ValueError(f"--base-url should look like http://HOST:PORT, got {args.base_url!r}.")
+    if w in ("throughput", "serve"):
         p.num_prompts = d["num_prompts"]
         p.input_range = parse_range(d["input_len"], "--input-len")
         p.output_range = parse_range(d["output_len"], "--output-len")
@@ -152,13 +178,14 @@ CPU_FLOPS = 5e10  # what a few CPU cores reach on these models' matrix products,
 CPU_STEP_S = 0.2  # a step's cost beyond the matrix work on the CPU: the embedded model's decode step took
 # 0.19-0.38 s on a shared 2-core machine with the default 16k-token pool (eager flex evaluates every slot)
 QUICK = {"throughput": "--num-prompts 8 --input-len 16:64 --output-len 16:64",
+         "serve": "--num-prompts 8 --input-len 16:64 --output-len 16:64",
          "latency": "--input-len 64 --output-len 16 --repeats 1", "prefill": "--input-len 256 --repeats 1"}
 
 
 def cpu_seconds(p: Plan, params: int) -> float:
     """A rough estimate of a run's time on the CPU: its tokens' matrix work plus a fixed cost per step."""
-    passes = 1 + p.repeats if p.args.workload != "throughput" else 2
-    if p.args.workload == "throughput":
+    passes = 1 + p.repeats if p.args.workload not in ("throughput", "serve") else 2
+    if p.args.workload in ("throughput", "serve"):
         tokens = p.num_prompts * (sum(p.input_range) + sum(p.output_range)) / 2
         steps = p.output_range[1] * -(-p.num_prompts // p.engine.max_running_requests)
     elif p.args.workload == "latency":
@@ -172,7 +199,7 @@ def _fit_defaults(p: Plan, ctx: int) -> int:
     """Cut the default lengths (sized for the presets' long contexts) to fit a model's shorter one;
     lengths given on the command line are never changed. Returns the new longest request."""
     w = p.args.workload
-    if w == "throughput":
+    if w in ("throughput", "serve"):
         half = ctx // 2
         p.input_range = tuple(min(n, half) for n in p.input_range)
         p.output_range = tuple(min(n, half) for n in p.output_range)

@@ -10,29 +10,39 @@ from pathlib import Path
 
 def command_line(args) -> str:
     """The `flexsgl bench` command that gives these arguments (options left at their default omitted)."""
+    own = {k: v for k, v in asdict(args).items() if k != "engine"}
+    return shlex.join(["flexsgl", "bench", *_flags(own, type(args)()), *engine_flags(args.engine)])
+
+
+def engine_flags(engine, skip: tuple[str, ...] = ("override",)) -> list[str]:
+    """The command-line flags that give `engine` (options left at their default omitted)."""
     from flexsgl.config import EngineConfig
 
-    own = {k: v for k, v in asdict(args).items() if k != "engine"}
-    engine = {f.name: getattr(args.engine, f.name) for f in fields(args.engine) if f.name != "override"}
-    words = ["flexsgl", "bench"]
-    for values, default in ((own, type(args)()), (engine, EngineConfig())):
-        for name, value in values.items():
-            if value == getattr(default, name):
-                continue
-            flag = "--" + name.replace("_", "-")
-            if name == "overrides":
-                words += [w for o in value for w in ("--override", o)]
-            elif isinstance(value, bool):
-                words.append(flag if value or name == "disable_cuda_graph" else flag.replace("--", "--no-", 1))
-            else:
-                words += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
-    return shlex.join(words)
+    return _flags({f.name: getattr(engine, f.name) for f in fields(engine) if f.name not in skip}, EngineConfig())
+
+
+def _flags(values: dict, default) -> list[str]:
+    words = []
+    for name, value in values.items():
+        if value == getattr(default, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "overrides":
+            words += [w for o in value for w in ("--override", o)]
+        elif isinstance(value, bool):
+            words.append(flag if value or name == "disable_cuda_graph" else flag.replace("--", "--no-", 1))
+        else:
+            words += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    return words
 
 
 def resolved(p) -> dict:
     """The workload's sizes after defaults were applied."""
     if p.args.workload == "throughput":
         return {"num_prompts": p.num_prompts, "input_len": list(p.input_range), "output_len": list(p.output_range)}
+    if p.args.workload == "serve":
+        return {"num_prompts": p.num_prompts, "input_len": list(p.input_range), "output_len": list(p.output_range),
+                "request_rate": str(p.request_rate), "max_concurrency": p.args.max_concurrency}
     if p.args.workload == "latency":
         return {"batch_size": p.batch_size, "input_len": p.input_range[0], "output_len": p.output_range[0],
                 "repeats": p.repeats}
@@ -45,6 +55,11 @@ def table_rows(workload: str, res: dict) -> list[tuple[str, float]]:
         keys = [("output tok/s", "output_tokens_per_s", 1), ("total tok/s", "total_tokens_per_s", 1),
                 ("requests/s", "requests_per_s", 1), ("wall s", "wall_s", 1), ("output tokens", "output_tokens", 1),
                 ("prefix-cache hit tokens", "cached_tokens", 1)]
+    elif workload == "serve":
+        keys = [("output tok/s", "output_tokens_per_s", 1), ("total tok/s", "total_tokens_per_s", 1),
+                ("requests/s", "requests_per_s", 1), ("wall s", "wall_s", 1)]
+        keys += [(f"{name} ms p{q}", f"{key}_p{q}_s", 1e3) for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"),
+                                                                             ("ITL", "itl")) for q in (50, 90, 99)]
     elif workload == "latency":
         keys = [("TTFT ms", "ttft_s", 1e3), ("TPOT ms", "tpot_s", 1e3), ("tok/s", "tokens_per_s", 1),
                 ("decode tok/s", "decode_tokens_per_s", 1), ("floor TPOT ms", "floor_tpot_s", 1e3),
@@ -55,11 +70,13 @@ def table_rows(workload: str, res: dict) -> list[tuple[str, float]]:
     if workload == "prefill":
         rows = [row for r in res["prefill"] for row in ((f"TTFT ms @ {r['input_len']}", r["ttft_s"] * 1e3),
                                                         (f"prefill tok/s @ {r['input_len']}", r["tokens_per_s"]))]
+    if workload == "serve":  # the engine starts in the server's process: start to healthy
+        return rows + [("server start-up s", res["startup_s"])]
     return rows + [(label, res[key]) for label, key in STARTUP_ROWS]
 
 
-# Start-up figures, the same rows under every workload: the engine's construction (loading the
-# weights and capturing CUDA graphs), and all compiling of the run (in capture and warm-up passes).
+# Start-up figures, the same rows under every offline workload: the engine's construction (loading
+# the weights and capturing CUDA graphs), and all compiling of the run (in capture and warm-up passes).
 STARTUP_ROWS = [("start-up s", "startup_s"), ("of it loading s", "load_s"), ("of it graph capture s", "capture_s"),
                 ("compile s (all)", "compile_s")]
 

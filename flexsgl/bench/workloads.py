@@ -5,6 +5,7 @@
 - latency: a warm-up pass, then `repeats` timed passes: TTFT, TPOT, tokens/s, and TPOT against the
   decode floor (bytes a decode step must read over the copy bandwidth measured here).
 - prefill: per prompt length, a warm-up pass, then `repeats` timed passes of one prompt.
+- serve: a `flexsgl serve` process per backend, under Poisson load (bench/serving.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from flexsgl.bench.machine import environment
 from flexsgl.bench.passes import BAR_INTERVAL, free_memory, random_prompts, throughput_requests, timed_pass
 from flexsgl.bench.report import command_line, number, resolved, table_rows
 from flexsgl.bench.roofline import copy_bandwidth, decode_floor
+from flexsgl.bench.serving import serve_workload
 from flexsgl.log import logger, progress as log_progress
 
 
@@ -30,20 +32,24 @@ def run(p: Plan, progress: bool = True) -> dict:
     bandwidth = copy_bandwidth(device)
     results = []
     for override, label in zip(p.overrides, p.backends):
-        t0 = time.perf_counter()
-        llm = build_llm(p, override)
-        res = {"override": override, "backends": label, "startup_s": time.perf_counter() - t0,
-               "kv_cache_tokens": (llm.pool.num_pages - 1) * llm.pool.page_size,
-               "compile": llm.compile, "dtype": str(llm.dtype).removeprefix("torch.")}
-        res.update(WORKLOADS_RUN[p.args.workload](llm, p, bandwidth, progress))
-        # Start-up apart from run time: loading, graph capture, and compiling wherever it happened
-        # (in capture, and in warm-up passes, which the timed figures above leave out).
-        res.update(llm.startup_times())
+        if p.args.workload == "serve":  # the engine runs in the server's process
+            res = {"override": override, "backends": p.args.base_url or label,
+                   **serve_workload(p, override, progress)}
+        else:
+            t0 = time.perf_counter()
+            llm = build_llm(p, override)
+            res = {"override": override, "backends": label, "startup_s": time.perf_counter() - t0,
+                   "kv_cache_tokens": (llm.pool.num_pages - 1) * llm.pool.page_size,
+                   "compile": llm.compile, "dtype": str(llm.dtype).removeprefix("torch.")}
+            res.update(WORKLOADS_RUN[p.args.workload](llm, p, bandwidth, progress))
+            # Start-up apart from run time: loading, graph capture, and compiling wherever it happened
+            # (in capture, and in warm-up passes, which the timed figures above leave out).
+            res.update(llm.startup_times())
+            del llm
+            free_memory(device)
         results.append(res)
         # Each backend's figures as soon as they exist: a run cut short still reports what it measured.
         say(f"{label}: " + ", ".join(f"{name} {number(v)}" for name, v in table_rows(p.args.workload, res)))
-        del llm
-        free_memory(device)
     return {"workload": p.args.workload, "model": p.engine.model, "load_format": p.engine.load_format,
             "device": p.engine.device, "copy_bandwidth_bytes_per_s": bandwidth,
             "command": command_line(p.args), "args": asdict(p.args), "resolved": resolved(p),

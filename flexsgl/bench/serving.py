@@ -1,0 +1,169 @@
+"""The serve workload: `flexsgl serve` under load, measured as its clients see it.
+
+For each override the bench starts a server process on a free port (or targets --base-url), waits
+for /health, runs a warm-up pass (the same lengths, other tokens, all at once: every shape
+compiles before the timed pass), then sends the timed requests with Poisson arrivals at
+--request-rate (inf: all at once), at most --max-concurrency in flight, each streamed with EOS
+ignored. Per request: TTFT (send to first token event), TPOT ((last - first) / (tokens - 1)), and
+every gap between token events (ITL); reported at p50, p90 and p99, with requests/s and tokens/s
+over the pass's wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+
+from flexsgl.bench.args import Plan
+from flexsgl.bench.passes import throughput_requests
+from flexsgl.bench.report import engine_flags
+from flexsgl.bench.sse_client import stream_post
+from flexsgl.log import logger, progress as log_progress
+
+HEALTH_TIMEOUT_S = 1800  # a large model's load, compile and graph capture on a GPU
+REQUEST_TIMEOUT_S = 3600
+PERCENTILES = (50, 90, 99)
+
+
+def serve_workload(p: Plan, override: str, progress: bool) -> dict:
+    n = p.num_prompts
+    vocab = _vocab(p)
+    in_lens, out_lens, prompts, warm_prompts = throughput_requests(p.args.seed, n, p.input_range, p.output_range,
+                                                                   vocab)
+    server = _server(p, override)
+    with server as base_url:
+        pages = _metric(base_url, "flexsgl_kv_pages_total")
+        t0 = time.perf_counter()
+        asyncio.run(_pass(base_url, warm_prompts, out_lens, float("inf"), p.args.max_concurrency, p.args.seed,
+                          "warm-up", progress))
+        warm = time.perf_counter() - t0
+        res = asyncio.run(_pass(base_url, prompts, out_lens, p.request_rate, p.args.max_concurrency, p.args.seed,
+                                "serve", progress))
+    n_in, n_out = sum(in_lens), sum(res["output_tokens"])
+    wall = res["wall_s"]
+    out = {"startup_s": server.load_s, "kv_cache_pages": pages, "requests": n, "request_rate": str(p.request_rate), "max_concurrency": p.args.max_concurrency,
+           "input_tokens": n_in, "output_tokens": n_out, "requested_output_tokens": sum(out_lens),
+           "wall_s": wall, "warmup_s": warm, "requests_per_s": n / wall, "output_tokens_per_s": n_out / wall,
+           "total_tokens_per_s": (n_in + n_out) / wall, "cached_tokens": res["cached_tokens"]}
+    for name in ("ttft_s", "tpot_s", "itl_s"):
+        values = np.asarray(res[name], dtype=np.float64)
+        for q in PERCENTILES:
+            out[f"{name[:-2]}_p{q}_s"] = float(np.percentile(values, q)) if values.size else float("nan")
+        out[f"{name[:-2]}_mean_s"] = float(values.mean()) if values.size else float("nan")
+    return out
+
+
+async def _pass(base_url: str, prompts, out_lens, rate: float, concurrency: int | None, seed: int, desc: str,
+                progress: bool) -> dict:
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency or len(prompts))
+    bar = log_progress(total=len(prompts), desc=desc, unit="req", disable=not progress)
+    ttft, tpot, itl, tokens, cached = [], [], [], [], [0]
+
+    async def one(prompt, n_out):
+        async with limit:
+            body = {"prompt": prompt, "max_tokens": n_out, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            start = time.perf_counter()
+            events = await stream_post(base_url, "/v1/completions", body, REQUEST_TIMEOUT_S)
+        times = [t for t, e in events if e.get("choices") and e["choices"][0].get("finish_reason") is None]
+        usage = next((e["usage"] for _, e in events if e.get("usage")), None)
+        if usage is None or usage["completion_tokens"] != n_out:
+            raise RuntimeError(f"a request produced {usage and usage['completion_tokens']} tokens, expected {n_out}")
+        tokens.append(usage["completion_tokens"])
+        cached[0] += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        if times:
+            ttft.append(times[0] - start)
+            itl.extend(np.diff(times).tolist())
+            if len(times) > 1:
+                tpot.append((times[-1] - times[0]) / (len(times) - 1))
+        bar.update(1)
+
+    tasks = []
+    t0 = time.perf_counter()
+    for prompt, n_out in zip(prompts, out_lens):
+        tasks.append(asyncio.create_task(one(prompt, n_out)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    bar.close()
+    return {"wall_s": wall, "ttft_s": ttft, "tpot_s": tpot, "itl_s": itl, "output_tokens": tokens,
+            "cached_tokens": cached[0]}
+
+
+class _server:
+    """The server to measure: --base-url's, or a `flexsgl serve` process for this override."""
+
+    def __init__(self, p: Plan, override: str):
+        self.p, self.override, self.proc, self.log = p, override, None, None
+        self.load_s = 0.0  # start to healthy, for a server the bench starts
+
+    def __enter__(self) -> str:
+        if self.p.args.base_url:
+            return self.p.args.base_url.rstrip("/")
+        t0 = time.perf_counter()
+        port = _free_port()
+        cmd = [sys.executable, "-m", "flexsgl", "serve", self.p.engine.model, "--port", str(port),
+               "--override", self.override, *engine_flags(self.p.engine, skip=("model", "override"))]
+        logger.info("starting: " + " ".join(cmd[1:]))
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="flexsgl-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while not _healthy(url):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                self.log.seek(0)
+                tail = self.log.read()[-2000:]
+                raise RuntimeError(f"the server did not become healthy (log {self.log.name}):\n{tail}")
+            time.sleep(0.5)
+        self.load_s = time.perf_counter() - t0
+        return url
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _metric(url: str, name: str) -> int | None:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return int(float(line.split()[1]))
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vocab(p: Plan) -> int:
+    from flexsgl.model.loader import resolve
+
+    return resolve(p.engine.model, p.engine.load_format).config.vocab_size

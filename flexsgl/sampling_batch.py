@@ -1,0 +1,75 @@
+"""A step's sampling parameters: the host lists that go to the device in the runner's packed
+uploads, then the SamplingTensors made from the uploaded views.
+
+The optional parts (penalties, min_tokens, log-probabilities) cost nothing in a step where no
+request uses them: their lists are empty and their tensors are not built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flexsgl.request import Request
+from flexsgl.sampling import MinTokens, Penalties, SamplingTensors
+from flexsgl.token_counts import TokenCounts
+
+
+def host_parts(sampled: list[Request], prefill: bool) -> tuple[dict, dict]:
+    """(int64 parts, float32 parts) of the sampled requests' parameters, for ModelRunner._upload."""
+    sp = [r.sampling for r in sampled]
+    i64 = {"top_k": [p.top_k for p in sp], "seed": [r.rng_seed for r in sampled],
+           "step": [r.num_scheduled_outputs - 1 for r in sampled]}
+    f32 = {"temperature": [p.temperature for p in sp], "top_p": [p.top_p for p in sp], "min_p": [p.min_p for p in sp]}
+    if any(p.penalized for p in sp):
+        f32.update(presence=[p.presence_penalty for p in sp], frequency=[p.frequency_penalty for p in sp],
+                   repetition=[p.repetition_penalty for p in sp])
+        # A request's first sample after (re)admission rebuilds its slot's counts from its token lists.
+        fresh = [r for r in sampled if prefill and r.sampling.penalized]
+        i64.update(
+            reset_slots=[r.slot for r in fresh],
+            prompt_slots=_repeat([r.slot for r in fresh], [r.prompt_len for r in fresh]),
+            prompt_ids=_concat([r.prompt_ids for r in fresh]),
+            output_slots=_repeat([r.slot for r in fresh], [len(r.output_ids) for r in fresh]),
+            output_ids=_concat([r.output_ids for r in fresh]))
+    if any(p.min_tokens > 0 for p in sp):
+        stops = [r.stop_ids for r in sampled]
+        width = max(1, max(map(len, stops)))
+        i64.update(min_tokens=[p.min_tokens for p in sp],
+                   stop_ids=_concat([list(s) + [s[0] if s else 0] * (width - len(s)) for s in stops]),
+                   has_stops=[int(bool(s)) for s in stops])
+    return i64, f32
+
+
+def make_tensors(sampled: list[Request], i64: dict, f32: dict, counts: TokenCounts,
+                 write_slots: torch.Tensor) -> SamplingTensors:
+    """The SamplingTensors of a step from its uploaded views (host_parts' names)."""
+    sp = [r.sampling for r in sampled]
+    penalties = min_tokens = None
+    if "presence" in f32:
+        if i64["reset_slots"].numel():  # host metadata: no sync
+                counts.reset(i64["reset_slots"], i64["prompt_slots"], i64["prompt_ids"], i64["output_slots"],
+                         i64["output_ids"])
+        token_counts, in_prompt = counts.rows(write_slots)
+        penalties = Penalties(presence=f32["presence"], frequency=f32["frequency"], repetition=f32["repetition"],
+                              counts=token_counts, in_prompt=in_prompt)
+    if "min_tokens" in i64:
+        min_tokens = MinTokens(min_tokens=i64["min_tokens"], stop_ids=i64["stop_ids"].view(len(sampled), -1),
+                               has_stops=i64["has_stops"].bool())
+    asked = [p.logprobs for p in sp if p.logprobs is not None]
+    return SamplingTensors(
+        temperature=f32["temperature"], top_k=i64["top_k"], top_p=f32["top_p"], min_p=f32["min_p"],
+        seed=i64["seed"], step=i64["step"],
+        all_greedy=all(p.greedy for p in sp),
+        any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sp if not p.greedy),
+        penalties=penalties, min_tokens=min_tokens, logprobs=max(asked, default=-1),
+    )
+
+
+def _concat(lists: list[list[int]]) -> list:
+    """One part made of several lists, as numpy arrays (how _upload takes a part in pieces)."""
+    return [np.asarray(x, dtype=np.int64) for x in lists] or [np.zeros(0, dtype=np.int64)]
+
+
+def _repeat(values: list[int], counts: list[int]) -> list:
+    return [np.repeat(np.asarray(values, dtype=np.int64), counts)]

@@ -1,0 +1,216 @@
+"""The request features serving needs, against float64 and hand-computed references: penalties,
+log-probabilities, min_tokens, stop strings on incrementally detokenized text, max_tokens, and the
+model's generation_config.json defaults."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.detokenizer import IncrementalDetokenizer, advance, finish_text
+from flexsgl.errors import CheckpointError, SamplingParamsError
+from flexsgl.model.presets import EMBEDDED
+from flexsgl.request import Request
+from flexsgl.sampling import MinTokens, Penalties, apply_penalties, block_stop_tokens, token_logprobs
+from flexsgl.tokenizer import ByteTokenizer
+from tests.hf_models import make_checkpoint
+
+
+def penalized_reference(logits, counts, in_prompt, presence, frequency, repetition):
+    """The penalties written out per row and token in float64 (vLLM's order: repetition, then
+    frequency and presence)."""
+    out = logits.astype(np.float64).copy()
+    for s in range(out.shape[0]):
+        for v in range(out.shape[1]):
+            if counts[s, v] > 0 or in_prompt[s, v]:
+                out[s, v] = out[s, v] / repetition[s] if out[s, v] > 0 else out[s, v] * repetition[s]
+            out[s, v] -= frequency[s] * counts[s, v] + presence[s] * (counts[s, v] > 0)
+    return out
+
+
+def test_penalties_match_a_float64_reference():
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    S, V = 6, 50
+    logits = torch.randn(S, V, generator=g) * 3
+    counts = torch.randint(0, 4, (S, V), generator=g, dtype=torch.int32) * (torch.rand(S, V, generator=g) < 0.3)
+    in_prompt = torch.rand(S, V, generator=g) < 0.2
+    presence, frequency = torch.rand(S, generator=g) * 4 - 2, torch.rand(S, generator=g) * 4 - 2
+    repetition = torch.rand(S, generator=g) * 1.5 + 0.5
+    got = apply_penalties(logits, Penalties(presence, frequency, repetition, counts.int(), in_prompt))
+    ref = penalized_reference(logits.numpy(), counts.numpy(), in_prompt.numpy(), presence.double().numpy(),
+                              frequency.double().numpy(), repetition.double().numpy())
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+
+
+def test_logprobs_match_a_float64_log_softmax():
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(5, 300, generator=g) * 4).to(torch.bfloat16)
+    tokens = torch.randint(0, 300, (5,), generator=g)
+    packed = token_logprobs(logits, tokens, 4)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert packed[:, 0].long().tolist() == tokens.tolist()
+    np.testing.assert_allclose(packed[:, 1].numpy(), ref.gather(1, tokens[:, None])[:, 0].numpy(), atol=1e-5)
+    top = ref.topk(4, dim=-1)
+    np.testing.assert_allclose(packed[:, 2:6].numpy(), top.values.numpy(), atol=1e-5, err_msg=f"seed={seed}")
+    assert packed[:, 6:].long().tolist() == top.indices.tolist(), f"seed={seed}"
+
+
+def test_min_tokens_blocks_each_rows_stop_tokens_until_its_output_is_long_enough():
+    logits = torch.randn(3, 10)
+    m = MinTokens(min_tokens=torch.tensor([2, 2, 0]), stop_ids=torch.tensor([[3, 7], [5, 5], [3, 3]]),
+                  has_stops=torch.tensor([True, True, True]))
+    got = block_stop_tokens(logits, m, step=torch.tensor([1, 2, 0]))
+    expected = logits.clone()
+    expected[0, 3] = expected[0, 7] = float("-inf")  # row 0: step 1 < 2; rows 1 and 2 are past their minimum
+    assert torch.equal(got, expected)
+
+
+@pytest.fixture(scope="module")
+def tiny_docs():
+    return LLM(max_total_tokens=4096, max_running_requests=8, page_size=16)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(EMBEDDED["tiny-docs"]), dtype=torch.float64).eval()
+
+
+def hf_greedy(hf, prompt, steps, penalties=(0.0, 0.0, 1.0), min_tokens=0, eos=0):
+    """Greedy decoding in float64 with the penalties and min_tokens applied by penalized_reference."""
+    presence, frequency, repetition = penalties
+    ids, out = list(prompt), []
+    in_prompt = np.zeros((1, hf.config.vocab_size), dtype=bool)
+    in_prompt[0, prompt] = True
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = hf(torch.tensor([ids])).logits[0, -1:].numpy()
+            counts = np.bincount(out, minlength=logits.shape[1])[None, :]
+            logits = penalized_reference(logits, counts, in_prompt, [presence], [frequency], [repetition])
+            if len(out) < min_tokens:
+                logits[0, eos] = -np.inf
+            out.append(int(logits[0].argmax()))
+            ids.append(out[-1])
+            if out[-1] == eos:
+                break
+    return out
+
+
+def test_engine_penalties_follow_a_float64_greedy_reference(tiny_docs, hf):
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    prompt = [rng.randrange(1, 4096) for _ in range(rng.randrange(5, 40))]
+    pen = (rng.uniform(0.5, 2.0), rng.uniform(0.2, 1.0), rng.uniform(1.1, 1.6))
+    out = tiny_docs.generate([prompt], SamplingParams(max_tokens=16, temperature=0, presence_penalty=pen[0],
+                                                      frequency_penalty=pen[1], repetition_penalty=pen[2]))[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 16, pen), f"seed={seed}"
+
+
+def test_min_tokens_keeps_eos_out_until_then(tiny_docs, hf):
+    plain = tiny_docs.generate(["Return the"], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert plain.finish_reason == "stop", "the embedded model ends this prompt with EOS"
+    n = len(plain.token_ids) + 3
+    out = tiny_docs.generate(["Return the"], SamplingParams(max_tokens=40, temperature=0, min_tokens=n))[0]
+    assert len(out.token_ids) >= n and 0 not in out.token_ids[:n]
+    assert out.token_ids == hf_greedy(hf, plain.prompt_token_ids, 40, min_tokens=n)
+
+
+def stream_text(tokenizer, prompt_ids, tokens, **sampling):
+    """Feed `tokens` one at a time as the engine does; the released deltas, the request."""
+    req = Request(0, prompt_ids, SamplingParams(max_tokens=len(tokens) + 1, **sampling), (), 10_000)
+    req.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    deltas = []
+    for t in tokens:
+        req.append(t)
+        advance(req)
+        deltas.append(req.new_text)
+        if req.finish_reason is not None:
+            break
+    finish_text(req)
+    deltas.append(req.new_text if req.finish_reason is None else "")
+    return deltas, req
+
+
+def test_incremental_text_never_breaks_a_character_and_matches_a_whole_decode():
+    text = "naïve café → 日本語 😀 done"
+    tok = ByteTokenizer()
+    deltas, req = stream_text(tok, [65], list(text.encode("utf-8")))
+    assert "".join(deltas) == req.text == text
+    assert all("\ufffd" not in d for d in deltas), deltas
+
+
+def test_incremental_text_of_the_embedded_tokenizer_matches_a_whole_decode(tiny_docs):
+    rng = random.Random()
+    ids = [rng.randrange(1, 4096) for _ in range(200)]
+    deltas, req = stream_text(tiny_docs.tokenizer, [5, 6], ids)
+    assert "".join(deltas) == req.text == tiny_docs.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_across_tokens_ends_the_text_and_is_never_streamed(include):
+    text = "alpha beta STOP gamma"
+    stop = "a STO"  # spans the tokens "alph|a", " ", "STO" (one byte each)
+    deltas, req = stream_text(ByteTokenizer(), [65], list(text.encode()), stop=["zzz", stop],
+                              include_stop_str_in_output=include)
+    want = "alpha bet" + (stop if include else "")
+    assert req.text == want and req.finish_reason.value == "stop" and req.stop_reason == stop
+    assert "".join(deltas) == want
+    assert not include or all("S" not in d for d in deltas[:-2]), "held back until the stop string was settled"
+    assert len(req.output_ids) == len("alpha beta STO"), "the token that completed it is the last"
+
+
+def test_min_tokens_defers_stop_strings():
+    deltas, req = stream_text(ByteTokenizer(), [65], list(b"ab ab ab"), stop=["ab"], min_tokens=4)
+    assert req.text == "ab " and "".join(deltas) == "ab "  # the first "ab" came before token 4
+
+
+def test_max_tokens_is_max_new_tokens():
+    assert SamplingParams(max_tokens=7).max_new_tokens == 7
+    assert SamplingParams(max_tokens=7, max_new_tokens=7).max_new_tokens == 7
+    with pytest.raises(SamplingParamsError, match="max_tokens"):
+        SamplingParams(max_tokens=7, max_new_tokens=9)
+    with pytest.raises(SamplingParamsError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+    with pytest.raises(SamplingParamsError, match="add_requests"):
+        LLM.add_request(None, [1], SamplingParams(n=2))
+
+
+def test_generation_config_sets_the_defaults(tmp_path):
+    make_checkpoint("qwen3", tmp_path, seed=random.randrange(2**31))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5,
+                                                                  "max_new_tokens": 3, "repetition_penalty": 1.3}))
+    llm = LLM(str(tmp_path), max_total_tokens=256, max_running_requests=2)
+    d = llm.default_sampling
+    assert (d.temperature, d.top_k, d.max_new_tokens, d.repetition_penalty) == (0.0, 5, 3, 1.3)
+    out = llm.generate([[1, 2, 3]])[0]
+    assert len(out.token_ids) == 3
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 5}))
+    with pytest.raises(CheckpointError, match="top_p"):
+        LLM(str(tmp_path), max_total_tokens=256)
+
+
+@pytest.mark.gpu
+def test_penalties_logprobs_and_n_on_cuda_graphs_match_the_cpu():
+    """The request features through CUDA graphs and torch.compile give the CPU's tokens and logprobs."""
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(20, 90))] for _ in range(6)]
+    sp = SamplingParams(max_tokens=12, temperature=0.7, seed=seed, n=2, presence_penalty=0.8, frequency_penalty=0.3,
+                        repetition_penalty=1.2, min_tokens=4, logprobs=3, ignore_eos=True)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM("tiny", device=device, dtype="float32", page_size=16, max_total_tokens=8192, max_running_requests=16)
+        outs[device] = llm.generate(prompts, sp)
+        del llm
+    for a, b in zip(outs["cpu"], outs["cuda"]):
+        assert a.token_ids == b.token_ids, f"seed={seed}"
+        assert [t.logprob for t in a.logprobs] == pytest.approx([t.logprob for t in b.logprobs], abs=1e-3)
+        assert [[i for i, _ in t.top] for t in a.logprobs] == [[i for i, _ in t.top] for t in b.logprobs]

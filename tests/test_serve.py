@@ -1,0 +1,298 @@
+"""`flexsgl serve` as a client sees it: the real server process on the embedded model (CPU, eager),
+driven by the official `openai` client, checked against the offline API (LLM.generate) on the same
+model, HF transformers' float64 log-probabilities, and the metrics it exposes."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from flexsgl import LLM, SamplingParams  # noqa: E402
+from flexsgl.model.presets import EMBEDDED  # noqa: E402
+
+OPTIONS = {"max_total_tokens": 8192, "max_running_requests": 64, "page_size": 16}
+TIMEOUT = 60  # seconds for any one client call
+WORDS = ("Return the value of the given key in a new list of items from the file object with a default "
+         "string that names each path").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
+    proc = subprocess.Popen([sys.executable, "-m", "flexsgl", "serve", "--port", str(port), *flags, "--log-level",
+                             "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited: {proc.stdout.read()}")
+            try:
+                if get(base + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not become healthy in 120 s")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(**OPTIONS)
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def post(url: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(base: str, name: str) -> float:
+    text = get(base + "/metrics")[1]
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def random_prompt(rng: random.Random, n: int = 8) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize()
+
+
+def test_completion_matches_the_offline_api_streamed_and_not(client, offline):
+    rng = random.Random()
+    prompt, seed = random_prompt(rng), rng.randrange(2**31)
+    ref = offline.generate(prompt, SamplingParams(max_tokens=24, temperature=0.8, seed=seed))[0]
+    whole = client.completions.create(model="tiny-docs", prompt=prompt, max_tokens=24, temperature=0.8, seed=seed)
+    assert whole.choices[0].text == ref.text and whole.choices[0].finish_reason == ref.finish_reason, seed
+    assert whole.usage.prompt_tokens == ref.prompt_tokens and whole.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(client.completions.create(prompt=prompt, max_tokens=24, temperature=0.8, seed=seed, stream=True,
+                                            stream_options={"include_usage": True}, model="tiny-docs"))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text, seed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids), "the last chunk carries the usage"
+
+
+def test_chat_uses_the_fallback_template_streamed_and_not(client, offline):
+    rng = random.Random()
+    question = random_prompt(rng)
+    messages = [{"role": "system", "content": "Docs."}, {"role": "user", "content": question}]
+    # flexsgl/serve/chat.py's documented fallback for a model without a chat template, written out here
+    ref = offline.generate(f"system: Docs.\nuser: {question}\nassistant:", SamplingParams(max_tokens=16, temperature=0))[0]
+    whole = client.chat.completions.create(model="tiny-docs", messages=messages, max_tokens=16, temperature=0)
+    assert whole.choices[0].message.content == ref.text and whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny-docs", messages=messages, max_tokens=16, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_n_samples_share_the_prompt_pages_and_match_the_offline_api(server, client, offline):
+    rng = random.Random()
+    prompt, seed = random_prompt(rng, 40), rng.randrange(2**31)  # > 2 pages of 16 tokens
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, n=2, ignore_eos=True)
+    refs = offline.generate(prompt, sp)
+    hits = metric(server, "flexsgl_prefix_cache_hit_tokens_total")
+    out = client.completions.create(model="tiny-docs", prompt=prompt, max_tokens=12, temperature=1.0, seed=seed, n=2,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [r.text for r in refs], seed
+    full_pages = (refs[0].prompt_tokens - 1) // 16 * 16
+    assert refs[1].cached_tokens == full_pages > 0, "offline: sample 1 reuses sample 0's prompt pages"
+    assert metric(server, "flexsgl_prefix_cache_hit_tokens_total") - hits >= full_pages
+
+
+def test_stop_strings_cut_the_text(client, offline):
+    rng = random.Random()
+    prompt = random_prompt(rng)
+    full = offline.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].text
+    words = full.split()
+    assert len(words) > 3, full
+    stop = " " + words[len(words) // 2]
+    cut = full[:full.index(stop)]
+    for include in (False, True):
+        for stream in (False, True):
+            kw = dict(model="tiny-docs", prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "\x00never"],
+                      extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+            if stream:
+                chunks = list(client.completions.create(stream=True, **kw))
+                text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+            else:
+                c = client.completions.create(**kw).choices[0]
+                text, reason = c.text, c.finish_reason
+            assert text == cut + (stop if include else "") and reason == "stop", (stop, include, stream, full)
+
+
+def test_logprobs_match_hf_in_float64(client):
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(EMBEDDED['tiny-docs']), dtype=torch.float64).eval()
+    rng = random.Random()
+    prompt = random_prompt(rng)
+    out = client.completions.create(model="tiny-docs", prompt=prompt, max_tokens=8, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(model="tiny-docs", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    lp = out.choices[0].logprobs
+    tok = transformers.AutoTokenizer.from_pretrained(str(EMBEDDED["tiny-docs"]))
+    ids = tok.encode(prompt)
+    gen = tok.encode("".join(lp.tokens), add_special_tokens=False)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids + gen])).logits[0, len(ids) - 1:-1], dim=-1)
+    assert len(gen) == len(lp.tokens) == 8, (lp.tokens, gen)
+    for i, (t, top) in enumerate(zip(gen, lp.top_logprobs)):
+        assert abs(lp.token_logprobs[i] - ref[i, t].item()) < 1e-3
+        best = ref[i].topk(3)
+        assert list(top.values()) == pytest.approx(best.values.tolist(), abs=1e-3)
+        assert list(top) == [tok.decode([j]) for j in best.indices.tolist()]
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
+                                     for c in content)
+
+
+def test_a_disconnect_aborts_the_request_and_frees_its_pages(server, client):
+    idle = metric(server, "flexsgl_kv_pages_used")
+    aborted = metric(server, 'flexsgl_requests_finished_total{reason="abort"}')
+    stream = client.completions.create(model="tiny-docs", prompt=random_prompt(random.Random()), max_tokens=900,
+                                       temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert metric(server, "flexsgl_kv_pages_used") > idle, "the request holds pages while it runs"
+    stream.close()
+    deadline = time.monotonic() + TIMEOUT
+    while metric(server, 'flexsgl_requests_finished_total{reason="abort"}') == aborted:
+        assert time.monotonic() < deadline, "the request was not aborted after its client went away"
+        time.sleep(0.1)
+    assert metric(server, "flexsgl_kv_pages_used") == idle
+    assert metric(server, "flexsgl_num_requests_running") == 0
+
+
+def test_a_client_that_leaves_before_a_whole_response_aborts_its_request(server):
+    aborted = metric(server, 'flexsgl_requests_finished_total{reason="abort"}')
+    body = json.dumps({"model": "tiny-docs", "prompt": random_prompt(random.Random()), "max_tokens": 900,
+                       "ignore_eos": True}).encode()
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + TIMEOUT
+        while metric(server, "flexsgl_kv_pages_used") == 0:  # it is running
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    deadline = time.monotonic() + TIMEOUT
+    while metric(server, 'flexsgl_requests_finished_total{reason="abort"}') == aborted:
+        assert time.monotonic() < deadline, "the request was not aborted after its client went away"
+        time.sleep(0.1)
+    assert metric(server, "flexsgl_kv_pages_used") == 0
+
+
+def test_64_concurrent_streams_match_the_offline_api(client, offline):
+    rng = random.Random()
+    prompts = [random_prompt(rng, rng.randrange(3, 12)) for _ in range(64)]
+    seeds = [rng.randrange(2**31) for _ in prompts]
+    refs = offline.generate(prompts, [SamplingParams(max_tokens=16, temperature=1.0, seed=s) for s in seeds])
+    texts, errors = [None] * 64, []
+
+    def one(i):
+        try:
+            chunks = client.completions.create(model="tiny-docs", prompt=prompts[i], max_tokens=16, temperature=1.0,
+                                               seed=seeds[i], stream=True)
+            texts[i] = "".join(c.choices[0].text for c in chunks)
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=TIMEOUT * 2)
+    assert not errors, errors[:3]
+    assert texts == [r.text for r in refs]
+
+
+BAD = [
+    {"max_tokens": -1}, {"max_tokens": "many"}, {"temperature": -0.5}, {"temperature": "hot"}, {"top_p": 0},
+    {"top_p": 1.5}, {"n": 0}, {"n": 100000}, {"presence_penalty": 3}, {"frequency_penalty": -2.5},
+    {"repetition_penalty": 0}, {"logprobs": 30}, {"logprobs": -1}, {"stop": [""]}, {"stop": 5}, {"seed": -1},
+    {"min_tokens": 50, "max_tokens": 10}, {"top_k": -1}, {"echo": True}, {"logit_bias": {"5": 1}},
+    {"prompt": ""}, {"prompt": []}, {"prompt": [99999999]}, {"prompt": 5}, {"max_tokens": 5000},
+    {"stream_options": {"include_usage": True}}, {"stop_token_ids": [-3]},
+]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=lambda b: json.dumps(b))
+def test_bad_parameters_get_400_and_an_openai_error_body(server, bad):
+    body = {"model": "tiny-docs", "prompt": "Return the", "max_tokens": 4, **bad}
+    status, err = post(server + "/v1/completions", json.dumps(body).encode())
+    assert status == 400 and isinstance(err["error"]["message"], str) and err["error"]["message"], (bad, err)
+
+
+def test_bad_requests_through_the_client_and_by_hand(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-docs", messages=[{"role": "user", "content": "x"}], top_logprobs=3,
+                                       max_tokens=2)
+    assert e.value.status_code == 400 and "logprobs" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert post(server + "/v1/completions", b"{not json")[0] == 400
+    assert post(server + "/v1/chat/completions", json.dumps({"messages": []}).encode())[0] == 400
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-docs"]
+
+
+@pytest.mark.parametrize("args", [["no/such-model-dir"], ["--port", "0"], ["--max-total-tokens", "-5"],
+                                  ["--override", "nope"]])
+def test_serve_refuses_bad_arguments_with_one_line(args):
+    from typer.testing import CliRunner
+
+    from flexsgl.cli import app
+
+    r = CliRunner().invoke(app, ["serve", *args])
+    assert r.exit_code == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.output, r.output
