@@ -20,6 +20,8 @@
 #                  compiling prefill: run the flex rows on their own, SUITE_BACKENDS=flex (~400 s)
 #   profile        tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step
 #   gemv           tools/gemv_bench.py --chain-sweep: an 8B's projections from one graph, tiles per projection
+#   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
+#                  whole matrix, pages 16/64/128 and GQA 4/8, takes several calls: split it by --pages/--gqa)
 #
 # The suite steps stop with SIGINT at their limit; a compile it interrupts fails as
 # BackendCompilerFailed ("Attempted to unset ProxyTorchDispatchMode"), which hides the SIGINT. They
@@ -51,7 +53,7 @@ suite() {  # NAME, then pytest's arguments
     "$@" --benchmark-json="$OUT/benchmarks-$name.json" --benchmark-columns=median,rounds
 }
 declare -A LIMITS=([tests]=580 [check]=420 [latency]=270 [throughput]=240 [repeat]=590 [prefill]=240
-                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240)
+                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560)
 for s in "${steps[@]}"; do
   LIMIT=${LIMITS[$s]:-300}; t0=$SECONDS
   echo "== $s (limit $LIMIT s)"
@@ -74,6 +76,8 @@ for s in "${steps[@]}"; do
     profile) timeout "$LIMIT" python tools/profile_step.py --model qwen3-8b --workload latency --profile-steps 20 \
                --profile-at decode:8 --rows 30 ;;
     gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ;;
+    kernel-matrix) timeout "$LIMIT" python benchmarks/attention_matrix.py ${MATRIX_ARGS:---pages 64 --gqa 4} \
+                     --json "$OUT/attention-matrix.json" ;;
     *) echo "unknown step $s"; false ;;
   esac 2>&1 | quiet | tee "$OUT/$s.log"
   echo "== $s: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
@@ -87,6 +91,7 @@ for s in "${steps[@]}"; do
     latency|throughput|repeat|prefill) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=-]+: (output|TTFT)" "$log" | tail -6 ;;
     profile) grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time|decode floor" "$log" ;;
     gemv) tail -12 "$log" ;;
+    kernel-matrix) grep -E "^(decode|prefill) " "$log" ;;
   esac
 done
 for f in "$OUT"/benchmarks-*.jsonl; do
