@@ -80,8 +80,20 @@ def test_grouped_moe_in_bf16_on_gpu(tokens):
     m.experts.place(torch.device("cuda"))
     assert moe_module.grouped_mm_runs(torch.empty(1, 256, device="cuda", dtype=torch.bfloat16), m.experts.down_proj,
                                       m.experts.sm90)
-    x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+    # A token whose k-th and (k+1)-th router logits are within bf16 rounding of each other may pick
+    # another expert in bf16 than in float64 (one such token among 300 was seen on an H100): only
+    # tokens whose choice is decisive are compared; a few tokens are drawn until all are, and of
+    # many, most must be (~13% of gaps are under the margin here).
+    for _ in range(50):
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+        logits = (m.gate.weight.double() @ norm(x).double().T).T.sort(dim=-1, descending=True).values
+        decisive = (logits[:, cfg.top_k - 1] - logits[:, cfg.top_k]) > 0.02
+        if decisive.all() or (tokens >= 100 and decisive.float().mean() > 0.75):
+            break
+    else:
+        pytest.fail(f"seed={seed}: no draw with decisive routing")
     with torch.no_grad():
         ours = torch.compile(m, dynamic=False)(x, norm, residual=x)
     ref = reference(m, x, norm)  # the same bf16 routing input; float64 from there
-    torch.testing.assert_close(ours.double(), ref, rtol=3e-2, atol=3e-2, msg=lambda msg: f"seed={seed}: {msg}")
+    torch.testing.assert_close(ours.double()[decisive], ref[decisive], rtol=3e-2, atol=3e-2,
+                               msg=lambda msg: f"seed={seed}: {msg}")
