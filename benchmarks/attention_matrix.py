@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexsgl.attention.base import ForwardBatch  # noqa: E402
 from flexsgl.attention.registry import SPECS, backend_class, why_not  # noqa: E402
 from flexsgl.bench import copy_bandwidth  # noqa: E402
+from flexsgl.bench.cuda_timing import graph_median_s  # noqa: E402
 from flexsgl.cache.pool import KVPool, PageAllocator  # noqa: E402
 
 D, DTYPE, KV_HEADS = 128, torch.bfloat16, 8
@@ -124,29 +124,6 @@ def sdpa(q, kv, specs):
     return torch.cat(outs)
 
 
-def median_us(fn, inner: int) -> float:
-    """Median µs per call of `fn`, `inner` calls replayed from one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    times = []
-    for _ in range(ROUNDS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / inner)
-    return statistics.median(times)
-
-
 def attend_fn(name: str, pool, fb, q, hq: int, kv):
     """A callable running `name` on this batch, or the reason it cannot run here."""
     if name == "sdpa":
@@ -227,7 +204,7 @@ def main() -> None:
                     if isinstance(fn, str):
                         continue  # cannot run here (the registry's reason)
                     err = (fn()[check.cuda()].double() - ref).abs().max().item()
-                    cells[b] = {"us": median_us(fn, INNER[phase]), "err": err}
+                    cells[b] = {"us": graph_median_s(fn, INNER[phase], ROUNDS) * 1e6, "err": err}
                 except Exception as e:  # noqa: BLE001 - one failing cell must not end the matrix
                     cells[b] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
             del pool, fb, q, kv

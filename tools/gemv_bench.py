@@ -19,6 +19,7 @@ import argparse
 
 import torch
 
+from flexsgl.bench.cuda_timing import graph_median_s
 from flexsgl.kernels import gemv
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.presets import PRESETS
@@ -33,27 +34,6 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
     return {"qkv_proj": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), "o_proj": (h, cfg.num_heads * d),
             "gate_up_proj": (2 * cfg.intermediate_size, h), "down_proj": (h, cfg.intermediate_size),
             "lm_head": (cfg.vocab_size, h)}
-
-
-def graph_time(fn, reps: int = 20) -> float:
-    """Median seconds of one replay of a CUDA graph of fn."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main():
@@ -79,7 +59,7 @@ def main():
 
     for label, project in (("cuBLAS", lambda x, w, out: torch.matmul(x, w.T, out=out)),
                            ("kernel, engine's tiles", lambda x, w, out: gemv.launch(x, w, None, out, None))):
-        t = graph_time(lambda: each(project))
+        t = graph_median_s(lambda: each(project))
         print(f"  {label:<26} {t * 1e3:7.3f} ms  {total / t / 1e12:5.2f} TB/s", flush=True)
     # As a layer runs them at batch 1: each projection reads the one before's output, with the
     # norms, the SiLU gate and the residual adds folded in; launched plainly and with PDL.
@@ -105,7 +85,7 @@ def main():
 
     plain = None
     for label, use_pdl in (("plain launches", False), ("PDL", True)):
-        t = graph_time(lambda: chain(use_pdl))
+        t = graph_median_s(lambda: chain(use_pdl))
         out = hs[1].clone()
         same = "" if plain is None else f"  output equal to plain: {torch.equal(out, plain)}"
         plain = out if plain is None else plain
@@ -117,12 +97,12 @@ def main():
             times = []
             for c in dict.fromkeys([gemv.config_for(n, k), *CHAIN_CANDIDATES]):
                 try:
-                    times.append((graph_time(lambda: chain(True, {name: c})), c))
+                    times.append((graph_median_s(lambda: chain(True, {name: c})), c))
                 except Exception as e:  # a config the compiler refuses
                     print(f"   {name} {c}: {type(e).__name__}", flush=True)
             best[name] = min(times)[1]
             print(f"  {name:<13} " + ", ".join(f"{c} {t * 1e3:.3f}" for t, c in sorted(times)[:4]), flush=True)
-        t = graph_time(lambda: chain(True, best))
+        t = graph_median_s(lambda: chain(True, best))
         print(f"  {'PDL, best of each':<26} {t * 1e3:7.3f} ms  {total / t / 1e12:5.2f} TB/s  {best}", flush=True)
 
 

@@ -9,9 +9,9 @@ What the command, `benchmarks/` and `tools/` use:
   `random_prompts()` and `throughput_requests()` make its inputs; `freeze_heap()` before a timed
   pass and `free_memory()` between engines;
 - the machine: `copy_bandwidth()` and `decode_floor()` (the roofline of a decode step), `sync()`,
-  `environment()` and `commit()`.
+  `environment()` and `commit()`; `cuda_timing.graph_median_s()` times device work from a CUDA graph.
 
-args.py, passes.py, workloads.py, roofline.py, machine.py and report.py hold one each.
+args.py, passes.py, workloads.py, roofline.py, machine.py, report.py and cuda_timing.py hold one each.
 """
 
 from flexsgl.bench.args import WORKLOADS, BenchArgs, Plan, plan
