@@ -20,6 +20,11 @@
 #                  compiling prefill: run the flex rows on their own, SUITE_BACKENDS=flex (~400 s)
 #   profile        tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step
 #   gemv           tools/gemv_bench.py --chain-sweep: an 8B's projections from one graph, tiles per projection
+#   mla            the MLA GPU tests (flex MLA and fi-mla against float64 and HF, grouped bf16 MoE), then
+#                  bench latency of the deepseek-v2-lite dummy at batch 1 and 64, fi-mla and flex (~480 s)
+#   serve          bench serve, Qwen3-0.6B dummy, the throughput workload's requests at 8, 32 and inf
+#                  requests/s, auto and flex, then bench throughput for the same comparison; needs fastapi
+#                  and uvicorn staged in /tmp/site beside the kernels (the image has neither)
 #   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
 #                  whole matrix, pages 16/64/128 and GQA 4/8, takes several calls: split it by --pages/--gqa)
 #
@@ -53,7 +58,7 @@ suite() {  # NAME, then pytest's arguments
     "$@" --benchmark-json="$OUT/benchmarks-$name.json" --benchmark-columns=median,rounds
 }
 declare -A LIMITS=([tests]=580 [check]=420 [latency]=270 [throughput]=240 [repeat]=590 [prefill]=240
-                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560)
+                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=560 [serve]=590)
 for s in "${steps[@]}"; do
   LIMIT=${LIMITS[$s]:-300}; t0=$SECONDS
   echo "== $s (limit $LIMIT s)"
@@ -76,6 +81,18 @@ for s in "${steps[@]}"; do
     profile) timeout "$LIMIT" python tools/profile_step.py --model qwen3-8b --workload latency --profile-steps 20 \
                --profile-at decode:8 --rows 30 ;;
     gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ;;
+    mla) timeout 220 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_mla_attention.py tests/test_moe.py
+         for b in 1 64; do
+           timeout 160 "${BENCH[@]}" --workload latency --model deepseek-v2-lite --batch-size "$b" --input-len 512 \
+             --output-len 64 --repeats 1 --cuda-graph-bs "$b" --max-total-tokens 65536 --override fi-mla --override flex \
+             --json "$OUT/mla-latency-b$b.json"
+         done ;;
+    serve) for rate in 8 32 inf; do
+             timeout 150 "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate "$rate" --override auto \
+               --override flex --json "$OUT/serve-$rate.json"
+           done
+           timeout 140 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override auto --override flex \
+             --json "$OUT/serve-throughput.json" ;;
     kernel-matrix) timeout "$LIMIT" python benchmarks/attention_matrix.py ${MATRIX_ARGS:---pages 64 --gqa 4} \
                      --json "$OUT/attention-matrix.json" ;;
     *) echo "unknown step $s"; false ;;
@@ -88,7 +105,7 @@ for s in "${steps[@]}"; do
   log="$OUT/$s.log"
   case $s in
     tests|check) grep -E "passed|failed|error" "$log" | tail -3 ;;
-    latency|throughput|repeat|prefill) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=-]+: (output|TTFT)" "$log" | tail -6 ;;
+    latency|throughput|repeat|prefill|mla|serve) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=-]+: (output|TTFT)" "$log" | tail -6 ;;
     profile) grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time|decode floor" "$log" ;;
     gemv) tail -12 "$log" ;;
     kernel-matrix) grep -E "^(decode|prefill) " "$log" ;;
