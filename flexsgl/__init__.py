@@ -26,7 +26,8 @@ _map_source_overrides()
 from flexsgl.config import EngineConfig
 from flexsgl.engine import LLM
 from flexsgl.errors import CheckpointError, EngineDeadError, InputError, PromptError, SamplingParamsError
-from flexsgl.request import RequestOutput, SamplingParams
+from flexsgl.request import RequestOutput
+from flexsgl.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "InputError", "PromptError",
            "SamplingParamsError", "CheckpointError", "EngineDeadError"]

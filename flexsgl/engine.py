@@ -48,8 +48,9 @@ from flexsgl.model.loader import DTYPES, build_model, resolve
 from flexsgl.errors import EngineDeadError, Health, PromptError, SamplingParamsError, describe
 from flexsgl.model.presets import DEFAULT_MODEL
 from flexsgl.interrupts import deferred_interrupts
-from flexsgl.request import (FinishReason, Request, RequestOutput, SamplingParams, check_callback, check_prompt,
-                             prompt_list, sampling_list)
+from flexsgl.request import (FinishReason, Request, RequestOutput, check_callback, check_prompt, prompt_list,
+                             sampling_list)
+from flexsgl.sampling_params import SamplingParams
 from flexsgl.runner import ModelRunner
 from flexsgl.scheduler import Scheduler
 from flexsgl.tokenizer import encode_prompt, load_tokenizer

@@ -1,0 +1,168 @@
+"""SamplingParams: how a request picks each next token, every field checked for type and range."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+from flexsgl.errors import SamplingParamsError, short_repr
+
+
+# Temperatures below this sample greedily, as in vLLM: dividing logits by less overflows float32,
+# and the softmax turns into NaN.
+GREEDY_TEMPERATURE = 1e-5
+FLOAT32_MAX = 3.4028234663852886e38
+INT64_MAX = 2**63 - 1
+DEFAULT_MAX_NEW_TOKENS = 16
+MAX_N = 128  # samples of one prompt
+MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI's chat API allows
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. temperature 0 (or below 1e-5) means greedy;
+    top_k 0 means no top-k limit. Every field is checked for type and range here; a bad one raises
+    SamplingParamsError (a ValueError) that names it.
+
+    - max_tokens: OpenAI's name for max_new_tokens (give either; given both, they must agree).
+    - n: samples of the prompt; they share its KV pages (add_requests, generate). Sample i with a
+      seed draws with seed + i.
+    - stop: strings that end the output once its text holds one (checked on the detokenized text,
+      not before min_tokens); the stop string is cut from the text unless include_stop_str_in_output.
+    - logprobs: None, or how many of the most likely tokens to report with each output token's own
+      log-probability (0: only its own), up to MAX_LOGPROBS; of the model's distribution before
+      penalties, temperature and filters.
+    - presence_penalty, frequency_penalty (OpenAI, [-2, 2]) lower the logits of tokens the output
+      holds, by a constant and per occurrence; repetition_penalty (> 0; 1 is off) divides positive
+      and multiplies negative logits of tokens in the prompt or output.
+    - min_tokens: EOS and stop_token_ids cannot be sampled before this many output tokens.
+    """
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    max_tokens: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+
+    def __post_init__(self):
+        put = partial(object.__setattr__, self)
+        put("max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, 1, INT64_MAX,
+                                       "an integer of at least 1"))
+        if self.max_tokens is not None:
+            put("max_tokens", _integer("max_tokens", self.max_tokens, 1, INT64_MAX, "None or an integer of at least 1"))
+            if self.max_new_tokens not in (self.max_tokens, DEFAULT_MAX_NEW_TOKENS):
+                raise SamplingParamsError(f"max_tokens ({self.max_tokens}) and max_new_tokens ({self.max_new_tokens}) "
+                                          "name the same limit; give one of them.")
+            put("max_new_tokens", self.max_tokens)
+        temperature = _real("temperature", self.temperature, "a finite number >= 0")
+        if not 0.0 <= temperature <= FLOAT32_MAX:
+            raise SamplingParamsError(f"temperature must be a finite number >= 0, got {short_repr(self.temperature)}.")
+        put("temperature", 0.0 if temperature < GREEDY_TEMPERATURE else temperature)
+        put("top_k", _integer("top_k", self.top_k, 0, INT64_MAX, "an integer >= 0 (0 disables it)"))
+        top_p = _real("top_p", self.top_p, "a number in (0, 1]")
+        if not 0.0 < top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {short_repr(self.top_p)}.")
+        put("top_p", top_p)
+        min_p = _real("min_p", self.min_p, "a number in [0, 1]")
+        if not 0.0 <= min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {short_repr(self.min_p)}.")
+        put("min_p", min_p)
+        if self.seed is not None:
+            put("seed", _integer("seed", self.seed, 0, INT64_MAX, "None or a non-negative integer below 2**63"))
+        put("stop_token_ids", _token_ids(self.stop_token_ids))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name} must be True or False, got {short_repr(getattr(self, name))}.")
+        put("n", _integer("n", self.n, 1, MAX_N, f"an integer from 1 to {MAX_N}"))
+        put("stop", _stop_strings(self.stop))
+        if self.logprobs is not None:
+            put("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS,
+                                     f"None or an integer from 0 to {MAX_LOGPROBS}"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name), "a number in [-2, 2]")
+            if not -2.0 <= value <= 2.0:
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {short_repr(getattr(self, name))}.")
+            put(name, value)
+        repetition = _real("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 is off)")
+        if not 0.0 < repetition <= FLOAT32_MAX:
+            raise SamplingParamsError(f"repetition_penalty must be a finite number > 0 (1 is off), "
+                                      f"got {short_repr(self.repetition_penalty)}.")
+        put("repetition_penalty", repetition)
+        put("min_tokens", _integer("min_tokens", self.min_tokens, 0, self.max_new_tokens,
+                                   f"an integer from 0 to max_new_tokens ({self.max_new_tokens})"))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def replace(self, **changes) -> "SamplingParams":
+        """A copy with `changes`, checked again (max_tokens is folded into max_new_tokens)."""
+        return dataclasses.replace(self, **{"max_tokens": None, **changes})
+
+
+def _integer(name: str, value, low: int, high: int, what: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= value <= high:
+        raise SamplingParamsError(f"{name} must be {what}, got {short_repr(value)}.")
+    return int(value)
+
+
+def _stop_strings(value) -> tuple[str, ...]:
+    stops = (value,) if isinstance(value, str) else value
+    if isinstance(stops, (bytes, bytearray, Mapping)) or not isinstance(stops, Iterable):
+        raise SamplingParamsError(f"stop must be a string or a list of strings, got {short_repr(value)}.")
+    stops = tuple(stops)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise SamplingParamsError(f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed.")
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise SamplingParamsError(f"stop must hold non-empty strings, got {short_repr(s)}.")
+    return stops
+
+
+def _real(name: str, value, what: str) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise SamplingParamsError(f"{name} must be {what}, got {short_repr(value)}.")
+    return float(value)
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise SamplingParamsError(f"stop_token_ids must be a list of token ids, got {short_repr(value)}.")
+    ids = tuple(value)
+    for t in ids:
+        if token_id(t) is None or token_id(t) < 0:
+            raise SamplingParamsError(f"stop_token_ids must hold non-negative integer token ids, got {short_repr(t)}.")
+    return tuple(token_id(t) for t in ids)
+
+
+def token_id(x) -> int | None:
+    """x as an int if it is an integer (a Python or numpy int, a 0-d integer tensor), else None:
+    a bool, a float or a string is not a token id."""
+    if isinstance(x, (bool, float, str, bytes)):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
