@@ -29,6 +29,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexsgl.attention.flex_masks import Q_BLOCK, paged_causal
+from flexsgl.compile import settings
+from flexsgl.compile_cache import cache_dir
 
 MIN_SPLITS, FEW_PROGRAMS = 16, 32
 
@@ -66,21 +68,20 @@ def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, p
 
 
 @functools.cache
-def _compiled(fn, key: tuple, dynamic: bool | None):
-    """fn compiled for `key`, as a code object of its own: dynamo counts recompiles per code object,
-    and past its limit it would run flex eagerly."""
+def _compiled(fn, key: tuple):
+    """fn compiled for the static shapes of `key`, as a code object of its own: dynamo counts
+    recompiles per code object, and past its limit it would run flex eagerly."""
+    cache_dir()  # flexsgl's cache directory, also when the op runs outside the engine (benchmarks)
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{abs(hash(key))}")
-    return torch.compile(types.FunctionType(code, fn.__globals__), fullgraph=True, dynamic=dynamic)
+    return torch.compile(types.FunctionType(code, fn.__globals__), fullgraph=True, dynamic=False)
 
 
 _warm: set[tuple] = set()
 
 
-def _run(fn, key: tuple, dynamic: bool | None, *args):
+def _run(fn, key: tuple, *args):
     """fn compiled for `key`; its first call compiles, under flexsgl's compile settings."""
-    from flexsgl.compile import settings
-
-    compiled = _compiled(fn, key, dynamic)
+    compiled = _compiled(fn, key)
     if key in _warm:
         return compiled(*args)
     with settings():
@@ -97,7 +98,7 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks
     """Decode attention of q `[B, Hq, D]` over one layer's pool `k`, `v` (`[slots, Hkv, D]`) through
     the BlockMask given by its four tensors (`[B, 1, 1, ...]`); returns `[B, Hq, D]`."""
     key = ("decode", *q.shape, *k.shape, page_table.shape[1], q.dtype, page_size, q.device)
-    return _run(_decode, key, False, q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table,
+    return _run(_decode, key, q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table,
                 last_pos, page_pos, page_size, decode_options(q.shape[0], k.shape[1], page_size))
 
 
