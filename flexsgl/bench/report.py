@@ -64,12 +64,11 @@ def table_rows(workload: str, res: dict) -> list[tuple[str, float]]:
         keys = [("TTFT ms", "ttft_s", 1e3), ("TPOT ms", "tpot_s", 1e3), ("tok/s", "tokens_per_s", 1),
                 ("decode tok/s", "decode_tokens_per_s", 1), ("floor TPOT ms", "floor_tpot_s", 1e3),
                 ("% of decode floor", "pct_of_floor", 1)]
-    else:
+    else:  # prefill: two rows per prompt length
         keys = []
     rows = [(label, res[key] * scale) for label, key, scale in keys]
-    if workload == "prefill":
-        rows = [row for r in res["prefill"] for row in ((f"TTFT ms @ {r['input_len']}", r["ttft_s"] * 1e3),
-                                                        (f"prefill tok/s @ {r['input_len']}", r["tokens_per_s"]))]
+    rows += [row for r in res.get("prefill", []) for row in ((f"TTFT ms @ {r['input_len']}", r["ttft_s"] * 1e3),
+                                                             (f"prefill tok/s @ {r['input_len']}", r["tokens_per_s"]))]
     if workload == "serve":  # the engine starts in the server's process: start to healthy
         return rows + [("server start-up s", res["startup_s"])]
     return rows + [(label, res[key]) for label, key in STARTUP_ROWS]
