@@ -136,7 +136,8 @@ def bench(
                                        "--override flex --override fa3-prefill,fi-decode (default: auto)."),
     seed: int = typer.Option(0, help="Seed of the random prompts and lengths (and of dummy weights)."),
     json_path: str = typer.Option(None, "--json", help="Also write every figure, the machine and the arguments here."),
-    request_rate: str = typer.Option(None, help="serve: requests per second, Poisson arrivals, or inf (default)."),
+    request_rate: str = typer.Option(None, help="serve: requests per second, Poisson arrivals, or inf (default); "
+                                     "several (8,32,inf) are timed one after another on one server."),
     max_concurrency: int = typer.Option(None, help="serve: most requests in flight (default: no limit)."),
     base_url: str = typer.Option(None, help="serve: measure this running server (http://HOST:PORT) instead of "
                                  "starting one per --override."),

@@ -130,19 +130,23 @@ def test_prefill(tmp_path):
 
 def test_serve_starts_a_server_and_measures_its_streams(tmp_path):
     out, report = run_bench(tmp_path, "--workload", "serve", "--num-prompts", "6", "--input-len", "8:16",
-                            "--output-len", "3:6", "--request-rate", "50", "--max-concurrency", "4",
+                            "--output-len", "3:6", "--request-rate", "50,inf", "--max-concurrency", "4",
                             "--max-total-tokens", "1024")
     assert report["resolved"] == {"num_prompts": 6, "input_len": [8, 16], "output_len": [3, 6],
-                                  "request_rate": "50.0", "max_concurrency": 4}
-    [res] = report["results"]
-    assert res["output_tokens"] == res["requested_output_tokens"] and 6 * 3 <= res["output_tokens"] <= 6 * 6
-    assert res["kv_cache_pages"] == 1024 // 64
-    assert close(res["requests_per_s"] * res["wall_s"], 6)
-    assert close(res["output_tokens_per_s"] * res["wall_s"], res["output_tokens"])
-    for m in ("ttft", "tpot", "itl"):
-        assert 0 <= res[f"{m}_p50_s"] <= res[f"{m}_p90_s"] <= res[f"{m}_p99_s"] < res["wall_s"], m
-    assert res["ttft_p50_s"] > 0 and res["tpot_p50_s"] > 0
+                                  "request_rate": "50.0,inf", "max_concurrency": 4}
+    # One server, warmed up once, then one timed pass per rate, in the order given.
+    assert [r["request_rate"] for r in report["results"]] == ["50.0", "inf"]
+    assert len({(r["startup_s"], r["warmup_s"]) for r in report["results"]}) == 1
+    for res in report["results"]:
+        assert res["output_tokens"] == res["requested_output_tokens"] and 6 * 3 <= res["output_tokens"] <= 6 * 6
+        assert res["kv_cache_pages"] == 1024 // 64
+        assert close(res["requests_per_s"] * res["wall_s"], 6)
+        assert close(res["output_tokens_per_s"] * res["wall_s"], res["output_tokens"])
+        for m in ("ttft", "tpot", "itl"):
+            assert 0 <= res[f"{m}_p50_s"] <= res[f"{m}_p90_s"] <= res[f"{m}_p99_s"] < res["wall_s"], m
+        assert res["ttft_p50_s"] > 0 and res["tpot_p50_s"] > 0
     assert out.splitlines()[0].startswith("serve: tiny (dummy) on cpu") and "ITL ms p99" in out
+    assert "@ 50.0/s" in out and "@ inf/s" in out
 
 
 BAD = {
@@ -165,6 +169,7 @@ BAD = {
     "rate-for-throughput": ["--request-rate", "4"],
     "zero-rate": ["--workload", "serve", "--request-rate", "0"],
     "word-rate": ["--workload", "serve", "--request-rate", "fast"],
+    "zero-in-rates": ["--workload", "serve", "--request-rate", "8,0"],
     "zero-concurrency": ["--workload", "serve", "--max-concurrency", "0"],
     "base-url-and-override": ["--workload", "serve", "--base-url", "http://127.0.0.1:1", "--override", "flex"],
     "base-url-not-http": ["--workload", "serve", "--base-url", "localhost:8000"],

@@ -10,7 +10,7 @@
 #   check          the batch-1 kernels against float64 and the engine against HF on every backend
 #                  (155 tests, ~280 s on a warm machine; not the 8B, flex-kernel and split-KV cases)
 #   latency        flexsgl bench latency, Qwen3-8B dummy, batch 1 (--override flags in $OVERRIDES)
-#   throughput     flexsgl bench throughput, Qwen3-0.6B dummy, the default workload
+#   throughput     flexsgl bench throughput, Qwen3-0.6B dummy, the default workload (--override flags in $OVERRIDES)
 #   repeat         the throughput run in five fresh processes, one figure each: one run is good to
 #                  ~2% across machines; on a fresh machine the first compiles and may be cut at 110 s
 #   prefill        flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
@@ -22,9 +22,11 @@
 #   gemv           tools/gemv_bench.py --chain-sweep: an 8B's projections from one graph, tiles per projection
 #   mla            the MLA GPU tests (flex MLA and fi-mla against float64 and HF, grouped bf16 MoE), then
 #                  bench latency of the deepseek-v2-lite dummy at batch 1 and 64, fi-mla and flex (~480 s)
-#   serve          bench serve, Qwen3-0.6B dummy, the throughput workload's requests at 8, 32 and inf
-#                  requests/s, auto and flex, then bench throughput for the same comparison; needs fastapi
-#                  and uvicorn staged in /tmp/site beside the kernels (the image has neither)
+#   serve          bench serve, Qwen3-0.6B dummy, the throughput workload's requests at 8, 32 and inf requests/s
+#                  on one server per backend, auto and flex (~450 s on a cold cache); compare its inf column with
+#                  `OVERRIDES="--override auto --override flex" tools/gpu.sh throughput`. Needs fastapi and
+#                  uvicorn, which the image lacks: stage them with tools/stage_serve.sh, carry .gpu/serve and
+#                  run its install.sh first
 #   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
 #                  whole matrix, pages 16/64/128 and GQA 4/8, takes several calls: split it by --pages/--gqa)
 #
@@ -57,8 +59,8 @@ suite() {  # NAME, then pytest's arguments
   FLEXSGL_BENCH_LINES="$OUT/benchmarks-$name.jsonl" timeout -s INT "$LIMIT" python -m pytest -q -p no:cacheprovider \
     "$@" --benchmark-json="$OUT/benchmarks-$name.json" --benchmark-columns=median,rounds
 }
-declare -A LIMITS=([tests]=580 [check]=420 [latency]=270 [throughput]=240 [repeat]=590 [prefill]=240
-                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=560 [serve]=590)
+declare -A LIMITS=([tests]=580 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
+                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=560 [serve]=560)
 for s in "${steps[@]}"; do
   LIMIT=${LIMITS[$s]:-300}; t0=$SECONDS
   echo "== $s (limit $LIMIT s)"
@@ -69,7 +71,8 @@ for s in "${steps[@]}"; do
              -k "gemv or fused or batch_1 or tracks_hf or kernel_matches" ;;
     latency) timeout "$LIMIT" "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 2 ${OVERRIDES:-} \
                --json "$OUT/latency.json" ;;
-    throughput) timeout "$LIMIT" "${BENCH[@]}" --workload throughput --model qwen3-0.6b --json "$OUT/throughput.json" ;;
+    throughput) timeout "$LIMIT" "${BENCH[@]}" --workload throughput --model qwen3-0.6b ${OVERRIDES:-} \
+                  --json "$OUT/throughput.json" ;;
     repeat) for i in 1 2 3 4 5; do
               timeout 110 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --json "$OUT/repeat-$i.json" 2>&1 \
                 | grep -E "^output tok/s" | sed "s/^/process $i: /"
@@ -87,12 +90,8 @@ for s in "${steps[@]}"; do
              --output-len 64 --repeats 1 --cuda-graph-bs "$b" --max-total-tokens 65536 --override fi-mla --override flex \
              --json "$OUT/mla-latency-b$b.json"
          done ;;
-    serve) for rate in 8 32 inf; do
-             timeout 150 "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate "$rate" --override auto \
-               --override flex --json "$OUT/serve-$rate.json"
-           done
-           timeout 140 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override auto --override flex \
-             --json "$OUT/serve-throughput.json" ;;
+    serve) timeout "$LIMIT" "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate 8,32,inf --override auto \
+             --override flex --json "$OUT/serve.json" ;;
     kernel-matrix) timeout "$LIMIT" python benchmarks/attention_matrix.py ${MATRIX_ARGS:---pages 64 --gqa 4} \
                      --json "$OUT/attention-matrix.json" ;;
     *) echo "unknown step $s"; false ;;
@@ -105,7 +104,7 @@ for s in "${steps[@]}"; do
   log="$OUT/$s.log"
   case $s in
     tests|check) grep -E "passed|failed|error" "$log" | tail -3 ;;
-    latency|throughput|repeat|prefill|mla|serve) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=-]+: (output|TTFT)" "$log" | tail -6 ;;
+    latency|throughput|repeat|prefill|mla|serve) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
     profile) grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time|decode floor" "$log" ;;
     gemv) tail -12 "$log" ;;
     kernel-matrix) grep -E "^(decode|prefill) " "$log" ;;

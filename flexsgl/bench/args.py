@@ -44,7 +44,7 @@ class BenchArgs:
     overrides: list[str] = field(default_factory=list)
     seed: int = 0  # the random prompts and lengths, and dummy weights
     engine: EngineConfig = field(default_factory=EngineConfig)
-    request_rate: str | None = None  # serve: requests per second, or inf (default)
+    request_rate: str | None = None  # serve: requests per second, or inf (default); several: one pass each
     max_concurrency: int | None = None  # serve: most requests in flight (default: no limit)
     base_url: str | None = None  # serve: a running server to measure instead of starting one
 
@@ -63,7 +63,7 @@ class Plan:
     prefill_lens: list[int] = field(default_factory=list)
     batch_size: int = 0
     repeats: int = 0
-    request_rate: float = float("inf")
+    request_rates: list[float] = field(default_factory=lambda: [float("inf")])
 
 
 def parse_range(text: str, what: str) -> tuple[int, int]:
@@ -78,15 +78,19 @@ def parse_range(text: str, what: str) -> tuple[int, int]:
     return lo, hi
 
 
-def parse_rate(text: str) -> float:
-    """'8', '0.5' or 'inf' into requests per second, or ValueError in one sentence."""
-    try:
-        rate = float(text)
-    except ValueError:
-        rate = -1.0
-    if not rate > 0:
-        raise ValueError(f"--request-rate {text!r} should be a positive number of requests per second, or inf.")
-    return rate
+def parse_rates(text: str) -> list[float]:
+    """'8', '0.5,8,inf' or 'inf' into requests per second, or ValueError in one sentence."""
+    rates = []
+    for part in text.split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            rate = -1.0
+        if not rate > 0:
+            raise ValueError(f"--request-rate {text!r} should be positive numbers of requests per second (or inf), "
+                             "separated by commas.")
+        rates.append(rate)
+    return rates
 
 
 def parse_lengths(text: str, what: str) -> list[int]:
@@ -129,7 +133,7 @@ def plan(args: BenchArgs) -> Plan:
     backends = [resolve_override(o, engine.torch_device, mcfg.attention, engine.page_size).label for o in overrides]
     p = Plan(args, engine, overrides, backends)
     if w == "serve":
-        p.request_rate = parse_rate(args.request_rate or "inf")
+        p.request_rates = parse_rates(args.request_rate or "inf")
         if args.base_url and args.overrides:
             raise ValueError("--override picks the backend of a server the bench starts; with --base-url the "
                              "server is already running.")

@@ -42,7 +42,7 @@ def resolved(p) -> dict:
         return {"num_prompts": p.num_prompts, "input_len": list(p.input_range), "output_len": list(p.output_range)}
     if p.args.workload == "serve":
         return {"num_prompts": p.num_prompts, "input_len": list(p.input_range), "output_len": list(p.output_range),
-                "request_rate": str(p.request_rate), "max_concurrency": p.args.max_concurrency}
+                "request_rate": ",".join(map(str, p.request_rates)), "max_concurrency": p.args.max_concurrency}
     if p.args.workload == "latency":
         return {"batch_size": p.batch_size, "input_len": p.input_range[0], "output_len": p.output_range[0],
                 "repeats": p.repeats}
@@ -80,13 +80,20 @@ STARTUP_ROWS = [("start-up s", "startup_s"), ("of it loading s", "load_s"), ("of
                 ("compile s (all)", "compile_s")]
 
 
+def column_name(res: dict) -> str:
+    """A result's name in the table: its backends, and for the serve workload the request rate."""
+    rate = res.get("request_rate")
+    return res["backends"] + (f" @ {rate}/s" if rate is not None else "")
+
+
 def format_table(report: dict) -> str:
     """One column per backend; from the second on, each value also shows its ratio to the first's."""
     w, results = report["workload"], report["results"]
     names, seen = [], {}
     for r in results:
-        seen[r["backends"]] = seen.get(r["backends"], 0) + 1
-        names.append(r["backends"] + (f" #{seen[r['backends']]}" if seen[r["backends"]] > 1 else ""))
+        name = column_name(r)
+        seen[name] = seen.get(name, 0) + 1
+        names.append(name + (f" #{seen[name]}" if seen[name] > 1 else ""))
     per = [table_rows(w, r) for r in results]
     lines = [[""] + names]
     for i, (label, base) in enumerate(per[0]):

@@ -2,9 +2,9 @@
 
 For each override the bench starts a server process on a free port (or targets --base-url), waits
 for /health, runs a warm-up pass (the same lengths, other tokens, all at once: every shape
-compiles before the timed pass), then sends the timed requests with Poisson arrivals at
---request-rate (inf: all at once), at most --max-concurrency in flight, each streamed with EOS
-ignored. Per request: TTFT (send to first token event), TPOT ((last - first) / (tokens - 1)), and
+compiles before the timed passes), then, for each rate of --request-rate (e.g. 8,32,inf), sends
+the timed requests with Poisson arrivals at that rate (inf: all at once), at most
+--max-concurrency in flight, each streamed with EOS ignored. Per request: TTFT (send to first token event), TPOT ((last - first) / (tokens - 1)), and
 every gap between token events (ITL); reported at p50, p90 and p99, with requests/s and tokens/s
 over the pass's wall time.
 """
@@ -33,25 +33,34 @@ REQUEST_TIMEOUT_S = 3600
 PERCENTILES = (50, 90, 99)
 
 
-def serve_workload(p: Plan, override: str, progress: bool) -> dict:
+def serve_workload(p: Plan, override: str, progress: bool) -> list[dict]:
+    """One server for `override`, warmed up once, then one timed pass per request rate; a result each."""
     n = p.num_prompts
     vocab = _vocab(p)
     in_lens, out_lens, prompts, warm_prompts = throughput_requests(p.args.seed, n, p.input_range, p.output_range,
                                                                    vocab)
     server = _server(p, override)
+    results = []
     with server as base_url:
         pages = _metric(base_url, "flexsgl_kv_pages_total")
         t0 = time.perf_counter()
         asyncio.run(_pass(base_url, warm_prompts, out_lens, float("inf"), p.args.max_concurrency, p.args.seed,
                           "warm-up", progress))
         warm = time.perf_counter() - t0
-        res = asyncio.run(_pass(base_url, prompts, out_lens, p.request_rate, p.args.max_concurrency, p.args.seed,
-                                "serve", progress))
-    n_in, n_out = sum(in_lens), sum(res["output_tokens"])
+        for rate in p.request_rates:
+            res = asyncio.run(_pass(base_url, prompts, out_lens, rate, p.args.max_concurrency, p.args.seed,
+                                    f"serve at {rate:g}/s", progress))
+            results.append({"startup_s": server.load_s, "kv_cache_pages": pages, "warmup_s": warm,
+                            **_summary(res, rate, in_lens, out_lens, p.args.max_concurrency)})
+    return results
+
+
+def _summary(res: dict, rate: float, in_lens: list[int], out_lens: list[int], concurrency: int | None) -> dict:
+    n, n_in, n_out = len(in_lens), sum(in_lens), sum(res["output_tokens"])
     wall = res["wall_s"]
-    out = {"startup_s": server.load_s, "kv_cache_pages": pages, "requests": n, "request_rate": str(p.request_rate), "max_concurrency": p.args.max_concurrency,
+    out = {"requests": n, "request_rate": str(rate), "max_concurrency": concurrency,
            "input_tokens": n_in, "output_tokens": n_out, "requested_output_tokens": sum(out_lens),
-           "wall_s": wall, "warmup_s": warm, "requests_per_s": n / wall, "output_tokens_per_s": n_out / wall,
+           "wall_s": wall, "requests_per_s": n / wall, "output_tokens_per_s": n_out / wall,
            "total_tokens_per_s": (n_in + n_out) / wall, "cached_tokens": res["cached_tokens"]}
     for name in ("ttft_s", "tpot_s", "itl_s"):
         values = np.asarray(res[name], dtype=np.float64)

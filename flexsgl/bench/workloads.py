@@ -18,7 +18,7 @@ from dataclasses import asdict
 from flexsgl.bench.args import Plan
 from flexsgl.bench.machine import environment
 from flexsgl.bench.passes import BAR_INTERVAL, free_memory, random_prompts, throughput_requests, timed_pass
-from flexsgl.bench.report import command_line, number, resolved, table_rows
+from flexsgl.bench.report import column_name, command_line, number, resolved, table_rows
 from flexsgl.bench.roofline import copy_bandwidth, decode_floor
 from flexsgl.bench.serving import serve_workload
 from flexsgl.log import logger, progress as log_progress
@@ -32,29 +32,35 @@ def run(p: Plan, progress: bool = True) -> dict:
     bandwidth = copy_bandwidth(device)
     results = []
     for override, label in zip(p.overrides, p.backends):
-        if p.args.workload == "serve":  # the engine runs in the server's process
-            res = {"override": override, "backends": p.args.base_url or label,
-                   **serve_workload(p, override, progress)}
-        else:
-            t0 = time.perf_counter()
-            llm = build_llm(p, override)
-            res = {"override": override, "backends": label, "startup_s": time.perf_counter() - t0,
-                   "kv_cache_tokens": (llm.pool.num_pages - 1) * llm.pool.page_size,
-                   "compile": llm.compile, "dtype": str(llm.dtype).removeprefix("torch.")}
-            res.update(WORKLOADS_RUN[p.args.workload](llm, p, bandwidth, progress))
-            # Start-up apart from run time: loading, graph capture, and compiling wherever it happened
-            # (in capture, and in warm-up passes, which the timed figures above leave out).
-            res.update(llm.startup_times())
-            del llm
-            free_memory(device)
-        results.append(res)
-        # Each backend's figures as soon as they exist: a run cut short still reports what it measured.
-        say(f"{label}: " + ", ".join(f"{name} {number(v)}" for name, v in table_rows(p.args.workload, res)))
+        for res in _measure(p, override, label, bandwidth, progress):
+            results.append(res)
+            # Each result as soon as it exists: a run cut short still reports what it measured.
+            say(f"{column_name(res)}: " + ", ".join(f"{name} {number(v)}"
+                                                  for name, v in table_rows(p.args.workload, res)))
     return {"workload": p.args.workload, "model": p.engine.model, "load_format": p.engine.load_format,
             "device": p.engine.device, "copy_bandwidth_bytes_per_s": bandwidth,
             "command": command_line(p.args), "args": asdict(p.args), "resolved": resolved(p),
             "environment": environment(device),
             "results": results}
+
+
+def _measure(p: Plan, override: str, label: str, bandwidth: float, progress: bool) -> list[dict]:
+    """The workload's results on one override: one, or for serve one per request rate."""
+    if p.args.workload == "serve":  # the engine runs in the server's process
+        return [{"override": override, "backends": p.args.base_url or label, **res}
+                for res in serve_workload(p, override, progress)]
+    t0 = time.perf_counter()
+    llm = build_llm(p, override)
+    res = {"override": override, "backends": label, "startup_s": time.perf_counter() - t0,
+           "kv_cache_tokens": (llm.pool.num_pages - 1) * llm.pool.page_size,
+           "compile": llm.compile, "dtype": str(llm.dtype).removeprefix("torch.")}
+    res.update(WORKLOADS_RUN[p.args.workload](llm, p, bandwidth, progress))
+    # Start-up apart from run time: loading, graph capture, and compiling wherever it happened
+    # (in capture, and in warm-up passes, which the timed figures above leave out).
+    res.update(llm.startup_times())
+    del llm
+    free_memory(p.engine.torch_device)
+    return [res]
 
 
 def build_llm(p: Plan, override: str):
