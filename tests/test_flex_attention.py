@@ -25,6 +25,22 @@ def test_flex_matches_float64_reference(case, page_size, eager_extent):
                      rtol=1e-4, atol=1e-5, eager_extent=eager_extent)
 
 
+# The shapes flexsgl serves: head dims 32 (tiny), 64 (the embedded model), 128 (Qwen3, Llama) and 256,
+# query heads per KV head 1, 2, 4 and 8, each dtype. Bounds: float32 as above; half types round the
+# inputs before the reference sees them, then the kernel's own rounding (see tests/test_gpu.py).
+HEAD_DIMS, GQA_RATIOS = (32, 64, 128, 256), (1, 2, 4, 8)
+TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (1e-2, 1e-2)}
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("gqa", GQA_RATIOS)
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_flex_on_every_served_shape(d, gqa, dtype):
+    rtol, atol = TOLERANCE[dtype]
+    run_backend_case(CASES["mixed"], 16, FlexAttentionBackend.forward, "cpu", dtype, rtol=rtol, atol=atol,
+                     hq=2 * gqa, hkv=2, d=d)
+
+
 def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, compiled=False,
                      hq=4, hkv=2, d=16, backend_cls=FlexAttentionBackend, seed=None):
     """Store a random paged batch's K/V in the pool, run `backend_cls` on it (through `forward`, or

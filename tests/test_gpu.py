@@ -24,7 +24,7 @@ from flexsgl import LLM, SamplingParams
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.model.presets import DEFAULT_MODEL, EMBEDDED, PRESETS
 from tests.hf_models import capture_logits, make_checkpoint
-from tests.test_flex_attention import CASES, run_backend_case
+from tests.test_flex_attention import CASES, GQA_RATIOS, HEAD_DIMS, TOLERANCE, run_backend_case
 
 pytestmark = pytest.mark.gpu
 
@@ -35,6 +35,24 @@ def test_compiled_flex_bf16_matches_float64(case, page_size):
     forward = torch.compile(FlexAttentionBackend.forward, dynamic=False)
     run_backend_case(CASES[case], page_size, forward, "cuda", torch.bfloat16, rtol=1e-2, atol=1e-2,
                      compiled=True, hq=8, hkv=2, d=64)
+
+
+@pytest.mark.parametrize("case", ["mixed", "decode"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("gqa", GQA_RATIOS)
+def test_compiled_flex_on_every_served_shape(case, d, gqa):
+    """Compiled flex (prefill in the model's graph, decode through the flex_decode op) in bf16 on each
+    head dim and GQA ratio flexsgl serves."""
+    forward = torch.compile(FlexAttentionBackend.forward, dynamic=False)
+    run_backend_case(CASES[case], 64, forward, "cuda", torch.bfloat16, *TOLERANCE[torch.bfloat16],
+                     compiled=True, hq=2 * gqa, hkv=2, d=d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["mixed", "decode"])
+def test_compiled_flex_in_full_and_half_precision(case, dtype):
+    forward = torch.compile(FlexAttentionBackend.forward, dynamic=False)
+    run_backend_case(CASES[case], 64, forward, "cuda", dtype, *TOLERANCE[dtype], compiled=True, hq=8, hkv=2, d=64)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
