@@ -143,7 +143,7 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv):
     backend = cls(pool, num_heads=hq, compiled=True)
     fb.backend = backend
     backend.prepare(fb)
-    fn = lambda: backend.forward(q, 0, fb)  # noqa: E731
+    fn = lambda: backend.forward(q, pool.layer_cache(0), fb)  # noqa: E731
     if name == "flex" and fb.mode == "prefill":  # decode compiles inside its op (flex_ops.py); prefill here
         torch._dynamo.reset()
         fn = torch.compile(fn, dynamic=False)

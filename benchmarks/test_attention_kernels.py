@@ -92,7 +92,7 @@ def test_attention(benchmark, name, phase, bs, n):
 
     def forward(q, k, v):
         pool.store(0, k, v, fb.out_slots)
-        return backend.forward(q, 0, fb)
+        return backend.forward(q, pool.layer_cache(0), fb)
 
     if CUDA and name == "flex":  # the engine runs flex compiled; eager flex materialises the scores
         torch._dynamo.reset()  # a fresh compile per shape, never a silent eager fallback at the recompile limit

@@ -1,17 +1,26 @@
 """Compile policy: what the engine compiles, with which torch settings, and at which shapes.
 
-- Prefill steps compile once with dynamic shapes on CUDA. On the CPU, Inductor's flex kernel
-  miscompiles some dynamic shapes (duplicate size symbols) and cannot take fused epilogues
-  (batch 1), so there each shape compiles on its own and nothing is fused after attention.
+- What compiles is the model's *regions* (`model.compiled_regions()`): each decoder layer, not the
+  whole step. Every layer runs the same code on its own weights and its own KV cache tensors (the
+  backends take a layer's cache, not its index), so the first layer's compile serves all of them:
+  tracing and code generation cost one layer, not 36, and a warm cache reloads one layer's code.
+  The embedding, the final norm, the LM head and sampling run eagerly around the layers; CUDA
+  graphs capture the whole step all the same. A model whose layers differ (DeepSeek-V2's dense and
+  MoE layers) compiles once per kind.
+- The step functions (prefill, decode) run the regions inside `settings()` and log the calls in
+  which something compiled (CompiledStep).
+- Prefill shapes are dynamic on CUDA. On the CPU, Inductor's flex kernel miscompiles some dynamic
+  shapes (duplicate size symbols) and cannot take fused epilogues (batch 1), so there each shape
+  compiles on its own and nothing is fused after attention.
 - Decode steps pad to a batch bucket (DECODE_BUCKETS / FINE_DECODE_BUCKETS) and CUDA graphs are
-  captured per bucket. On CUDA the decode step compiles once with a symbolic batch: attention is
-  one opaque op for every backend (flex's is flex_decode, which compiles one small kernel per batch
-  size, so flex gets the few buckets; a kernel override gets SGLang's finer spacing). On the CPU
-  each decode bucket compiles the step.
+  captured per bucket. On CUDA decode compiles once with a symbolic batch (and once at batch 1,
+  where the projections are flexsgl's gemv kernels): attention is one opaque op for every backend
+  (flex's is flex_decode, which compiles one small kernel per batch size, so flex gets the few
+  buckets; a kernel override gets SGLang's finer spacing). On the CPU each decode bucket compiles.
 - No varying dimension of a compiled prefill step is 0 or 1 (MIN_COMPILED_SIZE): torch.compile
   specialises such a dimension, so a batch-1 or one-block prefill after multi-request ones would
-  recompile the whole model (~50 s for Qwen3-0.6B with flex on an H200). The runner pads requests
-  and sampled rows, flex pads query blocks.
+  recompile (~50 s for Qwen3-0.6B with flex on an H200 when the whole model compiled). The runner
+  pads requests and sampled rows, flex pads query blocks.
 - Torch settings hold only while a compiled step runs (dynamo traces and recompiles inside the
   call), not process-wide: a recompile limit for the buckets, and no duck sizing. Duck sizing
   gives dimensions of equal size one symbol at the first compile, so one that happens to equal a
@@ -30,6 +39,7 @@ from typing import Callable
 
 import torch
 import torch.fx.experimental._config as fx_config
+from torch import nn
 
 from flexsgl.compile_cache import cache_dir
 from flexsgl.log import logger
@@ -39,7 +49,7 @@ MIN_COMPILED_SIZE = 2
 # of every projection, and a batch of 200 padded to 256 wastes 28% of them.
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 FINE_DECODE_BUCKETS = (1, 2, 4, *range(8, 64, 8), *range(64, 256, 16), 256, 320, 384, 448, 512)
-RECOMPILE_LIMIT = 64  # one compile per decode bucket and per prefill shape on the CPU
+RECOMPILE_LIMIT = 128  # one compile per decode bucket and per prefill shape on the CPU, in one code object
 
 
 def decode_buckets(compiles_per_shape: bool, max_running: int) -> list[int]:
@@ -62,13 +72,11 @@ def settings():
 
 
 class CompiledStep:
-    """A step function under torch.compile, run inside `settings()`; logs each compile and how long it took."""
+    """A step function whose model runs its compiled regions, run inside `settings()`; logs each
+    call that compiled something and how long it took."""
 
-    def __init__(self, fn: Callable, name: str, dynamic: bool, cpu: bool):
-        opts = {"epilogue_fusion": False} if cpu else None
-        cache_dir()  # before the first compile reads it
-        self.name = name
-        self.fn = torch.compile(fn, dynamic=dynamic, options=opts)
+    def __init__(self, fn: Callable, name: str):
+        self.name, self.fn = name, fn
         self.compile_s = 0.0  # seconds spent in calls that compiled
 
     def __call__(self, *args):
@@ -84,8 +92,15 @@ class CompiledStep:
         return out
 
 
-def compile_steps(prefill: Callable, decode: Callable, device: torch.device):
-    """(prefill, decode) step functions compiled by this policy."""
+def compile_model(model: nn.Module, device: torch.device) -> None:
+    """torch.compile each of the model's regions, in place (module docstring)."""
     cpu = device.type == "cpu"
-    return (CompiledStep(prefill, "prefill", dynamic=not cpu, cpu=cpu),
-            CompiledStep(decode, "decode", dynamic=not cpu, cpu=cpu))
+    cache_dir()  # before the first compile reads it
+    for region in model.compiled_regions():
+        region.compile(dynamic=not cpu, options={"epilogue_fusion": False} if cpu else None)
+
+
+def compile_steps(model: nn.Module, prefill: Callable, decode: Callable, device: torch.device):
+    """Compile `model`'s regions; returns the (prefill, decode) step functions that run them."""
+    compile_model(model, device)
+    return CompiledStep(prefill, "prefill"), CompiledStep(decode, "decode")

@@ -70,7 +70,7 @@ class ModelRunner:
         self.capture_s = 0.0
         self._prefill, self._decode = self._prefill_forward, self._decode_forward
         if compile:
-            self._prefill, self._decode = compile_steps(self._prefill_forward, self._decode_forward, device)
+            self._prefill, self._decode = compile_steps(model, self._prefill_forward, self._decode_forward, device)
 
     @property
     def compile_s(self) -> float:

@@ -54,10 +54,11 @@ class FA3Backend(KernelBackend):
         cu = F.pad(torch.cumsum(fb.q_lens, 0, dtype=torch.int32), (1, 0))
         fb.attn = FA3Meta(cu, fb.max_q_len)
 
-    def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
         meta: FA3Meta = fb.attn
+        k, v = cache
         return torch.ops.flexsgl.fa3_paged_attention(
-            q, self.pool.k[layer], self.pool.v[layer], fb.page_table, fb.seq_lens, meta.cu_seqlens_q,
+            q, k, v, fb.page_table, fb.seq_lens, meta.cu_seqlens_q,
             meta.max_seqlen_q, self.pool.page_size)
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:

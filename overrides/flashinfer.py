@@ -129,8 +129,9 @@ class FlashInferDecodeBackend(KernelBackend):
             raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
         self.plan_decode(self.decode_wrapper, fb)
 
-    def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        return torch.ops.flexsgl.flashinfer_attention(q, self.pool.k[layer], self.pool.v[layer], self.handle,
+    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+        k, v = cache
+        return torch.ops.flexsgl.flashinfer_attention(q, k, v, self.handle,
                                                       self.pool.page_size)
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:

@@ -71,8 +71,9 @@ class FlashInferMLABackend(KernelBackend):
     def prepare(self, fb: ForwardBatch) -> None:
         self.plan(self.wrapper, fb)
 
-    def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        return torch.ops.flexsgl.flashinfer_mla(q, self.pool.kv[layer], self.handle, self.pool.page_size,
+    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+        (kv,) = cache
+        return torch.ops.flexsgl.flashinfer_mla(q, kv, self.handle, self.pool.page_size,
                                                 self.pool.kv_lora_rank)
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:

@@ -192,8 +192,9 @@ class TritonDecodeBackend(KernelBackend):
             raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
         self.reserve(fb.batch_size)
 
-    def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        return torch.ops.flexsgl.split_kv_decode(q, self.pool.k[layer], self.pool.v[layer], fb.page_table,
+    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+        k, v = cache
+        return torch.ops.flexsgl.split_kv_decode(q, k, v, fb.page_table,
                                                  fb.seq_lens, self.counter, self.pool.page_size)
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:

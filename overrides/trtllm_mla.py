@@ -77,9 +77,9 @@ class TrtllmMLABackend(KernelBackend):
         if fb.mode != "decode":
             raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
 
-    def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        p = self.pool
-        return torch.ops.flexsgl.trtllm_mla_decode(q, p.kv[layer], fb.page_table, fb.seq_lens, self.workspace,
+    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+        p, (kv,) = self.pool, cache
+        return torch.ops.flexsgl.trtllm_mla_decode(q, kv, fb.page_table, fb.seq_lens, self.workspace,
                                                    p.page_size, p.kv_lora_rank, p.qk_nope_head_dim, p.softmax_scale)
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:

@@ -61,7 +61,7 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
     backend.prepare(fb)
     cast = lambda x: x.to(device, dtype)
     pool.store(0, cast(k), cast(v), fb.out_slots)
-    out = (forward or type(backend).forward)(backend, cast(q), 0, fb)
+    out = (forward or type(backend).forward)(backend, cast(q), pool.layer_cache(0), fb)
     ref = dense_attention(q, dense, specs)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol, msg=lambda m: f"seed={seed}: {m}")
     return out

@@ -81,10 +81,10 @@ class SmallBatchFlex(FlexAttentionBackend):
     served: list = []
     bound: list = []
 
-    def forward(self, q, layer, fb):
-        if layer == 0:
+    def forward(self, q, cache, fb):
+        if cache[0] is self.pool.k[0]:  # the first layer's
             self.served.append(fb.batch_size)
-        return super().forward(q, layer, fb)
+        return super().forward(q, cache, fb)
 
     def bind_graph(self, bs, fb):
         self.bound.append(bs)

@@ -36,6 +36,7 @@ def test_store_path_writes_the_pool_in_place(monkeypatch, fused, arch):
     rope = RotaryEmbedding(D, 4096, 1e6, None)
     pool = KVPool(1, PAGES, PAGE, HKV, D, torch.float32, "cpu")
     pool.k[0].normal_(), pool.v[0].normal_()
+    attn.cache = pool.layer_cache(0)
     before_k, before_v = pool.k[0].clone(), pool.v[0].clone()
     k_ptr, v_ptr = pool.k[0].data_ptr(), pool.v[0].data_ptr()
     t = 7

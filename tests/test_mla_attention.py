@@ -48,7 +48,7 @@ def run_mla_case(specs, page_size, device, dtype, rtol, atol, backend_cls=FlexML
     backend = backend_cls(pool, num_heads=hq, compiled=compiled)
     backend.prepare(fb)
     pool.store(0, latent[:, 0].to(device, dtype), fb.out_slots)
-    out = (forward or type(backend).forward)(backend, q.to(device, dtype), 0, fb)
+    out = (forward or type(backend).forward)(backend, q.to(device, dtype), pool.layer_cache(0), fb)
     # dense_attention scales by 1/sqrt(D); the query carries the rest of the model's scale.
     ref = dense_attention(q * scale * (rank + rope) ** 0.5, [(k, k[..., :rank]) for k, _ in dense], specs)
     assert out.shape == (q.shape[0], hq, rank)

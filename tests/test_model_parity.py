@@ -28,6 +28,19 @@ def test_compiled_engine_on_cpu_matches_hf(tmp_path, monkeypatch):
     check_against_hf(tmp_path, monkeypatch, "qwen3", False, 16, 8192, compile=True, steps=12)
 
 
+def test_one_compile_serves_every_layer():
+    """torch.compile compiles decoder layers, and the first layer's graph serves the others: a
+    prefill step and a decode step of new shapes compile one graph each, whatever the layer count
+    (a layer that recompiled for its own weights or cache, or a graph break, would add more)."""
+    llm = LLM("tiny", load_format="dummy", device="cpu", compile=True, max_total_tokens=1024)
+    assert llm.config.num_layers > 1
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    llm.generate([[random.randrange(llm.config.vocab_size) for _ in range(random.randrange(3, 40))]],
+                 SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert graphs["unique_graphs"] - before == 2
+
+
 def test_compiled_lone_prompt_matches_hf(tmp_path, monkeypatch):
     """One prompt in chunks of 48 tokens: compiled prefill steps of a lone request, one of which
     samples nothing, which the runner pads with a dummy request and dummy logits rows."""

@@ -81,7 +81,7 @@ def test_trtllm_mla_decode_up_to_the_kernel(monkeypatch, page_size):
     backend = trtllm_mla.TrtllmMLABackend(pool, num_heads=H)
     backend.prepare(fb)
     q = torch.randn(len(lens), H, R + ROPE, generator=g).to(torch.bfloat16)
-    out = backend.forward(q, 1, fb)
+    out = backend.forward(q, pool.layer_cache(1), fb)
     assert kernel.calls == 1 and out.shape == (len(lens), H, R) and out.dtype == torch.bfloat16
     for i, latent in enumerate(dense):
         p = (q[i].double() @ latent.T * mla.softmax_scale).softmax(-1)

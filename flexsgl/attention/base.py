@@ -81,9 +81,11 @@ class AttentionBackend(Protocol):
     def prepare(self, fb: ForwardBatch) -> None:
         """Build this step's metadata into fb.attn (eager path)."""
 
-    def forward(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
-        """Attend with q `[T, Hq, D]` over `layer`'s paged KV (this step's K/V already stored at
-        fb.out_slots), return `[T, Hq, D]`."""
+    def forward(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...], fb: ForwardBatch) -> torch.Tensor:
+        """Attend with q `[T, Hq, D]` over one layer's paged KV, `cache` (the pool's `layer_cache`:
+        K and V, or an MLA pool's latents; this step's already stored at fb.out_slots), return
+        `[T, Hq, D]`. The layer's tensors, not its index: one compiled decoder layer serves every
+        layer (flexsgl/compile.py)."""
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         """Allocate the static buffers every captured batch size shares (max_pages: per request)."""

@@ -10,7 +10,7 @@ the mask_mod (flex_masks.py) runs. Mask memory is query blocks x pages per reque
 compiled, x pool pages: Inductor's CPU kernel wants full-width index rows).
 
 Compiled on CUDA, decode runs through flex_ops.py's opaque op (a kernel per batch size, outside
-the model's compiled step); prefill runs flex_attention inside the step. `page_pos[p]`, the logical index page
+the compiled decoder layer); prefill runs flex_attention inside the layer. `page_pos[p]`, the logical index page
 p holds in the requests that use it, is written here on the device before each step.
 """
 
@@ -185,17 +185,17 @@ class FlexAttentionBackend:
             mask_mod=mask_mod, seq_lengths=(query_shape[1], n_kv), compute_q_blocks=False)
         return FlexMeta(block_mask, query_shape, rows, mask_state)
 
-    def forward(self, q, layer: int, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
         meta: FlexMeta = fb.attn
-        t, hq, d = q.shape
+        k, v = cache
         if fb.mode == "decode" and self.decode_op:
             bm = meta.block_mask
-            return flex_decode(q, self.pool.k[layer], self.pool.v[layer], bm.kv_num_blocks, bm.kv_indices,
+            return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices,
                                bm.full_kv_num_blocks, bm.full_kv_indices, fb.page_table, *meta.mask_state,
                                self.page_pos, self.pool.page_size)
         n = fb.num_kv_pages * self.pool.page_size
-        kb = self.pool.k[layer][None, :n].transpose(1, 2)
-        vb = self.pool.v[layer][None, :n].transpose(1, 2)
+        kb = k[None, :n].transpose(1, 2)
+        vb = v[None, :n].transpose(1, 2)
         return self.attend(q, kb, vb, meta)
 
     def attend(self, q, k, v, meta: FlexMeta, scale: float | None = None) -> torch.Tensor:

@@ -2,16 +2,16 @@
 
 Inductor lowers short queries to its flex-decoding kernel (KV split across programs, a KV head's
 query heads in one tile) only for a static batch; with a symbolic one it falls back to the main
-kernel, which gives each query head a 128-row tile. Compiling the whole decode step per batch size
+kernel, which gives each query head a 128-row tile. Compiling the model's decode per batch size
 cost a model compile per size (~25 s for an 8B, twelve sizes). Here decode attention is a custom
-op that the model's compiled step cannot see into: the step compiles once with a symbolic batch,
+op that the compiled decoder layer cannot see into: it compiles once with a symbolic batch,
 as it does around a kernel override, and the op runs flex_attention compiled for the batch size it
 receives (one kernel, about 2 s to compile; Inductor's cache keeps it across processes).
 
 Kernel options (H100 sweep, 32/8 heads, d=128, pages of 64, docs/BENCHMARKS.md). Decode: 4 warps
 and 3 stages (Inductor's default config is up to 2.2x slower at batch 8), and at least 16 KV splits
 while batch x KV heads is at most 32 (Inductor gives batch 4 only 8: 48 µs against 39 at 4k
-tokens). Prefill (run inside the model's step), up to head_dim 128: 64x64 tiles, 4 warps, 3 stages
+tokens). Prefill (run inside the compiled decoder layer), up to head_dim 128: 64x64 tiles, 4 warps, 3 stages
 (5-9% faster than 128x64 with 8 warps). The KV tile must divide a page.
 
 Prefill stays inside the model's step: the same op pattern for it, compiled with dynamic shapes,

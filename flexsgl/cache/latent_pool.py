@@ -29,7 +29,17 @@ class LatentKVPool:
         self.kv = [torch.zeros(num_pages * page_size, 1, mla.latent_dim, dtype=dtype, device=device)
                    for _ in range(num_layers)]
 
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor]:
+        """`layer`'s latents, which its attention module holds (`cache`) and hands to the backend."""
+        return (self.kv[layer],)
+
     def store(self, layer: int, latent: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write latent `[tokens, kv_lora_rank + rope dims]` into `layer`'s slots, in place (an index
-        put on the pool tensor itself, which compiled graphs keep in place)."""
-        self.kv[layer][slots] = latent.to(self.kv[layer].dtype)[:, None]
+        """Write latent `[tokens, kv_lora_rank + rope dims]` into `layer`'s slots, in place."""
+        self.store_into(self.layer_cache(layer), latent, slots)
+
+    @staticmethod
+    def store_into(cache: tuple[torch.Tensor], latent: torch.Tensor, slots: torch.Tensor) -> None:
+        """`store` into a layer's `cache` (what the model's attention layers hold): an index put on
+        the pool tensor itself, which compiled graphs keep in place."""
+        kv = cache[0]
+        kv[slots] = latent.to(kv.dtype)[:, None]

@@ -81,26 +81,30 @@ class KVPool:
         fused = rope_store.applies(self.device, head_dim)
         self.norm_rope_store = self._fused_norm_rope_store if fused else self._norm_rope_then_store
 
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer`'s K and V, which its attention module holds (`cache`) and hands to the backend."""
+        return self.k[layer], self.v[layer]
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write k, v `[tokens, Hkv, D]` into `layer`'s slots, in place."""
         write_kv(self.k[layer], self.v[layer], k, v, slots)
 
     # The store path (`norm_rope_store`, one of the two below): an attention layer's qkv_proj output
     # `[T, (Hq + 2 Hkv) * D]` -> q `[T, Hq, D]`, normed (where `attn` has q/k norms) and rotated, with
-    # this step's K (normed, rotated) and V written at `slots` of layer `attn.layer_id`.
+    # this step's K (normed, rotated) and V written at `slots` of the layer's cache, `attn.cache`.
 
     def _fused_norm_rope_store(self, attn, qkv: torch.Tensor, positions: torch.Tensor, rope,
                                slots: torch.Tensor) -> torch.Tensor:
         qn, kn, eps = rope_store.norm_weights(attn)
-        layer = attn.layer_id
-        return torch.ops.flexsgl.rope_store(qkv, qn, kn, eps, rope.cos, rope.sin, positions, slots, self.k[layer],
-                                            self.v[layer], attn.hq)
+        k_cache, v_cache = attn.cache
+        return torch.ops.flexsgl.rope_store(qkv, qn, kn, eps, rope.cos, rope.sin, positions, slots, k_cache, v_cache,
+                                            attn.hq)
 
     def _norm_rope_then_store(self, attn, qkv: torch.Tensor, positions: torch.Tensor, rope,
                               slots: torch.Tensor) -> torch.Tensor:
         qn, kn, eps = rope_store.norm_weights(attn)
         q, k, v = rope_store.norm_rope(qkv, qn, kn, eps, rope.cos, rope.sin, positions, attn.hq, attn.d)
-        self.store(attn.layer_id, k, v, slots)
+        write_kv(*attn.cache, k, v, slots)
         return q
 
     @staticmethod

@@ -32,12 +32,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.kv_pool = None  # DecoderForCausalLM.bind_kv_pool sets it
+        self.kv_pool = None  # DecoderForCausalLM.bind_kv_pool sets it, and this layer's K/V in it:
+        self.cache: tuple[torch.Tensor, ...] = ()
 
     def attend(self, qkv, positions, rope: RotaryEmbedding, fb):
         """qkv_proj's output -> attention output `[tokens, Hq * D]`, the input of o_proj."""
         q = self.kv_pool.norm_rope_store(self, qkv, positions, rope, fb.out_slots)
-        return fb.backend.forward(q, self.layer_id, fb).reshape(qkv.shape[0], self.hq * self.d)
+        return fb.backend.forward(q, self.cache, fb).reshape(qkv.shape[0], self.hq * self.d)
 
 
 class DecoderLayer(nn.Module):
@@ -90,8 +91,12 @@ class DecoderForCausalLM(nn.Module):
 
     def bind_kv_pool(self, pool) -> None:
         """Give every attention layer the KV pool it stores its K/V in (once, before the first step)."""
-        for layer in self.model.layers:
-            layer.self_attn.kv_pool = pool
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.kv_pool, layer.self_attn.cache = pool, pool.layer_cache(i)
+
+    def compiled_regions(self) -> list[nn.Module]:
+        """What torch.compile compiles (flexsgl/compile.py): each decoder layer, all from one code."""
+        return list(self.model.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """Returns the logits (in the model's dtype) of the tokens at `fb.logits_index` (each request's

@@ -95,7 +95,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, bias=False)
-        self.kv_pool = None  # DeepseekV2ForCausalLM.bind_kv_pool sets it
+        self.kv_pool = None  # DeepseekV2ForCausalLM.bind_kv_pool sets it, and this layer's latents in it:
+        self.cache: tuple[torch.Tensor, ...] = ()
 
     def forward(self, x, norm, positions, rope: InterleavedRotary, fb) -> torch.Tensor:
         """x + attention(norm(x)), `[T, hidden]`."""
@@ -106,12 +107,12 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(t, self.hq, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c, k_pe = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c = rms_norm(c, self.kv_a_layernorm.weight, LATENT_NORM_EPS)
-        self.kv_pool.store(self.layer_id, torch.cat([c, rope.rotate(positions, k_pe[:, None])[:, 0]], dim=-1),
+        self.kv_pool.store_into(self.cache, torch.cat([c, rope.rotate(positions, k_pe[:, None])[:, 0]], dim=-1),
                            fb.out_slots)
         w_kv = self.kv_b_proj.weight.view(self.hq, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w_kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
-        out = fb.backend.forward(torch.cat([q_latent, rope.rotate(positions, q_pe)], dim=-1), self.layer_id, fb)
+        out = fb.backend.forward(torch.cat([q_latent, rope.rotate(positions, q_pe)], dim=-1), self.cache, fb)
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return gemv.linear(out.reshape(t, -1), self.o_proj, residual=x)
 
@@ -195,10 +196,15 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def bind_kv_pool(self, pool) -> None:
         """Give every attention layer the latent pool it stores its latents in (once, before the first step)."""
-        for layer in self.model.layers:
-            layer.self_attn.kv_pool = pool
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.kv_pool, layer.self_attn.cache = pool, pool.layer_cache(i)
             if isinstance(layer.mlp, MoE):
                 layer.mlp.experts.place(pool.device)
+
+    def compiled_regions(self) -> list[nn.Module]:
+        """What torch.compile compiles (flexsgl/compile.py): each layer, the dense ones from one code
+        and the MoE ones from another."""
+        return list(self.model.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """The logits of the tokens at `fb.logits_index`, in the model's dtype."""
