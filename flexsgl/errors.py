@@ -32,6 +32,15 @@ class CheckpointError(InputError):
     """A model directory that cannot be served: its config, weights or tokenizer."""
 
 
+class TensorParallelError(InputError):
+    """A tensor-parallel setting that cannot run here (ranks, GPUs, heads), or a rank that failed
+    to load the model for a reason of that kind (its message names the rank)."""
+
+
+class RankFailedError(RuntimeError):
+    """Another tensor-parallel rank failed while the engine started (its message names the rank)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine failed in a way that leaves it unable to run; make a new one (after a device
     fault, in a new process)."""
