@@ -46,6 +46,9 @@ def refuse(cfg: EngineConfig, mcfg, device: torch.device) -> None:
     """Raise TensorParallelError, in one sentence, for a tensor-parallel setting that cannot run."""
     n = cfg.tensor_parallel_size
     env = torchrun_env()
+    if dist.is_initialized():
+        raise TensorParallelError("This process already has a process group (another tensor-parallel engine, "
+                                  "or one of its own); shut that engine down before starting another.")
     if env is not None and env[1] != n:
         raise TensorParallelError(f"tensor_parallel_size is {n}, but this process was started as one of "
                                   f"{env[1]} ranks (WORLD_SIZE); start as many processes as tensor-parallel ranks.")

@@ -102,12 +102,14 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        if self.dead() is None:
+        clean = self.dead() is None
+        if clean:
             try:
                 self.group.broadcast(("stop",))
             except Exception:
-                pass
-        stop_processes(self.procs or [])
+                clean = False
+        # After a rank died the others cannot finish a collective: end them now.
+        stop_processes(self.procs or [], timeout=10.0 if clean else 0.0)
         destroy_group()
 
 
@@ -115,10 +117,10 @@ def worker_main(rank: int, size: int, cfg, device_type: str, port: int) -> None:
     """A spawned worker process: join through rank 0's store, then serve (never returns normally)."""
     from flexsgl.log import set_level
 
-    set_level(os.environ.get("FLEXSGL_WORKER_LOG_LEVEL", "warning"))  # rank 0 speaks for the engine
     store = None
     try:
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        set_level(os.environ.get("FLEXSGL_WORKER_LOG_LEVEL", "warning"))  # rank 0 speaks for the engine
         store.set(f"joined/{rank}", "1")
         group = init_group(rank, size, rank_device(torch.device(device_type), rank), store)
     except BaseException as e:
