@@ -45,13 +45,15 @@ def run(p: Plan, progress: bool = True) -> dict:
             # Start-up apart from run time: loading, graph capture, and compiling wherever it happened
             # (in capture, and in warm-up passes, which the timed figures above leave out).
             res.update(llm.startup_times())
+            llm.shutdown()  # tensor-parallel ranks stop now: the next backend's engine starts its own
             del llm
             free_memory(device)
         results.append(res)
         # Each backend's figures as soon as they exist: a run cut short still reports what it measured.
         say(f"{label}: " + ", ".join(f"{name} {number(v)}" for name, v in table_rows(p.args.workload, res)))
     return {"workload": p.args.workload, "model": p.engine.model, "load_format": p.engine.load_format,
-            "device": p.engine.device, "copy_bandwidth_bytes_per_s": bandwidth,
+            "device": p.engine.device, "tensor_parallel_size": p.engine.tensor_parallel_size,
+            "copy_bandwidth_bytes_per_s": bandwidth,
             "command": command_line(p.args), "args": asdict(p.args), "resolved": resolved(p),
             "environment": environment(device),
             "results": results}

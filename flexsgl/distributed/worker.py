@@ -19,6 +19,7 @@ fails its next receive and exits.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from flexsgl.distributed.launcher import exit_reason, rank_device, stop_processe
 from flexsgl.errors import EngineDeadError, RankFailedError, TensorParallelError, describe
 
 LIVENESS_CHECK_S = 0.1  # how often rank 0 looks at its workers while it waits for a step
+DEATH_WAIT_S = 3.0  # how long a failed collective waits to see whether a worker is exiting
 
 
 def agree(group: TPGroup | None, error: BaseException | None) -> None:
@@ -70,13 +72,22 @@ class Channel:
         if reason is not None:
             raise EngineDeadError(reason)
 
+    def dead_soon(self, wait: float = DEATH_WAIT_S) -> str | None:
+        """dead(), given a worker whose failure broke a collective the time to finish exiting."""
+        deadline = time.monotonic() + (wait if self.procs else 0.0)
+        while True:
+            reason = self.dead()
+            if reason is not None or time.monotonic() >= deadline:
+                return reason
+            time.sleep(0.02)
+
     def send(self, msg: tuple) -> None:
         self.check()
         try:
             self.group.broadcast(msg)
         except Exception as e:
-            self.check()
-            raise EngineDeadError(f"the tensor-parallel ranks lost contact ({describe(e)})") from e
+            reason = self.dead_soon()
+            raise EngineDeadError(reason or f"the tensor-parallel ranks lost contact ({describe(e)})") from e
 
     def send_step(self, plan) -> None:
         self.send(("step", plan))
@@ -84,7 +95,7 @@ class Channel:
     def failed(self, e: BaseException) -> EngineDeadError:
         """The error for a step that failed on rank 0 after its plan went out: the ranks may have
         parted ways, so the engine cannot go on (a dead worker is named as the cause)."""
-        reason = self.dead()
+        reason = self.dead_soon()
         return EngineDeadError(reason or f"a step failed on rank 0 after the other ranks started it ({describe(e)})")
 
     def wait(self, event: torch.cuda.Event) -> None:
@@ -115,8 +126,13 @@ class Channel:
 
 def worker_main(rank: int, size: int, cfg, device_type: str, port: int) -> None:
     """A spawned worker process: join through rank 0's store, then serve (never returns normally)."""
+    from tqdm import tqdm
+
     from flexsgl.log import set_level
 
+    # tqdm's default lock is a multiprocessing semaphore, which a worker ending with os._exit would
+    # leave behind (the resource tracker warns of it at exit); a thread lock does here.
+    tqdm.set_lock(threading.RLock())
     store = None
     try:
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
