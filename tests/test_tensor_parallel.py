@@ -170,6 +170,7 @@ def test_four_ranks_replicate_kv_heads_and_a_killed_rank_stops_the_engine():
         with pytest.raises(EngineDeadError, match="rank 2 stopped"):
             four.generate(prompts, greedy(8))
         assert time.monotonic() - t0 < 10
+        assert all(not p.is_alive() for p in four._channel.procs), "the other ranks still run"
         with pytest.raises(EngineDeadError, match="rank 2"):
             four.generate(prompts, greedy(2))
     finally:

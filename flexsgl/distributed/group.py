@@ -58,6 +58,10 @@ class TPGroup:
 
 
 _current: TPGroup | None = None
+# The device group's name and size as plain values, which the compiled model reads (torch.compile
+# takes them as constants and guards on them).
+_name: str | None = None
+_size: int = 1
 
 
 def current() -> TPGroup | None:
@@ -68,7 +72,7 @@ def current() -> TPGroup | None:
 def init_group(rank: int, size: int, device: torch.device, store: dist.Store | None = None) -> TPGroup:
     """Join the ranks: the default process group (the device group) from `store` (None: torchrun's
     environment), then the gloo control group. Sets the CUDA device to cuda:rank first on a GPU."""
-    global _current
+    global _current, _name, _size
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -77,25 +81,26 @@ def init_group(rank: int, size: int, device: torch.device, store: dist.Store | N
                             **({"device_id": device} if device.type == "cuda" else {}), **kw)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _current = TPGroup(rank, size, device, dist.group.WORLD, control)
+    _name, _size = _current.name, size
     return _current
 
 
 def destroy_group() -> None:
     """Leave the group (every rank calls it at the end); safe to call twice."""
-    global _current
-    _current = None
+    global _current, _name, _size
+    _current, _name, _size = None, None, 1
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over the ranks (a new tensor)."""
-    return funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", _current.name))
+    return funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", _name))
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """`x` `[T, N]` of every rank side by side, `[T, size * N]`, rank 0's first."""
-    size = _current.size
-    out = funcol.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), size, _current.name))
+    size = _size
+    out = funcol.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), size, _name))
     t, n = x.shape
     return out.view(size, t, n).permute(1, 0, 2).reshape(t, size * n)

@@ -70,7 +70,19 @@ class Channel:
     def check(self) -> None:
         reason = self.dead()
         if reason is not None:
-            raise EngineDeadError(reason)
+            raise self.abandon(reason)
+
+    def abandon(self, reason: str) -> EngineDeadError:
+        """A rank died: end the other workers now (they could only wait on it) and return the error.
+        On a GPU the group is left as it is: leaving it could wait on NCCL work that cannot finish,
+        so the process must end, as after a device fault. (On the CPU it is left, and another
+        engine can start.)"""
+        if not self.closed:
+            self.closed = True
+            stop_processes(self.procs or [], timeout=0.0)
+            if self.group.device.type == "cpu":
+                destroy_group()
+        return EngineDeadError(reason)
 
     def dead_soon(self, wait: float = DEATH_WAIT_S) -> str | None:
         """dead(), given a worker whose failure broke a collective the time to finish exiting."""
@@ -87,7 +99,7 @@ class Channel:
             self.group.broadcast(msg)
         except Exception as e:
             reason = self.dead_soon()
-            raise EngineDeadError(reason or f"the tensor-parallel ranks lost contact ({describe(e)})") from e
+            raise self.abandon(reason or f"the tensor-parallel ranks lost contact ({describe(e)})") from e
 
     def send_step(self, plan) -> None:
         self.send(("step", plan))
@@ -96,7 +108,7 @@ class Channel:
         """The error for a step that failed on rank 0 after its plan went out: the ranks may have
         parted ways, so the engine cannot go on (a dead worker is named as the cause)."""
         reason = self.dead_soon()
-        return EngineDeadError(reason or f"a step failed on rank 0 after the other ranks started it ({describe(e)})")
+        return self.abandon(reason or f"a step failed on rank 0 after the other ranks started it ({describe(e)})")
 
     def wait(self, event: torch.cuda.Event) -> None:
         """Wait for a step's tokens (CUDA), checking now and then that the workers still run: a
