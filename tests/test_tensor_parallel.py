@@ -189,6 +189,16 @@ def test_shutdown_stops_the_workers():
     llm.shutdown()  # twice is fine
 
 
+def test_failed_start_up_raises_and_stops_the_workers():
+    """Every rank fails sizing the KV pool: rank 0 raises its own error, the workers exit, and the
+    process can start another tensor-parallel engine."""
+    import multiprocessing
+
+    with pytest.raises(ValueError, match="^A KV cache of 1000000000000 tokens needs"):
+        LLM("tiny", load_format="dummy", tensor_parallel_size=2, **{**OPTIONS, "max_total_tokens": 10**12})
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("flexsgl-tp")]
+
+
 def test_worker_that_fails_before_joining_is_reported(monkeypatch):
     monkeypatch.setenv("FLEXSGL_WORKER_LOG_LEVEL", "loud")
     with pytest.raises(RankFailedError, match=r"rank 1 exited before joining: ValueError: Unknown log level 'loud'"):
