@@ -25,10 +25,11 @@ _map_source_overrides()
 
 from flexsgl.config import EngineConfig
 from flexsgl.engine import LLM
-from flexsgl.errors import CheckpointError, EngineDeadError, InputError, PromptError, SamplingParamsError
+from flexsgl.errors import (CheckpointError, EngineDeadError, InputError, PromptError, RankFailedError,
+                            SamplingParamsError, TensorParallelError)
 from flexsgl.request import RequestOutput
 from flexsgl.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "InputError", "PromptError",
-           "SamplingParamsError", "CheckpointError", "EngineDeadError"]
+           "SamplingParamsError", "CheckpointError", "EngineDeadError", "TensorParallelError", "RankFailedError"]
 __version__ = "0.1.0"

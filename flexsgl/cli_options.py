@@ -33,9 +33,13 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+# Shorter names a flag also answers to (SGLang's --tp-size, and --tp).
+ALIASES = {"tensor_parallel_size": ("--tp-size", "--tp")}
+
+
 def _flag(name: str, kind, default, help: str, hidden: bool = False) -> inspect.Parameter:
     dashed = "--" + name.replace("_", "-")
-    decls = [f"{dashed}/--no-{dashed[2:]}"] if kind == Optional[bool] else [dashed]
+    decls = [f"{dashed}/--no-{dashed[2:]}"] if kind == Optional[bool] else [dashed, *ALIASES.get(name, ())]
     opt = typer.Option(default, *decls, help=help, hidden=hidden, show_default=default is not None)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=kind)
 

@@ -46,6 +46,8 @@ class EngineConfig:
                                                          "e.g. 1,2,4,8 (default: the decode buckets up to "
                                                          "max_running_requests).")
     random_seed: int = option(0, "Seed of dummy weights.")
+    tensor_parallel_size: int = option(1, "GPUs (ranks) to split the model across, one process each "
+                                          "(--tp, --tp-size; flexsgl starts them, or torchrun does).")
 
     def __post_init__(self):
         if self.cuda_graph_bs is not None and not isinstance(self.cuda_graph_bs, (str, bytes)):
@@ -164,6 +166,7 @@ CHECKS = {
     "disable_cuda_graph": _of_type(bool, "True or False"),
     "cuda_graph_bs": _batch_sizes,
     "random_seed": _seed,
+    "tensor_parallel_size": _positive_int,
 }
 
 # Old option name -> (new name, how its value converts). Kept for one release.

@@ -29,8 +29,11 @@ Errors (flexsgl/errors.py has the types):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+import weakref
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Sequence
 
@@ -62,6 +65,99 @@ PROGRESS_PROMPTS, PROGRESS_TOKENS = 8, 1024
 
 
 
+def pick_dtype(dtype: str, device: torch.device, mcfg) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.float16 if mcfg.torch_dtype == "float16" else torch.bfloat16
+    return DTYPES[dtype]
+
+
+def prepare(cfg: EngineConfig, device: torch.device):
+    """(model source, dtype, attention backend choice) of `cfg`, or ValueError saying why it cannot run."""
+    src = resolve(cfg.model or DEFAULT_MODEL, cfg.load_format)
+    mcfg = src.config
+    dtype = pick_dtype(cfg.dtype, device, mcfg)
+    choice = resolve_override(cfg.override, device, mcfg.attention, cfg.page_size, mcfg.kv_layout[2],
+                              str(dtype).removeprefix("torch."))
+    if cfg.cuda_graph_bs is not None and not cfg.cuda_graphs:
+        raise ValueError("cuda_graph_bs was given, but CUDA graphs are off: they need a CUDA device "
+                         f"(this engine runs on {device.type}) and disable_cuda_graph unset.")
+    return src, dtype, choice
+
+
+@dataclass
+class EngineCore:
+    """What every tensor-parallel rank builds (and the only thing a worker rank has)."""
+
+    model: torch.nn.Module
+    pool: object
+    backends: PhaseRouter
+    runner: ModelRunner
+    num_pages: int
+    compile: bool
+    load_s: float  # loading the weights
+    build_s: float  # the whole build
+
+
+def build_core(cfg: EngineConfig, group=None, prepared=None) -> EngineCore:
+    """Model (this rank's part of it), KV pool, attention backends and runner, with the decode
+    graphs captured. With a tensor-parallel `group` every rank runs this, in step: after each
+    phase the ranks agree that none failed (worker.agree), and the KV pool takes the fewest pages
+    any rank can hold, so that rank 0's page numbers are valid on all."""
+    t0 = time.perf_counter()
+    device = cfg.torch_device if group is None else group.device
+    rank, size = (0, 1) if group is None else (group.rank, group.size)
+    src, dtype, choice = prepared or prepare(cfg, device)
+    agree = _no_group if group is None else functools.partial(_agree, group)
+    error = None
+    try:
+        model = build_model(src, device, dtype, cfg.random_seed, rank, size)
+    except Exception as e:
+        error = e
+    agree(error)
+    load_s = time.perf_counter() - t0
+    mcfg = model.cfg  # this rank's heads and MLP slice
+    try:
+        num_pages = kv_cache_pages(cfg, mcfg, dtype, device, choice.max_pool_elements(device))
+    except Exception as e:
+        error = e
+    agree(error)
+    if group is not None:
+        num_pages = group.min(num_pages)
+    try:
+        pool = build_kv_pool(mcfg, num_pages, cfg.page_size, dtype, device)
+        model.bind_kv_pool(pool)
+        if rank == 0:
+            logger.info(f"KV cache: {num_pages - 1} pages of {cfg.page_size} tokens"
+                        + (" per rank" if size > 1 else ""))
+        compile = device.type == "cuda" if cfg.compile is None else cfg.compile
+        if compile and rank == 0:
+            logger.info("torch.compile on: the first step of each new batch shape compiles kernels first "
+                        "(tens of seconds for a large model)")
+        backends = PhaseRouter(choice, pool, mcfg.num_heads, compile)
+        if rank == 0:
+            logger.info(f"attention: {choice.label}")
+        runner = ModelRunner(model, pool, backends, device, cfg.max_running_requests, mcfg.max_position, compile)
+        if cfg.cuda_graphs:
+            runner.capture_graphs(cfg.cuda_graph_bs)
+    except Exception as e:
+        error = e
+    agree(error)
+    return EngineCore(model, pool, backends, runner, num_pages, compile, load_s, time.perf_counter() - t0)
+
+
+def _no_group(error):
+    if error is not None:
+        raise error
+
+
+def _agree(group, error):
+    from flexsgl.distributed.worker import agree
+
+    agree(group, error)
+
+
 class LLM:
     _interrupt: BaseException | None = None  # raised by a callback in the step being processed
 
@@ -77,51 +173,68 @@ class LLM:
         else:
             self.engine_config = cfg = EngineConfig.from_options(model, **options)
         self.device = cfg.torch_device
-        self.src = resolve(cfg.model or DEFAULT_MODEL, cfg.load_format)
-        self.config = mcfg = self.src.config
-        self.dtype = self._pick_dtype(cfg.dtype)
-        dtype_name = str(self.dtype).removeprefix("torch.")
         # Refuses before the model loads, with the reason.
-        choice = resolve_override(cfg.override, self.device, mcfg.attention, cfg.page_size,
-                                  mcfg.kv_layout[2], dtype_name)
-        if cfg.cuda_graph_bs is not None and not cfg.cuda_graphs:
-            raise ValueError("cuda_graph_bs was given, but CUDA graphs are off: they need a CUDA device "
-                             f"(this engine runs on {self.device.type}) and disable_cuda_graph unset.")
+        self.src, self.dtype, choice = prepare(cfg, self.device)
+        self.config = mcfg = self.src.config
+        self._channel = None  # to the other tensor-parallel ranks
+        if cfg.tensor_parallel_size > 1:
+            self._channel = self._start_ranks(cfg, mcfg)
+            self.device = self._channel.group.device
         logger.info(f"loading {self.src.name} ({self.src.load_format}, {mcfg.num_params() / 1e6:.1f}M params, "
-                    f"{dtype_name}, {self.device})")
+                    f"{str(self.dtype).removeprefix('torch.')}, {self.device}"
+                    + (f", {cfg.tensor_parallel_size} tensor-parallel ranks" if self._channel else "") + ")")
         t0 = time.perf_counter()
-        self.model = build_model(self.src, self.device, self.dtype, cfg.random_seed)
+        try:
+            core = build_core(cfg, None if self._channel is None else self._channel.group,
+                              (self.src, self.dtype, choice))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.model, self.pool, self.runner, self.backends = core.model, core.pool, core.runner, core.backends
+        self.compile = core.compile
         self.tokenizer = load_tokenizer(self.src)
-        self.load_s = time.perf_counter() - t0  # weights and tokenizer
+        self.load_s = core.load_s + time.perf_counter() - t0 - core.build_s  # weights and tokenizer
         self.default_sampling = default_sampling(self.src)
-        num_pages = kv_cache_pages(cfg, mcfg, self.dtype, self.device, choice.max_pool_elements(self.device))
-        self.pool = build_kv_pool(mcfg, num_pages, cfg.page_size, self.dtype, self.device)
-        self.model.bind_kv_pool(self.pool)
-        self.allocator = PageAllocator(num_pages)
-        logger.info(f"KV cache: {num_pages - 1} pages of {cfg.page_size} tokens")
-        self.compile = self.device.type == "cuda" if cfg.compile is None else cfg.compile
-        if self.compile:
-            logger.info("torch.compile on: the first step of each new batch shape compiles kernels first "
-                        "(tens of seconds for a large model)")
-        self.backends = PhaseRouter(choice, self.pool, mcfg.num_heads, self.compile)
-        logger.info(f"attention: {choice.label}")
+        self.allocator = PageAllocator(core.num_pages)
         self.scheduler = Scheduler(cfg.page_size, self.allocator, cfg.max_num_batched_tokens,
                                    cfg.max_running_requests)
-        self.runner = ModelRunner(self.model, self.pool, self.backends, self.device, cfg.max_running_requests,
-                                  mcfg.max_position, self.compile)
-        if cfg.cuda_graphs:
-            self.runner.capture_graphs(cfg.cuda_graph_bs)
+        if self._channel is not None:
+            self.runner.tp = self._channel
+            self.runner.wait = self._channel.wait
+            self._finalizer = weakref.finalize(self, self._channel.close)
         self._ids = itertools.count()
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._done: list[Request] = []  # finished, to be returned by the next step()
         self._pending = None  # the launched step not yet read back
 
-    def _pick_dtype(self, dtype: str) -> torch.dtype:
-        if dtype == "auto":
-            if self.device.type == "cpu":
-                return torch.float32
-            return torch.float16 if self.config.torch_dtype == "float16" else torch.bfloat16
-        return DTYPES[dtype]
+    @staticmethod
+    def _start_ranks(cfg: EngineConfig, mcfg):
+        """Start the other tensor-parallel ranks (or join torchrun's); see flexsgl/distributed/launcher.py.
+        Under torchrun a rank other than 0 serves rank 0 here and then ends the process."""
+        from flexsgl.distributed import launcher
+        from flexsgl.distributed.worker import Channel, serve
+
+        device = cfg.torch_device
+        launcher.refuse(cfg, mcfg, device)
+        if launcher.torchrun_env() is None:
+            return Channel(*launcher.spawn(cfg, device))
+        group = launcher.join_torchrun(device)
+        if group.rank > 0:
+            raise SystemExit(serve(cfg, group))
+        return Channel(group, None, None)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing with one rank); the engine cannot run
+        afterwards. Also done at exit, and by `with LLM(...) as llm:`."""
+        if self._channel is not None:
+            self._channel.close()
+            self.health.kill("it was shut down")
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def startup_times(self) -> dict[str, float]:
         """Seconds spent loading the model, capturing CUDA graphs (compiling included) and compiling
@@ -251,6 +364,8 @@ class LLM:
         if batch is not None:
             try:
                 launched = self.runner.run(batch)
+            except EngineDeadError as e:  # a tensor-parallel rank died, or the ranks parted ways
+                raise self.health.kill(str(e)) from e
             except Exception as e:  # building the batch, the forward pass, sampling
                 self.health.check_device(e, self.device)
                 self.scheduler.unschedule(batch)
@@ -269,6 +384,8 @@ class LLM:
     def _read_back(self, pending) -> None:
         try:
             tokens = pending.tokens()
+        except EngineDeadError as e:  # a tensor-parallel rank died while rank 0 waited
+            raise self.health.kill(str(e)) from e
         except Exception as e:
             self.health.check_device(e, self.device)
             self._finish_all(pending.batch.requests, f"Reading back the step that ran this request failed: "

@@ -4,8 +4,11 @@
   `ValueError`s: the caller's input is wrong, and the message says what and why in one sentence.
   The engine is untouched by them. (The CLI prints them as `error: ...` and exits 2.)
 - `EngineDeadError` is a `RuntimeError`: the engine can never run again, because the device failed
-  (a CUDA error) or its state can no longer be trusted. Every later call raises it again at once,
-  with the first reason.
+  (a CUDA error), a tensor-parallel rank died, or its state can no longer be trusted. Every later
+  call raises it again at once, with the first reason.
+- Tensor parallelism: `TensorParallelError` (an `InputError`) refuses a setting that cannot run
+  before anything loads; `RankFailedError` (a `RuntimeError`) is another rank's failure while the
+  engine starts, naming the rank.
 
 A fault that concerns only some requests (a failed step, a callback that raised) is not raised:
 those requests finish with reason "error" and the reason in `RequestOutput.error`.
@@ -30,6 +33,15 @@ class SamplingParamsError(InputError):
 
 class CheckpointError(InputError):
     """A model directory that cannot be served: its config, weights or tokenizer."""
+
+
+class TensorParallelError(InputError):
+    """A tensor-parallel setting that cannot run here (ranks, GPUs, heads), or a rank that failed
+    to load the model for a reason of that kind (its message names the rank)."""
+
+
+class RankFailedError(RuntimeError):
+    """Another tensor-parallel rank failed while the engine started (its message names the rank)."""
 
 
 class EngineDeadError(RuntimeError):

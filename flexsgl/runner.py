@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from itertools import accumulate, chain
+from typing import Callable
 
 import numpy as np
 import torch
@@ -38,11 +39,12 @@ class StepOutput:
     host_tokens: torch.Tensor
     ready: torch.cuda.Event | None
     logprobs: list[TokenLogprobs | None] | None = None  # per sampled row, set by tokens()
+    wait: Callable[[torch.cuda.Event], None] | None = None  # how to wait for `ready` (default: synchronize)
 
     def tokens(self) -> list[int]:
         """Wait for the step (the one read-back per step) and return its tokens."""
         if self.ready is not None:
-            self.ready.synchronize()
+            self.ready.synchronize() if self.wait is None else self.wait(self.ready)
         if self.host_tokens.dim() == 1:
             return self.host_tokens.tolist()
         rows = self.host_tokens.tolist()
@@ -55,10 +57,35 @@ class StepOutput:
         return [int(row[0]) for row in rows]
 
 
+@dataclass
+class StepPlan:
+    """One step as host lists (picklable): what `ModelRunner.upload` turns into device tensors.
+    Rank 0 makes it from a ScheduledBatch; under tensor parallelism every rank executes the same one."""
+
+    mode: str
+    tables: list[list[int]]  # page table rows, padding rows included
+    width: int  # the uploaded table's width
+    seq_lens: list[int]
+    q_lens: list[int]
+    offsets: list[int]
+    ids: list  # token ids to feed (prefill; decode feeds token_buf[decode_slots])
+    positions: list
+    slots: list  # KV slot of each token
+    logits_index: list[int]
+    decode_slots: list[int]
+    write_slots: list[int]  # token_buf slot of each sampled row
+    sampling_i64: dict
+    sampling_f32: dict
+    flags: sampling_batch.HostFlags
+    num_kv_pages: int
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, backends: PhaseRouter, device: torch.device, max_running: int,
                  max_len: int, compile: bool):
         self.model, self.pool, self.backends, self.device = model, pool, backends, device
+        self.tp = None  # the tensor-parallel group's channel on rank 0 (flexsgl/distributed/worker.py)
+        self.wait = None  # how rank 0 waits for a step's tokens (under tensor parallelism: watching the ranks)
         self.compiled = compile
         self.max_len = max_len
         self.token_buf = torch.zeros(max_running, dtype=torch.long, device=device)  # last token per slot
@@ -110,7 +137,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
-        fb, st, write_slots, n_sampled = self.build(batch)
+        """Launch `batch`: plan it on the host, upload, run the model and sample (nothing waits for the
+        device). Under tensor parallelism the plan goes to every other rank first, which executes it."""
+        if self.tp is None:
+            built = self.build(batch)
+        else:
+            plan = self.plan(batch)
+            self.tp.send_step(plan)
+            try:
+                return self._forward_sample(batch, *self.upload(plan))
+            except Exception as e:  # the other ranks run this step: they may now wait on rank 0 forever
+                raise self.tp.failed(e) from e
+        return self._forward_sample(batch, *built)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> None:
+        """A tensor-parallel worker's step: the plan rank 0 made, run as rank 0 runs it (the same
+        sampled tokens land in token_buf and the token counts); nothing is read back."""
+        self._forward_sample(None, *self.upload(plan))
+
+    def _forward_sample(self, batch, fb: ForwardBatch, st, write_slots, n_sampled) -> StepOutput | None:
         if fb.mode == "decode" and self.graphs is not None and fb.batch_size in self.graphs.batches:
             logits = self.graphs.replay(fb)
         else:
@@ -120,6 +166,8 @@ class ModelRunner:
         tokens = sample(logits[:n_sampled], st)
         self.token_buf.index_copy_(0, write_slots, tokens)
         self.token_counts.record(write_slots, tokens)
+        if batch is None:  # a worker: rank 0 alone reads tokens back
+            return None
         if st.logprobs >= 0:
             tokens = token_logprobs(logits[:n_sampled], tokens, st.logprobs)
         if self.device.type == "cuda":
@@ -127,10 +175,15 @@ class ModelRunner:
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-            return StepOutput(batch, host, ready)
+            return StepOutput(batch, host, ready, wait=self.wait)
         return StepOutput(batch, tokens, None)
 
     def build(self, batch: ScheduledBatch):
+        """(ForwardBatch, SamplingTensors, write_slots, rows sampled) of `batch` on the device."""
+        return self.upload(self.plan(batch))
+
+    def plan(self, batch: ScheduledBatch) -> StepPlan:
+        """The host side of a step: every list the device needs, from the scheduled requests."""
         ps = self.pool.page_size
         reqs, decode = batch.requests, batch.mode == "decode"
         n_real = len(reqs)
@@ -157,7 +210,6 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         if self.table_width and not self._narrow_table_ok(decode, n_real + pad):
             width = self.table_width  # a static-shape compiled step: the full width, one shape
-        table = list(chain.from_iterable(t + [DUMMY_PAGE] * (width - len(t)) for t in tables))
         sampled = [r for r, s in zip(reqs, batch.samples) if s]
         logits_index = [o + n - 1 for o, n, s in zip(offsets, q_lens, batch.samples) if s]
         if decode:
@@ -165,23 +217,34 @@ class ModelRunner:
         elif self.compiled:  # rows past the sampled ones are computed and dropped: see MIN_COMPILED_SIZE
             logits_index += [offsets[-1]] * (MIN_COMPILED_SIZE - len(logits_index))
         sampling_i64, sampling_f32 = sampling_batch.host_parts(sampled, not decode)
+        return StepPlan(
+            mode=batch.mode, tables=tables, width=width, seq_lens=seq_lens, q_lens=q_lens, offsets=offsets,
+            ids=ids, positions=positions, slots=slots, logits_index=logits_index,
+            decode_slots=[r.slot for r in reqs] + [0] * pad, write_slots=[r.slot for r in sampled],
+            sampling_i64=sampling_i64, sampling_f32=sampling_f32, flags=sampling_batch.host_flags(sampled),
+            num_kv_pages=self.pool.num_pages if self.table_width else max(chain.from_iterable(tables)) + 1)
 
-        i32 = self._upload(torch.int32, page_table=table, seq_lens=seq_lens, q_lens=q_lens, q_offsets=offsets)
+    def upload(self, plan: StepPlan):
+        """The device side of a plan: its packed uploads and the batch and sampling tensors over them."""
+        tables, width, decode = plan.tables, plan.width, plan.mode == "decode"
+        table = list(chain.from_iterable(t + [DUMMY_PAGE] * (width - len(t)) for t in tables))
+        i32 = self._upload(torch.int32, page_table=table, seq_lens=plan.seq_lens, q_lens=plan.q_lens,
+                           q_offsets=plan.offsets)
         i64 = self._upload(
-            torch.int64, input_ids=ids, positions=positions, out_slots=slots, logits_index=logits_index,
-            decode_slots=[r.slot for r in reqs] + [0] * pad, write_slots=[r.slot for r in sampled], **sampling_i64)
-        f32 = self._upload(torch.float32, **sampling_f32)
+            torch.int64, input_ids=plan.ids, positions=plan.positions, out_slots=plan.slots,
+            logits_index=plan.logits_index, decode_slots=plan.decode_slots, write_slots=plan.write_slots,
+            **plan.sampling_i64)
+        f32 = self._upload(torch.float32, **plan.sampling_f32)
         input_ids = self.token_buf[i64["decode_slots"]] if decode else i64["input_ids"]
         fb = ForwardBatch(
-            mode=batch.mode, input_ids=input_ids, positions=i64["positions"], out_slots=i64["out_slots"],
+            mode=plan.mode, input_ids=input_ids, positions=i64["positions"], out_slots=i64["out_slots"],
             page_table=i32["page_table"].view(len(tables), width), seq_lens=i32["seq_lens"],
             q_lens=i32["q_lens"], q_offsets=i32["q_offsets"], logits_index=i64["logits_index"],
-            max_q_len=max(q_lens),
-            num_kv_pages=self.pool.num_pages if self.table_width else max(chain.from_iterable(tables)) + 1,
-            host_seq_lens=seq_lens, host_q_lens=q_lens, host_pages=tables,
+            max_q_len=max(plan.q_lens), num_kv_pages=plan.num_kv_pages,
+            host_seq_lens=plan.seq_lens, host_q_lens=plan.q_lens, host_pages=tables,
         )
-        st = sampling_batch.make_tensors(sampled, i64, f32, self.token_counts, i64["write_slots"])
-        return fb, st, i64["write_slots"], len(sampled)
+        st = sampling_batch.make_tensors(plan.flags, i64, f32, self.token_counts, i64["write_slots"])
+        return fb, st, i64["write_slots"], plan.flags.rows
 
     def _narrow_table_ok(self, decode: bool, bs: int) -> bool:
         """Whether this step may upload its page table only as wide as its longest request (at batch

@@ -7,6 +7,8 @@ request uses them: their lists are empty and their tensors are not built.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -41,10 +43,28 @@ def host_parts(sampled: list[Request], prefill: bool) -> tuple[dict, dict]:
     return i64, f32
 
 
-def make_tensors(sampled: list[Request], i64: dict, f32: dict, counts: TokenCounts,
-                 write_slots: torch.Tensor) -> SamplingTensors:
-    """The SamplingTensors of a step from its uploaded views (host_parts' names)."""
+@dataclass(frozen=True)
+class HostFlags:
+    """What the step's sampler decides on the host (no device tensor): rows sampled, whether all are
+    greedy, whether any filters (top-k/p, min-p), and the most log-probabilities asked for (-1: none)."""
+
+    rows: int
+    all_greedy: bool
+    any_filter: bool
+    logprobs: int
+
+
+def host_flags(sampled: list[Request]) -> HostFlags:
     sp = [r.sampling for r in sampled]
+    asked = [p.logprobs for p in sp if p.logprobs is not None]
+    return HostFlags(rows=len(sampled), all_greedy=all(p.greedy for p in sp),
+                     any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sp if not p.greedy),
+                     logprobs=max(asked, default=-1))
+
+
+def make_tensors(flags: HostFlags, i64: dict, f32: dict, counts: TokenCounts,
+                 write_slots: torch.Tensor) -> SamplingTensors:
+    """The SamplingTensors of a step from its uploaded views (host_parts' names) and host_flags."""
     penalties = min_tokens = None
     if "presence" in f32:
         if i64["reset_slots"].numel():  # host metadata: no sync
@@ -54,15 +74,12 @@ def make_tensors(sampled: list[Request], i64: dict, f32: dict, counts: TokenCoun
         penalties = Penalties(presence=f32["presence"], frequency=f32["frequency"], repetition=f32["repetition"],
                               counts=token_counts, in_prompt=in_prompt)
     if "min_tokens" in i64:
-        min_tokens = MinTokens(min_tokens=i64["min_tokens"], stop_ids=i64["stop_ids"].view(len(sampled), -1),
+        min_tokens = MinTokens(min_tokens=i64["min_tokens"], stop_ids=i64["stop_ids"].view(flags.rows, -1),
                                has_stops=i64["has_stops"].bool())
-    asked = [p.logprobs for p in sp if p.logprobs is not None]
     return SamplingTensors(
         temperature=f32["temperature"], top_k=i64["top_k"], top_p=f32["top_p"], min_p=f32["min_p"],
-        seed=i64["seed"], step=i64["step"],
-        all_greedy=all(p.greedy for p in sp),
-        any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sp if not p.greedy),
-        penalties=penalties, min_tokens=min_tokens, logprobs=max(asked, default=-1),
+        seed=i64["seed"], step=i64["step"], all_greedy=flags.all_greedy, any_filter=flags.any_filter,
+        penalties=penalties, min_tokens=min_tokens, logprobs=flags.logprobs,
     )
 
 

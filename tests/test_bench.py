@@ -24,7 +24,7 @@ from flexsgl.model.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["bench", "--device", "cpu", "--model", "tiny"]
-TOP = {"workload", "model", "load_format", "device", "copy_bandwidth_bytes_per_s", "command", "args", "resolved",
+TOP = {"workload", "model", "load_format", "device", "tensor_parallel_size", "copy_bandwidth_bytes_per_s", "command", "args", "resolved",
        "environment", "results"}
 ENV = {"hostname", "cpu", "cpu_count", "platform", "python", "torch", "cuda", "transformers", "gpu",
        "gpu_memory_bytes", "gpu_capability", "commit", "date"}

@@ -30,11 +30,14 @@ BAD = {
     "old-and-new-flag": ["Hello", "--kv-cache-tokens", "4096", "--max-total-tokens", "8192"],
     "non-utf8-prompt": [os.fsdecode(b"\xff\xfe abc")],  # argv bytes that are not UTF-8
     "top-k-2**64": ["Hello", "--top-k", str(2**64)],
+    "tp-heads-do-not-split": ["Hello", "--tp", "3"],
+    "tp-size-0": ["Hello", "--tp-size", "0"],
 }
 GOOD = {
     "json": ["Hello", "--max-new-tokens", "4", "--json"],
     "stream": ["Hello", "--max-new-tokens", "4"],
     "deprecated-flag": ["Hello", "--max-new-tokens", "4", "--json", "--kv-cache-tokens", "4096"],
+    "tp-2": ["Hello", "--max-new-tokens", "4", "--json", "--tp", "2"],
 }
 
 
@@ -75,6 +78,13 @@ def test_deprecated_flag_warns_and_still_works(runs):
     assert r.returncode == 0, r.stderr
     assert "warning: --kv-cache-tokens is deprecated; use --max-total-tokens." in r.stderr.splitlines()
     assert json.loads(r.stdout)[0]["token_ids"] == json.loads(runs["json"].stdout)[0]["token_ids"]
+
+
+def test_two_tensor_parallel_ranks_give_the_same_tokens(runs):
+    r = runs["tp-2"]
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[0]["token_ids"] == json.loads(runs["json"].stdout)[0]["token_ids"]
+    assert "2 tensor-parallel ranks" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("name", BAD)

@@ -103,7 +103,9 @@ def format_table(report: dict) -> str:
             cells.append(number(v) + (f" ({v / base:.2f}x)" if base else ""))
         lines.append(cells)
     widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
-    out = [f"{w}: {report['model']} ({report['load_format']}) on {report['device']}"
+    tp = report.get("tensor_parallel_size", 1)
+    ranks = f" x {tp} tensor-parallel ranks (floor per rank)" if tp > 1 else ""
+    out = [f"{w}: {report['model']} ({report['load_format']}) on {report['device']}{ranks}"
            f" ({report['environment']['gpu'] or report['environment']['cpu']}), "
            f"copy bandwidth {report['copy_bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s"]
     for line in lines:

@@ -38,7 +38,8 @@ def run(p: Plan, progress: bool = True) -> dict:
             say(f"{column_name(res)}: " + ", ".join(f"{name} {number(v)}"
                                                   for name, v in table_rows(p.args.workload, res)))
     return {"workload": p.args.workload, "model": p.engine.model, "load_format": p.engine.load_format,
-            "device": p.engine.device, "copy_bandwidth_bytes_per_s": bandwidth,
+            "device": p.engine.device, "tensor_parallel_size": p.engine.tensor_parallel_size,
+            "copy_bandwidth_bytes_per_s": bandwidth,
             "command": command_line(p.args), "args": asdict(p.args), "resolved": resolved(p),
             "environment": environment(device),
             "results": results}
@@ -58,6 +59,7 @@ def _measure(p: Plan, override: str, label: str, bandwidth: float, progress: boo
     # Start-up apart from run time: loading, graph capture, and compiling wherever it happened
     # (in capture, and in warm-up passes, which the timed figures above leave out).
     res.update(llm.startup_times())
+    llm.shutdown()  # tensor-parallel ranks stop now: the next backend's engine starts its own
     del llm
     free_memory(p.engine.torch_device)
     return [res]

@@ -149,16 +149,18 @@ def norm_linear(x: torch.Tensor, norm, proj: nn.Linear) -> torch.Tensor:
     return proj(norm(x))
 
 
-def linear(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
-    """residual + proj(x)."""
+def linear(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + proj(x) (proj(x) alone for residual None)."""
     if applies(x, proj.weight):
         return torch.ops.flexsgl.gemv(x, proj.weight, proj.bias, residual, None, 0.0, PLAIN)
-    return residual + proj(x)
+    return proj(x) if residual is None else residual + proj(x)
 
 
-def silu_linear(gate_up: torch.Tensor, proj: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
-    """residual + proj(silu(gate) * up), gate and up the two halves of gate_up's last dimension."""
+def silu_linear(gate_up: torch.Tensor, proj: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + proj(silu(gate) * up), gate and up the two halves of gate_up's last dimension
+    (without the residual for None)."""
     if applies(gate_up, proj.weight):
         return torch.ops.flexsgl.gemv(gate_up, proj.weight, proj.bias, residual, None, 0.0, SILU_GATE)
     gate, up = gate_up.chunk(2, dim=-1)
-    return residual + proj(F.silu(gate) * up)
+    out = proj(F.silu(gate) * up)
+    return out if residual is None else residual + out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from dataclasses import dataclass, field
@@ -67,6 +68,19 @@ class ModelConfig:
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2); None: GQA
     moe: MoEConfig | None = None
     hf: dict = field(default_factory=dict, compare=False, repr=False)
+    # Under tensor parallelism (shard below): this rank and the number of ranks.
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def shard(self, rank: int, size: int) -> "ModelConfig":
+        """The config of rank `rank`'s part of the model among `size` ranks: its q heads, its KV heads
+        (at least one: replicated when there are fewer than ranks) and its slice of the MLP; the
+        vocabulary, hidden size and layers stay whole (flexsgl/distributed/layers.py splits them)."""
+        if size == 1:
+            return self
+        return dataclasses.replace(self, num_heads=self.num_heads // size,
+                                   num_kv_heads=max(1, self.num_kv_heads // size),
+                                   intermediate_size=self.intermediate_size // size, tp_rank=rank, tp_size=size)
 
     @property
     def qk_norm(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flexsgl.distributed import layers as tp
 from flexsgl.model.config import ModelConfig
 from flexsgl.kernels import gemv
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -48,21 +49,30 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.parallel = cfg.tp_size > 1
 
     def forward(self, x, positions, rope, fb):
         # x + attn(norm(x)), then x + mlp(norm(x)), as four projections with the norms, the SiLU
         # gate and the residual adds folded in (one kernel each at decode batch 1; see gemv.py).
+        # Under tensor parallelism o_proj and down_proj are row-parallel: the ranks' partial sums
+        # are all-reduced before the residual is added (flexsgl/distributed/layers.py).
         attn, mlp = self.self_attn, self.mlp
         qkv = gemv.norm_linear(x, self.input_layernorm, attn.qkv_proj)
-        x = gemv.linear(attn.attend(qkv, positions, rope, fb), attn.o_proj, residual=x)
+        out = attn.attend(qkv, positions, rope, fb)
+        x = tp.row_linear(out, attn.o_proj, x) if self.parallel else gemv.linear(out, attn.o_proj, residual=x)
         gate_up = gemv.norm_linear(x, self.post_attention_layernorm, mlp.gate_up_proj)
+        if self.parallel:
+            return tp.row_silu_linear(gate_up, mlp.down_proj, x)
         return gemv.silu_linear(gate_up, mlp.down_proj, residual=x)
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tp_size > 1:
+            self.embed_tokens = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.tp_rank, cfg.tp_size)
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
@@ -79,7 +89,9 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Under tensor parallelism: this rank's vocabulary slice (flexsgl/distributed/layers.py).
+        rows = tp.vocab_rows(cfg.vocab_size, cfg.tp_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -106,5 +118,6 @@ class DecoderForCausalLM(nn.Module):
         x = m.embed_tokens(input_ids)
         for layer in m.layers:
             x = layer(x, positions, m.rotary, fb)
-        return gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
+        logits = gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
+        return tp.gather_logits(logits, self.cfg.vocab_size) if self.cfg.tp_size > 1 else logits
 

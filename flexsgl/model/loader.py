@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from flexsgl.distributed.layers import slice_index, split_of, take
 from flexsgl.errors import CheckpointError, describe, short_repr
 from flexsgl.log import progress
 from flexsgl.model.config import ModelConfig, model_class
@@ -94,45 +95,68 @@ def _weight_files(path: Path) -> list[Path]:
     return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
 
 
-def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """Build the model on `device` in `dtype`, with weights from `src` (or seeded random ones)."""
-    cfg = src.config
+def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed: int = 0, rank: int = 0,
+                size: int = 1) -> nn.Module:
+    """Build the model on `device` in `dtype`, with weights from `src` (or seeded random ones): all
+    of it, or with `size` > 1 rank `rank`'s part of it (flexsgl/distributed/layers.py), which is
+    all that is ever allocated on this rank."""
+    cfg = src.config.shard(rank, size)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
+        full = model if size == 1 else model_class(cfg.architecture)(src.config)  # shapes only
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary.__init__(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
     model.model.rotary.to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    split = None if size == 1 else (lambda name: split_of(name, src.config, rank, size))
     if src.load_format == "dummy":
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, seed, None if size == 1 else full, split)
     else:
-        load_safetensors(model, _weight_files(src.path))
+        load_safetensors(model, _weight_files(src.path), None if size == 1 else full, split)
     return model.eval().requires_grad_(False)
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shapes, generated on the model's device (for benchmarks and tests)."""
+def init_dummy_weights(model: nn.Module, seed: int, full: nn.Module | None = None, split=None) -> None:
+    """Random weights of the right shapes, generated on the model's device (for benchmarks and tests).
+    A rank's part of a model (`full`: the whole model on the meta device, `split`: how a parameter
+    is split) gets its slice of the very tensors the whole model gets: each parameter is generated
+    whole, one at a time, and sliced."""
+    shapes = None if full is None else [p.shape for p in full.parameters()]
     for i, (name, p) in enumerate(model.named_parameters()):
         g = torch.Generator(device=p.device).manual_seed(seed * 1000003 + i)
+        how = None if split is None else split(name)
+        dst = p if how is None else torch.empty(shapes[i], dtype=p.dtype, device=p.device)
         if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32))
+            dst.copy_(1.0 + 0.1 * torch.randn(dst.shape, generator=g, device=p.device, dtype=torch.float32))
         else:
-            p.normal_(0.0, 0.02, generator=g)
+            dst.normal_(0.0, 0.02, generator=g)
+        if how is not None:
+            take(how, dst, p)
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, files: list[Path]) -> None:
+def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None = None, split=None) -> None:
     """Copy the checkpoint's tensors into `model`, once every tensor's name, shape and dtype has
     been checked against it (and nothing is missing): a bad checkpoint raises CheckpointError and
-    loads nothing."""
-    plan = check_checkpoint(model, files)
+    loads nothing. A rank's part of a model (`full`: the whole model on the meta device, which the
+    checkpoint is checked against; `split`: how a parameter is split) reads only its slices."""
+    plan = check_checkpoint(model if full is None else full, files)
+    params = dict(model.named_parameters())
     for f in progress(files, desc="loading weights", unit="file", disable=len(files) < 2):
         with _open_safetensors(f) as st:
-            for hf_name, dst in plan[f]:
+            for hf_name, dst, target, shard in plan[f]:
                 try:
-                    dst.copy_(st.get_tensor(hf_name))
+                    how = None if split is None else split(target)
+                    if how is None:
+                        (dst if full is None else params[target]).copy_(st.get_tensor(hf_name))
+                        continue
+                    index, piece = slice_index(how, shard, len(dst.shape))
+                    local = params[target]
+                    if target.endswith(("embed_tokens.weight", "lm_head.weight")):
+                        local.narrow(how.dim, piece.length, local.shape[how.dim] - piece.length).zero_()
+                    local.narrow(how.dim, piece.at, piece.length).copy_(st.get_slice(hf_name)[index])
                 except SafetensorError as e:
                     raise CheckpointError(f"Weights file {str(f)!r} is corrupt: {describe(e)}.") from None
 
@@ -142,9 +166,9 @@ def load_safetensors(model: nn.Module, files: list[Path]) -> None:
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
-def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tuple[str, torch.Tensor]]]:
+def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tuple[str, torch.Tensor, str, object]]]:
     """Read the headers of `files` and match every tensor to the part of `model` it fills; returns,
-    per file, (tensor name, destination) pairs. Raises CheckpointError, naming the file and the
+    per file, (tensor name, destination, parameter name, fused shard or None) rows. Raises CheckpointError, naming the file and the
     tensor, for an unreadable file, a tensor the model has no place for, a wrong shape or dtype, a
     tensor given twice, or a weight the checkpoint lacks."""
     params = dict(model.named_parameters())
@@ -180,7 +204,7 @@ def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tup
                     raise CheckpointError(f"Weight {hf_name!r} in {str(f)!r} fills the same part of the model as "
                                           f"{other!r} in {str(other_file)!r}.")
                 loaded[key] = hf_name, f
-                plan[f].append((hf_name, dst))
+                plan[f].append((hf_name, dst, target, shard))
     missing = [n for n in params if not _is_loaded(model, n, loaded)]
     if missing:
         where = f"{str(files[0].parent)!r}" if files else "the model directory"

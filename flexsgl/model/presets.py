@@ -50,6 +50,19 @@ PRESETS: dict[str, dict] = {
             "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
         },
     },
+    # Llama-3-70B's shape (3.1's RoPE scaling), random weights only: for tensor-parallel benchmarks.
+    "llama3-70b": {
+        "hub": None,
+        "config": {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+            "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
+        },
+    },
     # DeepSeek-V2-Lite's own config: MLA (512 + 64 latent dims per token), 64 routed experts, 6 per token.
     "deepseek-v2-lite": {"hub": "deepseek-ai/DeepSeek-V2-Lite",
                          "config": _deepseek_v2(2048, 27, 16, 10944, 512, 128, 64, 128, 64, 2, 6, 1408)},

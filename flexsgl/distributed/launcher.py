@@ -1,0 +1,135 @@
+"""Starting the ranks of a tensor-parallel engine, and refusing what cannot run, before anything loads.
+
+Two ways to start N ranks:
+
+- One process (`LLM(..., tensor_parallel_size=N)`, `flexsgl generate/bench/serve --tp N`): rank 0
+  is the caller. It opens a TCPStore on a free local port and spawns N-1 daemon worker processes
+  (torch.multiprocessing, spawn context: safe from a thread, e.g. the server's engine thread), each
+  of which joins through the store, loads its part of the model and runs the worker loop
+  (worker.py). A worker that fails before joining writes why to the store and exits; rank 0,
+  which polls the store and the processes, raises that reason. (As with any spawn-based program, a
+  script that makes an LLM with N > 1 must guard its top level with `if __name__ == "__main__":`.)
+- torchrun (`torchrun --nproc-per-node N script.py`, where the script makes
+  `LLM(..., tensor_parallel_size=N)`): every process runs the script; RANK, WORLD_SIZE,
+  LOCAL_RANK and MASTER_ADDR/PORT come from torchrun. Rank 0's constructor returns the engine as
+  usual. The constructor of every other rank serves rank 0's steps instead of returning, and when
+  rank 0 shuts down (or dies) it ends the process (SystemExit, code 0 after a normal shutdown):
+  the script's code after `LLM(...)` runs on rank 0 only. If a rank fails, torchrun stops the others.
+
+Rank r runs on cuda:r (cuda:LOCAL_RANK under torchrun), or on the CPU over gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from flexsgl.config import EngineConfig
+from flexsgl.distributed.group import COLLECTIVE_TIMEOUT, TPGroup, init_group
+from flexsgl.errors import RankFailedError, TensorParallelError
+
+JOIN_TIMEOUT_S = 600.0  # the longest rank 0 waits for spawned workers to join (they import torch first)
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when torchrun (or another launcher) started this process."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+
+
+def refuse(cfg: EngineConfig, mcfg, device: torch.device) -> None:
+    """Raise TensorParallelError, in one sentence, for a tensor-parallel setting that cannot run."""
+    n = cfg.tensor_parallel_size
+    env = torchrun_env()
+    if dist.is_initialized():
+        raise TensorParallelError("This process already has a process group (another tensor-parallel engine, "
+                                  "or one of its own); shut that engine down before starting another.")
+    if env is not None and env[1] != n:
+        raise TensorParallelError(f"tensor_parallel_size is {n}, but this process was started as one of "
+                                  f"{env[1]} ranks (WORLD_SIZE); start as many processes as tensor-parallel ranks.")
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()
+        if n > gpus:
+            raise TensorParallelError(f"tensor_parallel_size {n} needs {n} GPUs, and this machine has {gpus}.")
+        if device.index not in (None, 0) and env is None:
+            raise TensorParallelError(f"Tensor parallelism runs on cuda:0 to cuda:{n - 1}; device "
+                                      f"{str(device)!r} cannot be given with tensor_parallel_size {n}.")
+    if mcfg.mla is not None:
+        raise TensorParallelError(f"Tensor parallelism is not supported yet for {mcfg.architecture} "
+                                  "(multi-head latent attention); use tensor_parallel_size 1.")
+    if mcfg.num_heads % n:
+        raise TensorParallelError(f"The model's {mcfg.num_heads} attention heads do not split across "
+                                  f"tensor_parallel_size {n} ranks; use a divisor of {mcfg.num_heads}.")
+    hkv = mcfg.num_kv_heads
+    if hkv % n and n % hkv:
+        raise TensorParallelError(f"The model's {hkv} KV heads neither split across nor divide "
+                                  f"tensor_parallel_size {n}; use a divisor or a multiple of {hkv}.")
+    if mcfg.intermediate_size % n:
+        raise TensorParallelError(f"The model's MLP width {mcfg.intermediate_size} does not split across "
+                                  f"tensor_parallel_size {n} ranks.")
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+
+
+def spawn(cfg: EngineConfig, device: torch.device):
+    """Rank 0 of a one-process start: spawn the workers, wait for them to join, join the group.
+    Returns (group, worker processes, store)."""
+    from flexsgl.distributed.worker import worker_main
+
+    n = cfg.tensor_parallel_size
+    store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(r, n, cfg, device.type, store.port), daemon=True,
+                         name=f"flexsgl-tp{r}") for r in range(1, n)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not store.check([f"joined/{r}" for r in range(1, n)]):
+            for r, p in enumerate(procs, 1):
+                if not p.is_alive():
+                    raise RankFailedError(f"Tensor-parallel rank {r} exited before joining: "
+                                          f"{exit_reason(store, r, p.exitcode)}.")
+            if time.monotonic() > deadline:
+                raise RankFailedError(f"The tensor-parallel ranks did not all join within {JOIN_TIMEOUT_S:.0f} s.")
+            time.sleep(0.05)
+        group = init_group(0, n, rank_device(device, 0), store)
+    except BaseException:
+        stop_processes(procs)
+        raise
+    return group, procs, store
+
+
+def join_torchrun(device: torch.device) -> TPGroup:
+    """This process's rank of a torchrun start (its environment gives the rank and the rendezvous)."""
+    rank, world, local = torchrun_env()
+    return init_group(rank, world, torch.device("cuda", local) if device.type == "cuda" else device)
+
+
+def exit_reason(store, rank: int, exitcode) -> str:
+    """Why worker `rank` stopped: what it wrote to the store, else its exit code."""
+    key = f"error/{rank}"
+    try:
+        if store is not None and store.check([key]):
+            return store.get(key).decode()
+    except Exception:  # the store itself may be gone with rank 0's side of it
+        pass
+    return f"its process exited with code {exitcode}" if exitcode is not None else "its process stopped"
+
+
+def stop_processes(procs, timeout: float = 10.0) -> None:
+    """Wait for the worker processes to end, then end those that do not."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)

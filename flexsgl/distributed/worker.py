@@ -1,0 +1,191 @@
+"""Rank 0's channel to the other ranks, and the loop those ranks run.
+
+Rank 0 owns the scheduler and the tokenizer. Each step it turns the scheduled batch into a
+StepPlan (runner.py: host lists only) and broadcasts it over the gloo control group, then executes
+it itself; every other rank executes the same plan with its own runner, model shard, attention
+backends and CUDA graphs, so each samples the same tokens (the same logits, gathered whole, and
+counter-based noise) and keeps the same token_buf and penalty counts. Only rank 0 reads tokens back.
+
+Messages: ("step", plan), ("stop",). Building the engine (loading, KV pool sizing, graph capture)
+runs the same code on every rank, so its collectives line up without messages; after each phase
+the ranks `agree`: a rank that failed sends its reason and every rank raises.
+
+Failures: a worker that raises in a step writes why to the store and exits; rank 0 checks that
+its workers are alive before each step, when a step fails, and while it waits for a step's tokens,
+and raises EngineDeadError naming the rank. A worker whose rank 0 goes away (its sockets close)
+fails its next receive and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flexsgl.distributed.group import COLLECTIVE_TIMEOUT, TPGroup, destroy_group, init_group
+from flexsgl.distributed.launcher import exit_reason, rank_device, stop_processes
+from flexsgl.errors import EngineDeadError, RankFailedError, TensorParallelError, describe
+
+LIVENESS_CHECK_S = 0.1  # how often rank 0 looks at its workers while it waits for a step
+DEATH_WAIT_S = 3.0  # how long a failed collective waits to see whether a worker is exiting
+
+
+def agree(group: TPGroup | None, error: BaseException | None) -> None:
+    """After a phase every rank runs: share whether each failed. A rank that failed re-raises its
+    own error; the others raise the first failed rank's reason, naming it."""
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (isinstance(error, ValueError), describe(error))
+    reports = group.gather(mine)
+    if error is not None:
+        raise error
+    for rank, report in enumerate(reports):
+        if report is not None:
+            bad_input, reason = report
+            kind = TensorParallelError if bad_input else RankFailedError
+            raise kind(f"Tensor-parallel rank {rank} failed: {reason}.")
+
+
+class Channel:
+    """Rank 0's side: broadcasts plans, watches the workers (the processes it spawned; under
+    torchrun, torchrun watches them)."""
+
+    def __init__(self, group: TPGroup, procs: list | None, store):
+        self.group, self.procs, self.store = group, procs, store
+        self.closed = False
+
+    def dead(self) -> str | None:
+        """Why a worker is gone, or None while all run."""
+        for rank, p in enumerate(self.procs or (), 1):
+            if not p.is_alive():
+                return f"tensor-parallel rank {rank} stopped ({exit_reason(self.store, rank, p.exitcode)})"
+        return None
+
+    def check(self) -> None:
+        reason = self.dead()
+        if reason is not None:
+            raise self.abandon(reason)
+
+    def abandon(self, reason: str) -> EngineDeadError:
+        """A rank died: end the other workers now (they could only wait on it) and return the error.
+        On a GPU the group is left as it is: leaving it could wait on NCCL work that cannot finish,
+        so the process must end, as after a device fault. (On the CPU it is left, and another
+        engine can start.)"""
+        if not self.closed:
+            self.closed = True
+            stop_processes(self.procs or [], timeout=0.0)
+            if self.group.device.type == "cpu":
+                destroy_group()
+        return EngineDeadError(reason)
+
+    def dead_soon(self, wait: float = DEATH_WAIT_S) -> str | None:
+        """dead(), given a worker whose failure broke a collective the time to finish exiting."""
+        deadline = time.monotonic() + (wait if self.procs else 0.0)
+        while True:
+            reason = self.dead()
+            if reason is not None or time.monotonic() >= deadline:
+                return reason
+            time.sleep(0.02)
+
+    def send(self, msg: tuple) -> None:
+        self.check()
+        try:
+            self.group.broadcast(msg)
+        except Exception as e:
+            reason = self.dead_soon()
+            raise self.abandon(reason or f"the tensor-parallel ranks lost contact ({describe(e)})") from e
+
+    def send_step(self, plan) -> None:
+        self.send(("step", plan))
+
+    def failed(self, e: BaseException) -> EngineDeadError:
+        """The error for a step that failed on rank 0 after its plan went out: the ranks may have
+        parted ways, so the engine cannot go on (a dead worker is named as the cause)."""
+        reason = self.dead_soon()
+        return self.abandon(reason or f"a step failed on rank 0 after the other ranks started it ({describe(e)})")
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        """Wait for a step's tokens (CUDA), checking now and then that the workers still run: a
+        collective whose peer died would never finish."""
+        last = time.monotonic()
+        while not event.query():
+            now = time.monotonic()
+            if now - last > LIVENESS_CHECK_S:
+                self.check()
+                last = now
+
+    def close(self) -> None:
+        """Stop the workers and leave the group (safe to call twice)."""
+        if self.closed:
+            return
+        self.closed = True
+        clean = self.dead() is None
+        if clean:
+            try:
+                self.group.broadcast(("stop",))
+            except Exception:
+                clean = False
+        # After a rank died the others cannot finish a collective: end them now.
+        stop_processes(self.procs or [], timeout=10.0 if clean else 0.0)
+        destroy_group()
+
+
+def worker_main(rank: int, size: int, cfg, device_type: str, port: int) -> None:
+    """A spawned worker process: join through rank 0's store, then serve (never returns normally)."""
+    from tqdm import tqdm
+
+    from flexsgl.log import set_level
+
+    # tqdm's default lock is a multiprocessing semaphore, which a worker ending with os._exit would
+    # leave behind (the resource tracker warns of it at exit); a thread lock does here.
+    tqdm.set_lock(threading.RLock())
+    store = None
+    try:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        set_level(os.environ.get("FLEXSGL_WORKER_LOG_LEVEL", "warning"))  # rank 0 speaks for the engine
+        store.set(f"joined/{rank}", "1")
+        group = init_group(rank, size, rank_device(torch.device(device_type), rank), store)
+    except BaseException as e:
+        _report(store, rank, e)
+        os._exit(1)
+    os._exit(serve(cfg, group, store))
+
+
+def serve(cfg, group: TPGroup, store=None) -> int:
+    """A worker rank: build the same engine core as rank 0, then execute rank 0's plans until it
+    says stop (returns 0) or fails (returns 1, the reason in the store)."""
+    from flexsgl.engine import build_core
+
+    try:
+        core = build_core(cfg, group)
+    except BaseException:  # agreed with rank 0, which raises the reason
+        destroy_group()
+        return 1
+    runner = core.runner
+    try:
+        while True:
+            msg: Any = group.broadcast()
+            if msg[0] == "step":
+                runner.execute(msg[1])
+            elif msg[0] == "stop":
+                break
+    except BaseException as e:
+        _report(store, group.rank, e)
+        return 1
+    destroy_group()
+    return 0
+
+
+def _report(store, rank: int, e: BaseException) -> None:
+    if store is None:
+        return
+    try:
+        store.set(f"error/{rank}", describe(e))
+    except Exception:
+        pass
