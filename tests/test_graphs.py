@@ -61,9 +61,9 @@ def test_graph_sizes_beyond_max_running_are_refused(checkpoint):
 
 
 def test_graph_sizes_on_cpu_are_refused_before_loading(monkeypatch):
-    import flexsgl.engine
+    import flexsgl.engine_core
 
-    monkeypatch.setattr(flexsgl.engine, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(flexsgl.engine_core, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ValueError, match="CUDA graphs are off: they need a CUDA device"):
         LLM("tiny", load_format="dummy", device="cpu", cuda_graph_bs=[1, 2])
 

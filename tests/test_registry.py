@@ -125,10 +125,11 @@ def test_auto_for_mla_models(fake_gpu, sm, expected):
 
 def test_engine_refuses_a_gqa_kernel_for_an_mla_model_before_loading(monkeypatch, fake_gpu):
     import flexsgl.engine
+    import flexsgl.engine_core
 
     fake_gpu(90)
-    monkeypatch.setattr(flexsgl.engine, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
-    monkeypatch.setattr(flexsgl.engine, "pick_dtype", lambda dtype, device, mcfg: torch.bfloat16)
+    monkeypatch.setattr(flexsgl.engine_core, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(flexsgl.engine_core, "pick_dtype", lambda dtype, device, mcfg: torch.bfloat16)
     monkeypatch.setattr(flexsgl.engine.EngineConfig, "torch_device", property(lambda self: GPU))
     with pytest.raises(ValueError, match="^Override 'fi-decode' cannot run here: it serves GQA models, and this "
                                          "model is MLA.$"):
@@ -151,9 +152,9 @@ def test_malformed_overrides(override, match):
 
 
 def test_engine_refuses_an_override_before_loading(monkeypatch):
-    import flexsgl.engine
+    import flexsgl.engine_core
 
-    monkeypatch.setattr(flexsgl.engine, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(flexsgl.engine_core, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ValueError, match="Override 'fa3' cannot run here: it needs a CUDA GPU"):
         LLM("tiny", load_format="dummy", device="cpu", override="fa3")
 

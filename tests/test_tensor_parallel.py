@@ -243,9 +243,9 @@ def test_agree_raises_the_failed_ranks_reason():
                     "attention); use tensor_parallel_size 1."),
 ])
 def test_refused_before_loading(model, tp, sentence, monkeypatch):
-    import flexsgl.engine
+    import flexsgl.engine_core
 
-    monkeypatch.setattr(flexsgl.engine, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(flexsgl.engine_core, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
     monkeypatch.setattr(launcher, "spawn", lambda *a, **k: pytest.fail("ranks started"))
     with pytest.raises(TensorParallelError) as e:
         LLM(model, load_format="dummy", tensor_parallel_size=tp, device="cpu", compile=False)

@@ -160,7 +160,7 @@ def worker_main(rank: int, size: int, cfg, device_type: str, port: int) -> None:
 def serve(cfg, group: TPGroup, store=None) -> int:
     """A worker rank: build the same engine core as rank 0, then execute rank 0's plans until it
     says stop (returns 0) or fails (returns 1, the reason in the store)."""
-    from flexsgl.engine import build_core
+    from flexsgl.engine_core import build_core
 
     try:
         core = build_core(cfg, group)
