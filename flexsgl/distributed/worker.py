@@ -115,6 +115,7 @@ class Channel:
         collective whose peer died would never finish."""
         last = time.monotonic()
         while not event.query():
+            time.sleep(0)  # lets other threads run (a server's HTTP handlers) while this one polls
             now = time.monotonic()
             if now - last > LIVENESS_CHECK_S:
                 self.check()
