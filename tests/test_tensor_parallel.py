@@ -4,7 +4,7 @@ The reference is the same engine with one rank (whose own parity with HF transfo
 tests/test_model_parity.py checks) and HF itself for a checkpoint loaded shard by shard. float32
 throughout: the row-parallel all-reduce only reorders a sum, so greedy tokens are identical and
 logits agree to float32 rounding. GPU checks (NCCL, CUDA graphs, bf16) are the `gpu` tests below,
-run by tools/tp_gpu.sh on a machine with two GPUs."""
+run by `tools/gpu.sh tp-tests` on a machine with two GPUs."""
 
 import os
 import random
@@ -287,7 +287,7 @@ def _engine(tp):
     return EngineConfig(model="tiny", device="cpu", tensor_parallel_size=tp)
 
 
-# ---- GPU: NCCL, CUDA graphs, bfloat16 (tools/tp_gpu.sh runs these on a machine with 2 GPUs)
+# ---- GPU: NCCL, CUDA graphs, bfloat16 (`tools/gpu.sh tp-tests` runs these on a machine with 2 GPUs)
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 

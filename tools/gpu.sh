@@ -27,6 +27,12 @@
 #                  `OVERRIDES="--override auto --override flex" tools/gpu.sh throughput`. Needs fastapi and
 #                  uvicorn, which the image lacks: stage them with tools/stage_serve.sh, carry .gpu/serve and
 #                  run its install.sh first
+#   tp-tests       (2 GPUs) pytest -m gpu tests/test_tensor_parallel.py: TP=2 against TP=1 on a Qwen3-8B-wide
+#                  dummy of 4 layers (bf16 logits, greedy tokens; NCCL inside compiled layers and CUDA
+#                  graphs) and greedy tokens of the tiny presets (float32)
+#   tp-latency     (2 GPUs) bench latency, Qwen3-8B dummy, batch 1, --tp 1 then --tp 2 (TPOT, floor per rank)
+#   tp-throughput  (2 GPUs) bench throughput, Qwen3-0.6B dummy, --tp 1 then --tp 2
+#   tp-70b         (2 GPUs) bench latency, llama3-70b dummy (141 GB in bf16: 70 GB per rank), --tp 2
 #   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
 #                  whole matrix, pages 16/64/128 and GQA 4/8, takes several calls: split it by --pages/--gqa)
 #
@@ -60,7 +66,10 @@ suite() {  # NAME, then pytest's arguments
     "$@" --benchmark-json="$OUT/benchmarks-$name.json" --benchmark-columns=median,rounds
 }
 declare -A LIMITS=([tests]=580 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
-                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=560 [serve]=560)
+                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=560 [serve]=560
+                   [tp-tests]=200 [tp-latency]=240 [tp-throughput]=200 [tp-70b]=200)
+# Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
+TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
 for s in "${steps[@]}"; do
   LIMIT=${LIMITS[$s]:-300}; t0=$SECONDS
   echo "== $s (limit $LIMIT s)"
@@ -92,6 +101,17 @@ for s in "${steps[@]}"; do
          done ;;
     serve) timeout "$LIMIT" "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate 8,32,inf --override auto \
              --override flex --json "$OUT/serve.json" ;;
+    tp-tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_tensor_parallel.py ;;
+    tp-latency) for tp in 1 2; do
+                  timeout $((LIMIT / 2)) "${BENCH[@]}" "${TP_LATENCY[@]}" --model qwen3-8b --tp "$tp" \
+                    --json "$OUT/tp-latency-tp$tp.json"
+                done ;;
+    tp-throughput) for tp in 1 2; do
+                     timeout $((LIMIT / 2)) "${BENCH[@]}" --workload throughput --model qwen3-0.6b --tp "$tp" \
+                       --json "$OUT/tp-throughput-tp$tp.json"
+                   done ;;
+    tp-70b) timeout "$LIMIT" "${BENCH[@]}" "${TP_LATENCY[@]}" --model llama3-70b --load-format dummy --tp 2 \
+              --max-total-tokens 65536 --json "$OUT/tp-70b-tp2.json" ;;
     kernel-matrix) timeout "$LIMIT" python benchmarks/attention_matrix.py ${MATRIX_ARGS:---pages 64 --gqa 4} \
                      --json "$OUT/attention-matrix.json" ;;
     *) echo "unknown step $s"; false ;;
@@ -103,8 +123,8 @@ echo "== summary"; cat "$OUT/summary.txt"
 for s in "${steps[@]}"; do
   log="$OUT/$s.log"
   case $s in
-    tests|check) grep -E "passed|failed|error" "$log" | tail -3 ;;
-    latency|throughput|repeat|prefill|mla|serve) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
+    tests|check|tp-tests) grep -E "passed|failed|error" "$log" | tail -3 ;;
+    latency|throughput|repeat|prefill|mla|serve|tp-latency|tp-throughput|tp-70b) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
     profile) grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time|decode floor" "$log" ;;
     gemv) tail -12 "$log" ;;
     kernel-matrix) grep -E "^(decode|prefill) " "$log" ;;
