@@ -4,6 +4,7 @@ model, HF transformers' float64 log-probabilities, and the metrics it exposes.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -36,12 +37,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def running_server(*extra: str):
+    """A `flexsgl serve` process on the embedded model with OPTIONS (and `extra` flags), once healthy;
+    yields its base URL."""
     port = free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
-    proc = subprocess.Popen([sys.executable, "-m", "flexsgl", "serve", "--port", str(port), *flags, "--log-level",
-                             "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "flexsgl", "serve", "--port", str(port), *flags, *extra,
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -64,6 +67,12 @@ def server():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +124,17 @@ def test_completion_matches_the_offline_api_streamed_and_not(client, offline):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text, seed
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids), "the last chunk carries the usage"
+
+
+def test_two_tensor_parallel_ranks_serve_what_one_rank_does(offline):
+    """`flexsgl serve --tp 2`: the engine thread starts the second rank (gloo on the CPU)."""
+    rng = random.Random()
+    prompts, seed = [random_prompt(rng) for _ in range(3)], rng.randrange(2**31)
+    ref = offline.generate(prompts, SamplingParams(max_tokens=16, temperature=0.8, seed=seed))
+    with running_server("--tp", "2") as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+        out = client.completions.create(model="tiny-docs", prompt=prompts, max_tokens=16, temperature=0.8, seed=seed)
+    assert sorted((c.index, c.text) for c in out.choices) == [(i, r.text) for i, r in enumerate(ref)], seed
 
 
 def test_chat_uses_the_fallback_template_streamed_and_not(client, offline):
