@@ -13,6 +13,9 @@
 #   throughput     flexsgl bench throughput, Qwen3-0.6B dummy, the default workload (--override flags in $OVERRIDES)
 #   repeat         the throughput run in five fresh processes, one figure each: one run is good to
 #                  ~2% across machines; on a fresh machine the first compiles and may be cut at 110 s
+#   startup        flexsgl generate on the Qwen3-8B dummy with flex, then auto: once on an empty compile cache
+#                  (TORCHINDUCTOR_CACHE_DIR fresh), once more on the cache that run left; ready and first-token
+#                  times and the whole process's wall time
 #   prefill        flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
 #   suite-kernels  benchmarks/ attention kernels and the HF peers (pytest-benchmark)
 #   suite-engine   benchmarks/test_engine.py for the backends $SUITE_BACKENDS selects (a -k expression;
@@ -65,7 +68,7 @@ suite() {  # NAME, then pytest's arguments
   FLEXSGL_BENCH_LINES="$OUT/benchmarks-$name.jsonl" timeout -s INT "$LIMIT" python -m pytest -q -p no:cacheprovider \
     "$@" --benchmark-json="$OUT/benchmarks-$name.json" --benchmark-columns=median,rounds
 }
-declare -A LIMITS=([tests]=580 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
+declare -A LIMITS=([tests]=580 [startup]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=560 [serve]=560
                    [tp-tests]=200 [tp-latency]=240 [tp-throughput]=200 [tp-70b]=200)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
@@ -86,6 +89,16 @@ for s in "${steps[@]}"; do
               timeout 110 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --json "$OUT/repeat-$i.json" 2>&1 \
                 | grep -E "^output tok/s" | sed "s/^/process $i: /"
             done ;;
+    startup) for ov in flex auto; do
+               cache=$(mktemp -d)
+               for run in cold warm; do
+                 t=$SECONDS
+                 TORCHINDUCTOR_CACHE_DIR=$cache timeout 150 python -m flexsgl.cli generate "Return the" --model qwen3-8b \
+                   --load-format dummy --max-new-tokens 16 --override "$ov" 2>&1 | grep -E "ready in|first token|tokens in" \
+                   | sed "s/^/$ov $run: /"
+                 echo "$ov $run: process $((SECONDS - t)) s, exit ${PIPESTATUS[0]}"
+               done
+             done ;;
     prefill) timeout "$LIMIT" "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 \
                --json "$OUT/prefill.json" ;;
     suite-kernels) suite kernels benchmarks/test_attention_kernels.py benchmarks/test_peers.py ;;
@@ -125,6 +138,7 @@ for s in "${steps[@]}"; do
   case $s in
     tests|check|tp-tests) grep -E "passed|failed|error" "$log" | tail -3 ;;
     latency|throughput|repeat|prefill|mla|serve|tp-latency|tp-throughput|tp-70b) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
+    startup) grep -E "^(flex|auto) (cold|warm)" "$log" ;;
     profile) grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time|decode floor" "$log" ;;
     gemv) tail -12 "$log" ;;
     kernel-matrix) grep -E "^(decode|prefill) " "$log" ;;
