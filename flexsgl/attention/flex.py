@@ -6,7 +6,10 @@ page. Decode queries are `[B, 1]`, one per request; prefill queries are packed i
 a block's padding per request, not the longest request's length. The BlockMask is built on the
 device from the page table: for each query block, the pages wholly before its first row are *full*
 KV blocks (no mask_mod call) and the pages that reach its causal frontier are *partial* ones where
-the mask_mod (flex_masks.py) runs. Mask memory is query blocks x pages per request (on the CPU,
+the mask_mod (flex_masks.py) runs. Decode through flex_ops.py's op lists every visible page as
+partial: Inductor's flex-decoding kernel, given full blocks, cuts its KV splits from the KV length,
+which is the whole pool here, so one program would read all of a request's pages while the other
+splits idle (a batch-1 8B step's attention took 17 µs per layer that way, against 8 for FlashInfer). Mask memory is query blocks x pages per request (on the CPU,
 compiled, x pool pages: Inductor's CPU kernel wants full-width index rows).
 
 Compiled on CUDA, decode runs through flex_ops.py's opaque op (a kernel per batch size, outside
@@ -45,7 +48,8 @@ class FlexMeta:
     def step_tensors(self) -> list[torch.Tensor]:
         """Every tensor whose values change from step to step (what fill_graph rewrites)."""
         bm = self.block_mask
-        return [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, *self.mask_state]
+        blocks = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+        return [t for t in blocks if t is not None] + self.mask_state
 
 
 class FlexAttentionBackend:
@@ -118,7 +122,7 @@ class FlexAttentionBackend:
         b = fb.batch_size
         last = fb.seq_lens.long() - 1
         valid = torch.ones(b, dtype=torch.bool, device=last.device)
-        blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), last, last, valid)
+        blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), None if self.decode_op else last, last, valid)
         mask_mod = paged_causal(fb.page_table, last, self.page_pos, self.pool.page_size)
         # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
         rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
@@ -153,12 +157,15 @@ class FlexAttentionBackend:
         """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos: the
         pages wholly before the first row are *full* KV blocks (no mask_mod call), the pages up to
         the last row's are *partial* ones. Returns (partial count, partial pages, full count, full
-        pages), each with a leading query-block dimension."""
+        pages), each with a leading query-block dimension; first_pos None: every visible page is
+        partial, and there are no full blocks (None, None)."""
         ps = self.pool.page_size
         w = fb.page_table.shape[1]
         n_visible = torch.where(valid, last_pos // ps + 1, 0)
-        n_full = torch.where(valid, (first_pos + 1) // ps, 0)
         full_idx = fb.page_table[req]
+        if first_pos is None:
+            return n_visible.to(torch.int32), full_idx, None, None
+        n_full = torch.where(valid, (first_pos + 1) // ps, 0)
         cols = torch.arange(w, device=req.device)
         partial_idx = torch.gather(full_idx, 1, (n_full[:, None] + cols).clamp_(max=w - 1))
         return (n_visible - n_full).to(torch.int32), partial_idx, n_full.to(torch.int32), full_idx
@@ -181,7 +188,8 @@ class FlexAttentionBackend:
             pad = (0, fb.num_kv_pages - partial_idx.shape[-1])
             partial_idx, full_idx = F.pad(partial_idx, pad), F.pad(full_idx, pad)
         block_mask = BlockMask.from_kv_blocks(
-            num_partial, partial_idx.contiguous(), num_full, full_idx.contiguous(), BLOCK_SIZE=(q_block, ps),
+            num_partial, partial_idx.contiguous(), num_full, None if full_idx is None else full_idx.contiguous(),
+            BLOCK_SIZE=(q_block, ps),
             mask_mod=mask_mod, seq_lengths=(query_shape[1], n_kv), compute_q_blocks=False)
         return FlexMeta(block_mask, query_shape, rows, mask_state)
 
@@ -190,8 +198,7 @@ class FlexAttentionBackend:
         k, v = cache
         if fb.mode == "decode" and self.decode_op:
             bm = meta.block_mask
-            return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices,
-                               bm.full_kv_num_blocks, bm.full_kv_indices, fb.page_table, *meta.mask_state,
+            return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices, fb.page_table, *meta.mask_state,
                                self.page_pos, self.pool.page_size)
         n = fb.num_kv_pages * self.pool.page_size
         kb = k[None, :n].transpose(1, 2)
