@@ -42,7 +42,7 @@ def test_flex_on_every_served_shape(d, gqa, dtype):
 
 
 def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, compiled=False,
-                     hq=4, hkv=2, d=16, backend_cls=FlexAttentionBackend, seed=None):
+                     hq=4, hkv=2, d=16, backend_cls=FlexAttentionBackend, seed=None, full_blocks=True):
     """Store a random paged batch's K/V in the pool, run `backend_cls` on it (through `forward`, or
     its own when None) and check it against float64 attention; returns its output. The same seed
     gives the same batch."""
@@ -58,6 +58,7 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
     if eager_extent:
         fb.num_kv_pages = int(fb.page_table.max()) + 1
     backend = backend_cls(pool, num_heads=hq, compiled=compiled)
+    backend.full_blocks_in_decode &= full_blocks
     backend.prepare(fb)
     cast = lambda x: x.to(device, dtype)
     pool.store(0, cast(k), cast(v), fb.out_slots)
@@ -73,3 +74,9 @@ def test_compiled_flex_on_cpu_matches_float64_reference(case):
     so this is what checks the full/partial block lists built from the page table."""
     run_backend_case(CASES[case], 16, torch.compile(FlexAttentionBackend.forward, dynamic=False), "cpu",
                      torch.float32, rtol=1e-4, atol=1e-5, compiled=True)
+
+
+def test_compiled_flex_decode_without_full_blocks_on_cpu():
+    """Decode as the CUDA op lays it out (flex.py): every visible page a partial KV block."""
+    run_backend_case(CASES["decode"], 16, torch.compile(FlexAttentionBackend.forward, dynamic=False), "cpu",
+                     torch.float32, rtol=1e-4, atol=1e-5, compiled=True, full_blocks=False)

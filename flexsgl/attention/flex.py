@@ -64,6 +64,7 @@ class FlexAttentionBackend:
         self.pool = pool
         self.compiled = compiled
         self.decode_op = compiled and pool.device.type == "cuda"  # flex_ops.py
+        self.full_blocks_in_decode = not self.decode_op  # the op's kernel takes none (see the module docstring)
         self.page_pos = torch.zeros(pool.num_pages, dtype=torch.int32, device=pool.device)
         self.kernel_options = self.cuda_kernel_options() if pool.device.type == "cuda" else None
 
@@ -122,11 +123,13 @@ class FlexAttentionBackend:
         b = fb.batch_size
         last = fb.seq_lens.long() - 1
         valid = torch.ones(b, dtype=torch.bool, device=last.device)
-        blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), None if self.decode_op else last, last, valid)
+        blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), last if self.full_blocks_in_decode else None, last,
+                                 valid)
         mask_mod = paged_causal(fb.page_table, last, self.page_pos, self.pool.page_size)
         # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
         rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
-        return self._meta(fb, [x[:, None, None] for x in blocks], mask_mod, (b, 1), rows, [last], Q_BLOCK)
+        return self._meta(fb, [x if x is None else x[:, None, None] for x in blocks], mask_mod, (b, 1), rows, [last],
+                          Q_BLOCK)
 
     def _prefill_meta(self, fb: ForwardBatch) -> FlexMeta:
         """Queries packed into one sequence; each request starts a query block (a block belongs to one
@@ -186,7 +189,8 @@ class FlexAttentionBackend:
         elif fb.page_table.device.type == "cpu" and partial_idx.shape[-1] < fb.num_kv_pages:
             # Inductor's CPU flex kernel wants an index row as wide as the KV sequence has blocks.
             pad = (0, fb.num_kv_pages - partial_idx.shape[-1])
-            partial_idx, full_idx = F.pad(partial_idx, pad), F.pad(full_idx, pad)
+            partial_idx = F.pad(partial_idx, pad)
+            full_idx = None if full_idx is None else F.pad(full_idx, pad)
         block_mask = BlockMask.from_kv_blocks(
             num_partial, partial_idx.contiguous(), num_full, None if full_idx is None else full_idx.contiguous(),
             BLOCK_SIZE=(q_block, ps),
