@@ -58,7 +58,8 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
     if eager_extent:
         fb.num_kv_pages = int(fb.page_table.max()) + 1
     backend = backend_cls(pool, num_heads=hq, compiled=compiled)
-    backend.full_blocks_in_decode &= full_blocks
+    if not full_blocks:
+        backend.decode_full_blocks = lambda batch: False
     backend.prepare(fb)
     cast = lambda x: x.to(device, dtype)
     pool.store(0, cast(k), cast(v), fb.out_slots)

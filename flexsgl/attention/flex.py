@@ -6,10 +6,12 @@ page. Decode queries are `[B, 1]`, one per request; prefill queries are packed i
 a block's padding per request, not the longest request's length. The BlockMask is built on the
 device from the page table: for each query block, the pages wholly before its first row are *full*
 KV blocks (no mask_mod call) and the pages that reach its causal frontier are *partial* ones where
-the mask_mod (flex_masks.py) runs. Decode through flex_ops.py's op lists every visible page as
-partial: Inductor's flex-decoding kernel, given full blocks, cuts its KV splits from the KV length,
-which is the whole pool here, so one program would read all of a request's pages while the other
-splits idle (a batch-1 8B step's attention took 17 µs per layer that way, against 8 for FlashInfer). Mask memory is query blocks x pages per request (on the CPU,
+the mask_mod (flex_masks.py) runs. Decode through flex_ops.py's op, where its kernel splits each
+request's KV over several programs (small batches), lists every visible page as partial instead:
+Inductor's flex-decoding kernel, given full blocks, cuts its KV splits from the KV length, which is
+the whole pool here, so one program would read all of a request's pages while the other splits
+idle (a batch-1 8B step's attention took 17 µs per layer that way, against 8 for FlashInfer). With
+one split per request, full blocks save the mask_mod's work (batch 256 x 1k: 302 µs without them). Mask memory is query blocks x pages per request (on the CPU,
 compiled, x pool pages: Inductor's CPU kernel wants full-width index rows).
 
 Compiled on CUDA, decode runs through flex_ops.py's opaque op (a kernel per batch size, outside
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexsgl.attention.base import ForwardBatch
-from flexsgl.attention.flex_ops import flex_decode, prefill_options
+from flexsgl.attention.flex_ops import flex_decode, kv_splits, prefill_options
 from flexsgl.attention.flex_masks import Q_BLOCK, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 from flexsgl.compile import MIN_COMPILED_SIZE
@@ -64,9 +66,12 @@ class FlexAttentionBackend:
         self.pool = pool
         self.compiled = compiled
         self.decode_op = compiled and pool.device.type == "cuda"  # flex_ops.py
-        self.full_blocks_in_decode = not self.decode_op  # the op's kernel takes none (see the module docstring)
         self.page_pos = torch.zeros(pool.num_pages, dtype=torch.int32, device=pool.device)
         self.kernel_options = self.cuda_kernel_options() if pool.device.type == "cuda" else None
+
+    def decode_full_blocks(self, batch: int) -> bool:
+        """Whether decode at this batch size lists full KV blocks (see the module docstring)."""
+        return not self.decode_op or kv_splits(batch, self.pool.k[0].shape[1], self.pool.page_size) == 1
 
     def cuda_kernel_options(self) -> dict:
         """Options of flex's main kernel on CUDA (prefill; eager flex and the CPU take none)."""
@@ -123,7 +128,7 @@ class FlexAttentionBackend:
         b = fb.batch_size
         last = fb.seq_lens.long() - 1
         valid = torch.ones(b, dtype=torch.bool, device=last.device)
-        blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), last if self.full_blocks_in_decode else None, last,
+        blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), last if self.decode_full_blocks(b) else None, last,
                                  valid)
         mask_mod = paged_causal(fb.page_table, last, self.page_pos, self.pool.page_size)
         # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
@@ -202,8 +207,8 @@ class FlexAttentionBackend:
         k, v = cache
         if fb.mode == "decode" and self.decode_op:
             bm = meta.block_mask
-            return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices, fb.page_table, *meta.mask_state,
-                               self.page_pos, self.pool.page_size)
+            return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                               fb.page_table, *meta.mask_state, self.page_pos, self.pool.page_size)
         n = fb.num_kv_pages * self.pool.page_size
         kb = k[None, :n].transpose(1, 2)
         vb = v[None, :n].transpose(1, 2)

@@ -47,6 +47,12 @@ def decode_options(batch: int, kv_heads: int, page_size: int) -> dict:
     return options
 
 
+def kv_splits(batch: int, kv_heads: int, page_size: int) -> int:
+    """How many programs share a request's KV in the decode kernel: ours where set, else Inductor's rule."""
+    sms = torch.cuda.get_device_properties().multi_processor_count
+    return decode_options(batch, kv_heads, page_size).get("SPLIT_KV") or max(1, sms // (batch * kv_heads) * 2)
+
+
 def prefill_options(head_dim: int, page_size: int) -> dict:
     """Main-kernel options for prefill on CUDA."""
     options = {"BLOCK_N": math.gcd(page_size, 64)}
@@ -55,11 +61,11 @@ def prefill_options(head_dim: int, page_size: int) -> dict:
     return options
 
 
-def _decode(q, k, v, kv_num_blocks, kv_indices, page_table, last_pos, page_pos, page_size: int, options: dict):
+def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_pos,
+            page_size: int, options: dict):
     b, hq, d = q.shape
-    # Every visible page is a partial block (flex.py says why there are no full ones).
     block_mask = BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, page_size),
+        kv_num_blocks, kv_indices, full_num_blocks, full_indices, BLOCK_SIZE=(Q_BLOCK, page_size),
         mask_mod=paged_causal(page_table, last_pos, page_pos, page_size), seq_lengths=(1, k.shape[0]),
         compute_q_blocks=False)
     out = flex_attention(q.view(b, 1, hq, d).transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
@@ -92,16 +98,17 @@ def _run(fn, key: tuple, *args):
 
 @torch.library.custom_op("flexsgl::flex_decode", mutates_args=())
 def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks: torch.Tensor,
-                kv_indices: torch.Tensor, page_table: torch.Tensor, last_pos: torch.Tensor, page_pos: torch.Tensor,
+                kv_indices: torch.Tensor, full_num_blocks: torch.Tensor | None, full_indices: torch.Tensor | None,
+                page_table: torch.Tensor, last_pos: torch.Tensor, page_pos: torch.Tensor,
                 page_size: int) -> torch.Tensor:
     """Decode attention of q `[B, Hq, D]` over one layer's pool `k`, `v` (`[slots, Hkv, D]`) through
-    the BlockMask whose (partial) KV blocks are kv_num_blocks, kv_indices (`[B, 1, 1, ...]`);
-    returns `[B, Hq, D]`."""
-    key = ("decode", *q.shape, *k.shape, page_table.shape[1], q.dtype, page_size, q.device)
-    return _run(_decode, key, q, k, v, kv_num_blocks, kv_indices, page_table, last_pos, page_pos, page_size,
-                decode_options(q.shape[0], k.shape[1], page_size))
+    the BlockMask given by its four tensors (`[B, 1, 1, ...]`; the full ones may be None); returns
+    `[B, Hq, D]`."""
+    key = ("decode", *q.shape, *k.shape, page_table.shape[1], q.dtype, page_size, q.device, full_num_blocks is None)
+    return _run(_decode, key, q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table,
+                last_pos, page_pos, page_size, decode_options(q.shape[0], k.shape[1], page_size))
 
 
 @flex_decode.register_fake
-def _(q, k, v, kv_num_blocks, kv_indices, page_table, last_pos, page_pos, page_size):
+def _(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_pos, page_size):
     return torch.empty_like(q)
