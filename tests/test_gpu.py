@@ -7,10 +7,20 @@ bf16 bounds, and why:
   so 1e-2 absolute + 1e-2 relative holds with margin and still catches any masking mistake
   (a wrong visible set moves outputs by O(0.1-1)).
 - Whole model: bf16 logits differ from float32 by the rounding of every activation. The yardstick
-  is transformers' own bf16 run over the same tokens: ours may be off float32 by at most twice
-  what transformers' bf16 is (or 2% of the logit scale, whichever is larger). Greedy tokens must
-  equal float32's argmax at every step where float32's top-2 margin is larger than twice our
-  measured error there; below that margin bf16 noise may legitimately flip the choice.
+  is transformers' own bf16 run over the same tokens, and the error of a step is the largest
+  logit difference from float32 there. Two bounds, one per kind of fault:
+  - systematic precision loss: for each prompt, our mean error over its steps is at most 1.5x
+    transformers' bf16 mean error over the same steps. The mean over 32 steps is stable (on the
+    CPU with eager flex ours/theirs is 0.7-1.0 over 42 prompts of 7 seeds), and masking mistakes
+    move it far past 1.5x (a prefill mask that sees one token ahead: 1.9-5.7x per prompt; a decode
+    mask that hides the current token or the first page: 5-120x);
+  - a bad step: no step of any prompt is off by more than twice the worst step of transformers'
+    bf16 over all prompts (or 2% of the logit scale, whichever is larger). The worst of one
+    prompt's 32 steps is too noisy a yardstick: one step's error can be 2-4x the typical one
+    when a sharp attention head amplifies bf16 rounding upstream of it, in ours and in theirs
+    alike, so per prompt the ratio of worst steps ran from 0.4 to 2.4 on correct code.
+  Greedy tokens must equal float32's argmax at every step where float32's top-2 margin is larger
+  than twice our measured error there; below that margin bf16 noise may legitimately flip the choice.
 """
 
 import random
@@ -94,7 +104,7 @@ def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, **l
     seen = capture_logits(llm, monkeypatch)
     sp = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)  # a trained model stops early
     outs = [llm.generate(p, sp)[0] for p in prompts] if one_at_a_time else llm.generate(prompts, sp)
-    decisive_steps = 0
+    decisive_steps, errs, their_errs, scale = 0, [], [], 0.0
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         assert len(out.token_ids) == steps
         ids = torch.tensor([prompt + out.token_ids], device="cuda")
@@ -102,17 +112,23 @@ def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, **l
             ref = hf32(ids).logits[0, len(prompt) - 1:-1].float()
             theirs = hf16(ids).logits[0, len(prompt) - 1:-1].float()
         ours = torch.stack(seen[out.request_id]).float()
-        scale = ref.abs().max()
-        err = (ours - ref).abs().max(-1).values
-        their_err = (theirs - ref).abs().max()
-        bound = max(2 * their_err.item(), 0.02 * scale.item())
-        assert err.max().item() <= bound, f"prompt {i}: error {err.max():.3g} > {bound:.3g} (seed={seed})"
+        scale = max(scale, ref.abs().max().item())
+        err = (ours - ref).abs().max(-1).values  # per step
+        their_err = (theirs - ref).abs().max(-1).values
+        assert err.mean() <= 1.5 * their_err.mean(), (
+            f"prompt {i}: mean error {err.mean():.3g} > 1.5 x transformers' bf16 {their_err.mean():.3g} (seed={seed})")
+        errs.append(err)
+        their_errs.append(their_err)
         top2 = ref.topk(2, dim=-1).values
         decisive = (top2[:, 0] - top2[:, 1]) > 2 * err
         chosen = torch.tensor(out.token_ids, device="cuda")
         agree = chosen == ref.argmax(-1)
         assert agree[decisive].all(), f"prompt {i}: greedy token differs where the margin is decisive (seed={seed})"
         decisive_steps += int(decisive.sum())
+    bound = max(2 * max(e.max().item() for e in their_errs), 0.02 * scale)
+    for i, err in enumerate(errs):
+        assert err.max().item() <= bound, (
+            f"prompt {i}: error {err.max():.3g} at step {int(err.argmax())} > {bound:.3g} (seed={seed})")
     assert decisive_steps > 0.5 * steps * len(prompts), f"too few decisive steps to mean anything (seed={seed})"
 
 
