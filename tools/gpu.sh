@@ -21,7 +21,9 @@
 #   suite-engine   benchmarks/test_engine.py for the backends $SUITE_BACKENDS selects (a -k expression;
 #                  default fa3, fi and fa3-prefill,fi-decode). A row with flex prefill spends ~60 s
 #                  compiling prefill: run the flex rows on their own, SUITE_BACKENDS=flex (~400 s)
-#   profile        tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step
+#   profile        tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step ($PROFILE_ARGS: other
+#                  model and override, e.g. "--model deepseek-v2-lite --override fi-mla --max-total-tokens 65536";
+#                  FLEXSGL_PDL=0 for a per-kernel breakdown)
 #   gemv           tools/gemv_bench.py --chain-sweep: an 8B's projections from one graph, tiles per projection
 #   mla            the MLA GPU tests (flex MLA and fi-mla against float64 and HF, grouped bf16 MoE), then
 #                  bench latency of the deepseek-v2-lite dummy at batch 1 and 64, fi-mla and flex (~480 s)
@@ -103,8 +105,8 @@ for s in "${steps[@]}"; do
                --json "$OUT/prefill.json" ;;
     suite-kernels) suite kernels benchmarks/test_attention_kernels.py benchmarks/test_peers.py ;;
     suite-engine) suite engine benchmarks/test_engine.py -k "${SUITE_BACKENDS:-fa3 or (fi and not decode)}" ;;
-    profile) timeout "$LIMIT" python tools/profile_step.py --model qwen3-8b --workload latency --profile-steps 20 \
-               --profile-at decode:8 --rows 30 ;;
+    profile) timeout "$LIMIT" python tools/profile_step.py ${PROFILE_ARGS:---model qwen3-8b} --workload latency \
+               --profile-steps 20 --profile-at decode:8 --rows 30 ;;
     gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ;;
     mla) timeout 220 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_mla_attention.py tests/test_moe.py
          for b in 1 64; do
