@@ -113,14 +113,15 @@ class FlexAttentionBackend:
             dst.copy_(src)
 
     def record_page_positions(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """page_pos[page_table[b, j]] = j for each request's pages, on the device. Entries past a
-        request's last page are not its pages (padding, or a graph's static table left from an
-        earlier step): they count as the dummy page, which padding rows read at index 0."""
+        """page_pos[page_table[b, j]] = j for each request's pages, on the device; every other page
+        is at 0, so no entry reaches past any step's table. Entries past a request's last page are
+        not its pages (padding, or a graph's static table left from an earlier step): they count as
+        the dummy page, which padding rows read at index 0."""
         b, w = page_table.shape
         logical = torch.arange(w, dtype=torch.int32, device=page_table.device).expand(b, w)
         n_pages = (seq_lens + self.pool.page_size - 1) // self.pool.page_size
         pages = torch.where(logical < n_pages[:, None], page_table, DUMMY_PAGE)
-        self.page_pos.scatter_(0, pages.reshape(-1).long(), logical.reshape(-1))
+        self.page_pos.zero_().scatter_(0, pages.reshape(-1).long(), logical.reshape(-1))
         self.page_pos[DUMMY_PAGE] = 0
 
     def _decode_meta(self, fb: ForwardBatch) -> FlexMeta:

@@ -2,8 +2,9 @@
 
 A slot is visible to a query iff its page is one of the query's request's pages, at the logical
 index `page_pos[page]` (flex.py writes it from each step's page table; a page shared through a
-prefix is at the same index in every request that uses it), and its position is not after the
-query's. Each mask is correct over the whole pool on its own: eager flex evaluates it everywhere,
+prefix is at the same index in every request that uses it, and a page no request of the step
+holds is at 0, so the mask indexes the page table without a clamp), and its position is not after
+the query's. Each mask is correct over the whole pool on its own: eager flex evaluates it everywhere,
 compiled flex only on the partial KV blocks of its BlockMask.
 """
 
@@ -16,12 +17,10 @@ Q_BLOCK = 128  # rows of a BlockMask query block in compiled flex
 
 def paged_causal(page_table: torch.Tensor, last_pos: torch.Tensor, page_pos: torch.Tensor, page_size: int):
     """Decode (`[B, 1]` queries): request b's query sits at position last_pos[b]."""
-    w = page_table.shape[1]
-
     def mask(b, h, q_idx, kv_idx):
         page = kv_idx // page_size
         logical = page_pos[page]
-        owned = page_table[b, logical.clamp(0, w - 1)] == page
+        owned = page_table[b, logical] == page
         return owned & (logical * page_size + kv_idx % page_size <= last_pos[b] + q_idx)
 
     return mask
@@ -31,13 +30,11 @@ def packed_paged_causal(page_table: torch.Tensor, block_req: torch.Tensor, block
                         page_pos: torch.Tensor, page_size: int, rows_per_block: int):
     """Prefill (one packed `[1, rows]` query sequence): query block j holds request block_req[j]'s
     tokens from position block_first_pos[j] on, one per row."""
-    w = page_table.shape[1]
-
     def mask(b, h, q_idx, kv_idx):
         j = q_idx // rows_per_block
         page = kv_idx // page_size
         logical = page_pos[page]
-        owned = page_table[block_req[j], logical.clamp(0, w - 1)] == page
+        owned = page_table[block_req[j], logical] == page
         return owned & (logical * page_size + kv_idx % page_size <= block_first_pos[j] + q_idx % rows_per_block)
 
     return mask
