@@ -8,7 +8,9 @@ without and with cached prefixes (each request then extends a cached prefix of 2
 tokens); GQA 4 (32 query / 8 KV heads) and 8 (64 / 8); head_dim 128, bf16; pages of 16, 64, 128
 tokens, handed out in shuffled order as the engine's allocator does.
 
-Backends: flex compiled (decode through its per-batch-size op, prefill compiled per shape), each
+Backends: flex compiled (decode through its per-batch-size op, prefill compiled per shape;
+`flex-flash`: prefill through FlexAttention's FLASH backend, flash-attn-4's CuTe DSL kernel, staged
+by tools/stage_flash.sh), each
 kernel override the registry lets run here (fa3, fi-decode, triton-decode), and SDPA over the same
 K/V gathered into contiguous per-request tensors (the dense lower bound, gather not timed).
 
@@ -129,7 +131,10 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv):
     if name == "sdpa":
         specs = [(s - n, n) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
         return lambda: sdpa(q, kv, specs)
-    spec = SPECS[name]
+    flash = name == "flex-flash"
+    if flash and fb.mode != "prefill":
+        return "it runs prefill only"
+    spec = SPECS["flex" if flash else name]
     reason = why_not(spec, torch.device("cuda"), "gqa")
     if reason is None and fb.mode not in spec.phases:
         reason = f"it runs {', '.join(spec.phases)} only"
@@ -141,10 +146,12 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv):
     if reason:
         return reason
     backend = cls(pool, num_heads=hq, compiled=True)
+    if flash:
+        backend.kernel_options = {"BACKEND": "FLASH"}
     fb.backend = backend
     backend.prepare(fb)
     fn = lambda: backend.forward(q, pool.layer_cache(0), fb)  # noqa: E731
-    if name == "flex" and fb.mode == "prefill":  # decode compiles inside its op (flex_ops.py); prefill here
+    if spec.name == "flex" and fb.mode == "prefill":  # decode compiles inside its op (flex_ops.py); prefill here
         torch._dynamo.reset()
         fn = torch.compile(fn, dynamic=False)
     return fn

@@ -39,7 +39,9 @@
 #   tp-throughput  (2 GPUs) bench throughput, Qwen3-0.6B dummy, --tp 1 then --tp 2
 #   tp-70b         (2 GPUs) bench latency, llama3-70b dummy (141 GB in bf16: 70 GB per rank), --tp 2
 #   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
-#                  whole matrix, pages 16/64/128 and GQA 4/8, takes several calls: split it by --pages/--gqa)
+#                  whole matrix, pages 16/64/128 and GQA 4/8, takes several calls: split it by --pages/--gqa).
+#                  FlexAttention's FLASH backend (flash-attn-4): stage it with tools/stage_flash.sh, then e.g.
+#                  MATRIX_ARGS="--phases prefill --pages 128 --gqa 4 --backends flex,flex-flash,fa3"
 #
 # The suite steps stop with SIGINT at their limit; a compile it interrupts fails as
 # BackendCompilerFailed ("Attempted to unset ProxyTorchDispatchMode"), which hides the SIGINT. They
