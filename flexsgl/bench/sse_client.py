@@ -40,26 +40,37 @@ async def _read_events(reader: asyncio.StreamReader) -> list[tuple[float, dict]]
     chunked = headers.get("transfer-encoding") == "chunked"
     if len(status) < 2 or status[1] != "200":
         raise HTTPError(f"HTTP {' '.join(status[1:])}: {(await reader.read()).decode(errors='replace')[:500]}")
-    events, buf = [], b""
+    events, raw, body = [], b"", b""  # raw: bytes read and not yet unframed; body: the stream's text so far
     while True:
-        if chunked:
-            size = int((await reader.readline()).strip() or b"0", 16)
-            if size == 0:
-                break
-            piece = (await reader.readexactly(size + 2))[:size]  # the chunk and its CRLF
-        else:
-            piece = await reader.read(65536)
-            if not piece:
-                break
+        piece = await reader.read(1 << 16)  # every event that arrived, in one read: few awaits per step
         now = time.perf_counter()
-        buf += piece
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.splitlines():
+        if piece:
+            raw += piece
+        if chunked:
+            while True:  # unframe each whole chunk: SIZE CRLF DATA CRLF
+                eol = raw.find(b"\r\n")
+                if eol < 0:
+                    break
+                size = int(raw[:eol].split(b";", 1)[0] or b"0", 16)
+                if size == 0:  # the last chunk: what came before it is read below
+                    piece = b""
+                    break
+                if len(raw) < eol + 2 + size + 2:
+                    break
+                body += raw[eol + 2:eol + 2 + size]
+                raw = raw[eol + 2 + size + 2:]
+        else:
+            body, raw = body + raw, b""
+        end = body.rfind(b"\n\n")
+        if end >= 0:
+            whole, body = body[:end], body[end + 2:]
+            for line in whole.split(b"\n"):
                 if not line.startswith(b"data: "):
                     continue
                 payload = line[6:]
                 if payload == b"[DONE]":
                     return events
                 events.append((now, json.loads(payload)))
+        if not piece:
+            break
     raise HTTPError("the stream ended without data: [DONE]")

@@ -156,16 +156,24 @@ async def _run(engine: EngineThread, request: Request, reqs, choices: Choices, b
 
 async def _stream(engine: EngineThread, events: asyncio.Queue, ids: list[int], choices: Choices, want_logprobs: bool,
                   include_usage: bool):
+    failed = False
     try:
-        while not choices.done:
-            ev = await events.get()
-            if ev.error is not None or (ev.output is not None and ev.output.finish_reason in ("error", "refused")):
-                message = ev.error or ev.output.error
-                yield sse(error_body(message, 500, "internal_error"))
-                break
-            choices.add(ev)
-            for line in choices.chunk(ev, want_logprobs, include_usage):
-                yield line
+        while not choices.done and not failed:
+            # One write carries every event queued so far: when the engine runs ahead of this loop,
+            # a handler sends several steps' chunks at once instead of one write per token.
+            batch = [await events.get()]
+            while not events.empty():
+                batch.append(events.get_nowait())
+            lines = []
+            for ev in batch:
+                if ev.error is not None or (ev.output is not None and ev.output.finish_reason in ("error", "refused")):
+                    lines.append(sse(error_body(ev.error or ev.output.error, 500, "internal_error")))
+                    failed = True
+                    break
+                choices.add(ev)
+                lines += choices.chunk(ev, want_logprobs, include_usage)
+            if lines:
+                yield "".join(lines)
         if include_usage and choices.done:
             yield choices.usage_chunk()
         yield "data: [DONE]\n\n"

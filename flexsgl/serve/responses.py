@@ -29,6 +29,7 @@ class Choices:
         self.outputs = [None] * n_choices
         self.prompt_tokens = prompt_tokens
         self.started: set[int] = set()  # chat choices whose role chunk went out
+        self._template: tuple[str, str, str] | None = None  # _token_chunk's pieces, made on first use
 
     @property
     def done(self) -> bool:
@@ -70,6 +71,9 @@ class Choices:
                                     "logprobs": None, "finish_reason": None}, include_usage))
         if not ev.text and not ev.token_ids and ev.output is None:
             return out
+        if ev.output is None and not (want_logprobs and ev.logprobs):  # a token mid-stream: the common chunk
+            out.append(self._token_chunk(ev.choice, ev.text, include_usage))
+            return out
         offset = len(self.texts[ev.choice]) - len(ev.text)
         lp = self._logprobs(ev.logprobs, offset) if want_logprobs and ev.logprobs else None
         c = {"index": ev.choice, "logprobs": lp,
@@ -79,6 +83,21 @@ class Choices:
         c.update({"delta": {"content": ev.text} if ev.text else {}} if self.chat else {"text": ev.text})
         out.append(self._chunk(c, include_usage))
         return out
+
+    def _token_chunk(self, choice: int, text: str, include_usage: bool) -> str:
+        """What `_chunk` makes of a mid-stream token without log-probabilities, the same bytes, from
+        a template: one JSON encoding of the text instead of the whole body's."""
+        if self._template is None:
+            head = json.dumps({"id": self.id, "object": self._chunk_object(), "created": self.created,
+                               "model": self.model})[:-1]
+            tail = "}]" + (', "usage": null' if include_usage else "") + "}\n\n"
+            key = '"delta": {"content": ' if self.chat else '"text": '
+            self._template = (f'data: {head}, "choices": [{{"index": ', ', "logprobs": null, "finish_reason": null, '
+                              + key, ("}" if self.chat else "") + tail)
+        start, middle, end = self._template
+        if self.chat and not text:
+            return self._chunk({"index": choice, "logprobs": None, "finish_reason": None, "delta": {}}, include_usage)
+        return f"{start}{choice}{middle}{json.dumps(text)}{end}"
 
     def usage_chunk(self) -> str:
         return sse({"id": self.id, "object": self._chunk_object(), "created": self.created, "model": self.model,
