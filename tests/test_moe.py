@@ -72,11 +72,34 @@ def test_moe_matches_a_per_token_loop(monkeypatch, grouped, method, norm_topk, s
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 5, 300])
 def test_grouped_moe_in_bf16_on_gpu(tokens):
-    """grouped_mm on the GPU (SM90+, bfloat16), compiled as decode and prefill steps are, against
-    the float64 loop: bf16 rounding of the activations and weights only."""
+    """The routed experts on the GPU (SM90+, bfloat16: grouped_mm, and at one token the matrix-vector
+    kernel), compiled as decode and prefill steps are, against the float64 loop: bf16 rounding of
+    the activations and weights only."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("grouped_mm runs on SM90+ GPUs")
     check_bf16_moe(tokens, torch.device("cuda"), lambda m: torch.compile(m, dynamic=False))
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_one_token_through_the_matrix_vector_kernel():
+    """One token's routed experts as a GPU runs them at decode batch 1 (expert_gemv: a launch for
+    gate/up, one for down with the SiLU gate and the routing weights), here through Triton's
+    interpreter in float32."""
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    cfg = MoEConfig(n_routed_experts=8, n_shared_experts=0, top_k=3, intermediate_size=16, first_k_dense_replace=0,
+                    routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=True)
+    m = MoE(HIDDEN, cfg)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    norm = RMSNorm(HIDDEN, 1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(1, HIDDEN)
+    with torch.no_grad():
+        h = norm(x)
+        ours = x + m.experts._one_token(h, *m.route(h))
+    torch.testing.assert_close(ours.double(), reference(m, x, norm), rtol=1e-5, atol=1e-5,
+                               msg=lambda msg: f"seed={seed}: {msg}")
 
 
 @pytest.mark.parametrize("tokens", [1, 300])

@@ -5,6 +5,9 @@ matrix-vector kernel that runs them at decode batch 1 on CUDA.
     linear(x, proj, residual)             residual + proj(x)
     silu_linear(gate_up, proj, residual)  residual + proj(silu(gate) * up)
 
+and, for one token's routed experts (flexsgl/model/moe.py), `expert_gemv`: the same kernel with a
+grid row per expert slot, which reads the slot's expert from a stacked `[E, N, K]` weight.
+
 Everywhere but batch 1 on CUDA they are those PyTorch expressions. At batch 1 each is one kernel:
 the projection reads its whole weight to do two flops per element, so its time is the weight's
 bytes over memory bandwidth, and the norms, the SiLU gate and the residual adds would otherwise be
@@ -45,8 +48,15 @@ def _kernel():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, out_ptr, N, K, stride_wn, eps,
+                    e_ptr, s_ptr, stride_we, stride_xs, stride_os,
                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                    EXPERTS: tl.constexpr, HAS_SCALE: tl.constexpr):
+        if EXPERTS:  # program_id(1) is a slot: its expert's weight, its x row, its output row
+            slot = tl.program_id(1)
+            w_ptr += tl.load(e_ptr + slot).to(tl.int64) * stride_we
+            x_ptr += slot * stride_xs
+            out_ptr += slot * stride_os
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
@@ -83,6 +93,8 @@ def _kernel():
             out += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             out += tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            out *= tl.load(s_ptr + slot).to(tl.float32)
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     return gemv_kernel
@@ -116,8 +128,28 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     _kernel()[((n + block_n - 1) // block_n,)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else weight,
         norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(0), eps,
+        weight, weight, 0, 0, 0,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, EXPERTS=False, HAS_SCALE=False,
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+    return out
+
+
+def launch_experts(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, scale: torch.Tensor | None,
+                   out: torch.Tensor, prologue: int = PLAIN, use_pdl: bool | None = None) -> torch.Tensor:
+    """out[s] = weight[experts[s]] @ f(x[s]) (* scale[s]) for each slot s: one token's routed experts
+    in one launch, each expert's weight read once. weight `[E, N, K]`; x `[1, K]` (every slot reads
+    the same row) or `[S, K]` (`[S, 2K]` for SILU_GATE), contiguous; out `[S, N]`."""
+    e, n, k = weight.shape
+    slots = experts.numel()
+    block_n, block_k, warps, stages = config_for(n, k)
+    use_pdl = pdl(x.device) if use_pdl is None else use_pdl
+    _kernel()[((n + block_n - 1) // block_n, slots)](
+        x, weight, weight, weight, weight, out, n, k, weight.stride(1), 0.0,
+        experts, scale if scale is not None else weight, weight.stride(0), x.stride(0) if x.shape[0] > 1 else 0,
+        out.stride(0),
+        PROLOGUE=prologue, HAS_BIAS=False, HAS_RESIDUAL=False, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, PDL=use_pdl, EXPERTS=True, HAS_SCALE=scale is not None, num_warps=warps,
         num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return out
 
@@ -136,10 +168,22 @@ def _(x, weight, bias, residual, norm_weight, eps, prologue):
     return x.new_empty(1, weight.shape[0])
 
 
+@torch.library.custom_op("flexsgl::expert_gemv", mutates_args=())
+def expert_gemv(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, scale: torch.Tensor | None,
+                prologue: int) -> torch.Tensor:
+    out = torch.empty(experts.numel(), weight.shape[1], dtype=x.dtype, device=x.device)
+    return launch_experts(x.contiguous(), weight, experts.contiguous(), scale, out, prologue=prologue)
+
+
+@expert_gemv.register_fake
+def _(x, weight, experts, scale, prologue):
+    return x.new_empty(experts.numel(), weight.shape[1])
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel serves this call: CUDA, float16 or bfloat16, one row."""
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.stride(1) == 1)
+            and weight.dtype == x.dtype and weight.stride(-1) == 1)
 
 
 def norm_linear(x: torch.Tensor, norm, proj: nn.Linear) -> torch.Tensor:

@@ -7,6 +7,11 @@ products (`torch.nn.functional.grouped_mm`: one GEMM per expert segment in one l
 with no rows reading nothing) compute gate/up and down for every pair; the outputs go back to
 token order by the inverse permutation and are summed with their routing weights.
 
+One token on a GPU (decode at batch 1) takes neither: two launches of the matrix-vector kernel
+(flexsgl/kernels/gemv.py, `expert_gemv`) with a grid row per routed slot, each reading its expert's
+weight once straight from the stacked tensor, the SiLU gate folded into the second and the routing
+weight into its output.
+
 Where grouped_mm does not run (it takes bfloat16 on SM90+ GPUs and under torch.compile, and float32
 only eagerly on the CPU; its strides must be multiples of 16 bytes), each (token, expert) pair
 gathers its expert's weights and multiplies them batched: also one launch per projection and no
@@ -43,6 +48,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k] -> sum over k of weight * expert(x), [T, H]."""
+        if gemv.applies(x, self.down_proj):
+            return self._one_token(x, experts, weights)
         if grouped_mm_runs(x, self.down_proj, self.sm90):
             return self._grouped(x, experts, weights)
         return self._gathered(x, experts, weights)
@@ -58,6 +65,11 @@ class Experts(nn.Module):
         out = GROUPED_MM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         out = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # back to (token, slot) order
         return (out * weights.to(out.dtype)[..., None]).sum(1)
+
+    def _one_token(self, x, experts, weights):
+        gate_up = torch.ops.flexsgl.expert_gemv(x, self.gate_up_proj, experts[0], None, gemv.PLAIN)  # [k, 2I]
+        out = torch.ops.flexsgl.expert_gemv(gate_up, self.down_proj, experts[0], weights[0].float(), gemv.SILU_GATE)
+        return out.float().sum(0, keepdim=True).to(x.dtype)
 
     def _gathered(self, x, experts, weights):
         gate_up = torch.einsum("th,tkih->tki", x, self.gate_up_proj[experts])
