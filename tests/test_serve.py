@@ -389,3 +389,11 @@ def test_stopping_the_server_stops_its_engine_process():
     while alive(engine):
         assert time.monotonic() < deadline, "the engine process outlived its server"
         time.sleep(0.1)
+
+
+def test_an_engine_that_cannot_start_stops_the_server_with_the_reason():
+    """The model's 4 heads do not split across 3 ranks: the engine process refuses while building."""
+    proc = subprocess.run([sys.executable, "-m", "flexsgl", "serve", "--port", str(free_port()), "--tp", "3",
+                           "--log-level", "warning"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "The engine could not start: TensorParallelError" in proc.stderr, proc.stderr
