@@ -29,7 +29,6 @@ Errors (flexsgl/errors.py has the types):
 
 from __future__ import annotations
 
-import itertools
 import time
 import weakref
 from functools import cached_property
@@ -41,13 +40,13 @@ from flexsgl.detokenizer import IncrementalDetokenizer, advance, finish_text
 from flexsgl.engine_core import build_core, prepare
 from flexsgl.generation_config import default_sampling
 from flexsgl.log import logger, progress
-from flexsgl.errors import EngineDeadError, Health, PromptError, SamplingParamsError, describe
+from flexsgl.errors import EngineDeadError, Health, SamplingParamsError, describe
 from flexsgl.interrupts import deferred_interrupts
-from flexsgl.request import (FinishReason, Request, RequestOutput, check_callback, check_prompt, prompt_list,
-                             sampling_list)
+from flexsgl.request import FinishReason, Request, RequestOutput, check_callback, prompt_list, sampling_list
+from flexsgl.request_factory import RequestFactory
 from flexsgl.sampling_params import SamplingParams
 from flexsgl.scheduler import Scheduler
-from flexsgl.tokenizer import encode_prompt, load_tokenizer
+from flexsgl.tokenizer import load_tokenizer
 
 # generate() shows a progress bar (stderr, at log level info) for calls of this many prompts or tokens.
 PROGRESS_PROMPTS, PROGRESS_TOKENS = 8, 1024
@@ -97,7 +96,7 @@ class LLM:
             self.runner.tp = self._channel
             self.runner.wait = self._channel.wait
             self._finalizer = weakref.finalize(self, self._channel.close)
-        self._ids = itertools.count()
+        self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity)
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._done: list[Request] = []  # finished, to be returned by the next step()
         self._pending = None  # the launched step not yet read back
@@ -146,37 +145,11 @@ class LLM:
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> Request:
         """Check one prompt and its sampling parameters and turn them into a Request (not queued);
         bad input raises a ValueError (PromptError, SamplingParamsError) that says why."""
-        if not isinstance(sampling, SamplingParams):
-            raise SamplingParamsError(f"Sampling parameters must be a SamplingParams, got {type(sampling).__name__}.")
-        prompt = check_prompt(prompt, index)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise PromptError(f"Model {self.src.name!r} has no tokenizer; pass prompts as token ids.")
-            ids = encode_prompt(self.tokenizer, prompt, index)
-        else:
-            ids = prompt
-        vocab = self.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise PromptError(f"Prompt {index} has token ids outside the vocabulary [0, {vocab}).")
-        ctx = self.config.max_position
-        if len(ids) >= ctx:
-            raise PromptError(f"Prompt {index} has {len(ids)} tokens; the model's context is {ctx}, "
-                              "leaving no room for a new token.")
-        if any(t >= vocab for t in sampling.stop_token_ids):
-            raise SamplingParamsError(f"stop_token_ids of prompt {index} hold ids outside the vocabulary [0, {vocab}).")
-        eos = self.config.eos_token_ids
-        if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos = (self.tokenizer.eos_token_id,)
-        return Request(next(self._ids), ids, sampling, eos, ctx)
+        return self.requests.make_request(prompt, sampling, index)
 
     def make_requests(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> list[Request]:
-        """make_request for each of sampling.n samples: sample 0 leads (its prompt pages go to the
-        prefix cache once computed) and the others wait for it, then reuse those pages."""
-        first = self.make_request(prompt, sampling, index)
-        rest = [Request(next(self._ids), first.prompt_ids, sampling, first.eos_ids, first.max_len, index=i,
-                        leader=first) for i in range(1, sampling.n)]
-        first.shares_prompt = bool(rest)
-        return [first, *rest]
+        """make_request for each of sampling.n samples (request_factory.py)."""
+        return self.requests.make_requests(prompt, sampling, index)
 
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                     on_token: Callable[[Request], None] | None = None) -> int:
@@ -198,8 +171,9 @@ class LLM:
         return [self._add(r, on_token) for r in reqs]
 
     def submit(self, reqs: list[Request], on_token: Callable[[Request], None] | None = None) -> list[int]:
-        """Queue requests made by make_requests (a server makes them on its own threads, so that bad
-        input is answered there, and hands them to the thread that steps); returns their ids."""
+        """Queue requests made by make_requests or a copy of this LLM's RequestFactory (the server
+        makes them in its HTTP process, so that bad input is answered there, and hands them to its
+        engine process, which steps); returns their ids."""
         self.health.check()
         check_callback(on_token)
         return [self._add(r, on_token) for r in reqs]

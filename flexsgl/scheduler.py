@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from flexsgl.cache.pool import KVPool, PageAllocator
 from flexsgl.cache.radix import RadixCache
 from flexsgl.request import FinishReason, Request, State
+from flexsgl.request_factory import refusal
 
 
 @dataclass
@@ -54,15 +55,7 @@ class Scheduler:
 
     def refusal(self, req: Request) -> str | None:
         """Why `req` can never run here, or None."""
-        ctx = req.max_len
-        if req.target_len > ctx:
-            return (f"the prompt ({req.prompt_len} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
-                    f"exceeds the model's context of {ctx} tokens")
-        need = KVPool.num_pages_for(req.target_len, self.ps)
-        if need > self.allocator.capacity:
-            return (f"the prompt plus max_new_tokens needs {need * self.ps} KV slots, more than the whole "
-                    f"cache holds ({self.allocator.capacity * self.ps})")
-        return None
+        return refusal(req, self.ps, self.allocator.capacity)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)

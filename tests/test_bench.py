@@ -44,7 +44,7 @@ FIELDS = {
               "output_tokens_per_s", "total_tokens_per_s", "cached_tokens"}
     | {f"{m}_{q}_s" for m in ("ttft", "tpot", "itl") for q in ("p50", "p90", "p99", "mean")},
 }
-COMMON_SERVE = {"override", "backends"}  # the engine runs in the server's process
+COMMON_SERVE = {"override", "backends"}  # the engine runs in the server (its engine process)
 TINY = ModelConfig.from_hf(PRESETS["tiny"]["config"])
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
+import signal
 import re
 import socket
 import subprocess
@@ -41,6 +43,13 @@ def free_port() -> int:
 def running_server(*extra: str):
     """A `flexsgl serve` process on the embedded model with OPTIONS (and `extra` flags), once healthy;
     yields its base URL."""
+    with server_process(*extra) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def server_process(*extra: str):
+    """running_server, yielding its base URL and its process."""
     port = free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
     proc = subprocess.Popen([sys.executable, "-m", "flexsgl", "serve", "--port", str(port), *flags, *extra,
@@ -59,7 +68,7 @@ def running_server(*extra: str):
             if time.monotonic() > deadline:
                 pytest.fail("the server did not become healthy in 120 s")
             time.sleep(0.2)
-        yield base
+        yield base, proc
     finally:
         proc.terminate()
         try:
@@ -67,6 +76,26 @@ def running_server(*extra: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=15)
+
+
+def engine_pid(server_pid: int) -> int:
+    """The server's engine process: its child started by multiprocessing's spawn."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            cmdline = open(f"/proc/{pid}/cmdline").read()
+        except OSError:
+            continue
+        if ppid == server_pid and "spawn_main" in cmdline:
+            return int(pid)
+    raise AssertionError("the server has no engine process")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +156,7 @@ def test_completion_matches_the_offline_api_streamed_and_not(client, offline):
 
 
 def test_two_tensor_parallel_ranks_serve_what_one_rank_does(offline):
-    """`flexsgl serve --tp 2`: the engine thread starts the second rank (gloo on the CPU)."""
+    """`flexsgl serve --tp 2`: the engine process starts the second rank (gloo on the CPU)."""
     rng = random.Random()
     prompts, seed = [random_prompt(rng) for _ in range(3)], rng.randrange(2**31)
     ref = offline.generate(prompts, SamplingParams(max_tokens=16, temperature=0.8, seed=seed))
@@ -316,3 +345,55 @@ def test_serve_refuses_bad_arguments_with_one_line(args):
 
     r = CliRunner().invoke(app, ["serve", *args])
     assert r.exit_code == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.output, r.output
+
+
+def test_an_engine_process_that_dies_ends_every_request_with_an_error():
+    """Streams and whole responses in flight end with an error, /health stops being 200, and later
+    requests are refused with the reason."""
+    with server_process() as (base, proc):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+        rng = random.Random()
+        streams = [client.completions.create(model="tiny-docs", prompt=random_prompt(rng), max_tokens=900,
+                                             stream=True, extra_body={"ignore_eos": True}) for _ in range(2)]
+        for s in streams:
+            next(iter(s))  # it runs
+        whole = []
+        waiting = threading.Thread(target=lambda: whole.append(post(base + "/v1/completions", json.dumps(
+            {"model": "tiny-docs", "prompt": random_prompt(rng), "max_tokens": 900, "ignore_eos": True}).encode())))
+        waiting.start()
+        deadline = time.monotonic() + TIMEOUT
+        while metric(base, "flexsgl_num_requests_running") < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(engine_pid(proc.pid), signal.SIGKILL)
+        for s in streams:
+            with pytest.raises(openai.APIError, match="engine process ended"):
+                list(s)
+        waiting.join(TIMEOUT)
+        assert whole and whole[0][0] == 500 and "engine process ended" in whole[0][1]["error"]["message"]
+        status, body = get(base + "/health")
+        assert status == 503 and "engine process ended" in body
+        with pytest.raises(openai.APIStatusError, match="engine process ended") as e:
+            client.completions.create(model="tiny-docs", prompt="Hello", max_tokens=4)
+        assert e.value.status_code == 503
+        assert proc.poll() is None, "the HTTP server keeps answering"
+
+
+def test_stopping_the_server_stops_its_engine_process():
+    with server_process() as (base, proc):
+        engine = engine_pid(proc.pid)
+        assert alive(engine)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.wait(timeout=TIMEOUT)
+    deadline = time.monotonic() + TIMEOUT
+    while alive(engine):
+        assert time.monotonic() < deadline, "the engine process outlived its server"
+        time.sleep(0.1)
+
+
+def test_an_engine_that_cannot_start_stops_the_server_with_the_reason():
+    """The model's 4 heads do not split across 3 ranks: the engine process refuses while building."""
+    proc = subprocess.run([sys.executable, "-m", "flexsgl", "serve", "--port", str(free_port()), "--tp", "3",
+                           "--log-level", "warning"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "The engine could not start: TensorParallelError" in proc.stderr, proc.stderr

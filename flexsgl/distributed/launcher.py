@@ -4,11 +4,12 @@ Two ways to start N ranks:
 
 - One process (`LLM(..., tensor_parallel_size=N)`, `flexsgl generate/bench/serve --tp N`): rank 0
   is the caller. It opens a TCPStore on a free local port and spawns N-1 daemon worker processes
-  (torch.multiprocessing, spawn context: safe from a thread, e.g. the server's engine thread), each
-  of which joins through the store, loads its part of the model and runs the worker loop
-  (worker.py). A worker that fails before joining writes why to the store and exits; rank 0,
-  which polls the store and the processes, raises that reason. (As with any spawn-based program, a
-  script that makes an LLM with N > 1 must guard its top level with `if __name__ == "__main__":`.)
+  (torch.multiprocessing, spawn context: safe from a thread, or from a spawned process such as
+  the server's engine process), each of which joins through the store, loads its part of the
+  model and runs the worker loop (worker.py). A worker that fails before joining writes why to
+  the store and exits; rank 0, which polls the store and the processes, raises that reason. (As
+  with any spawn-based program, a script that makes an LLM with N > 1 must guard its top level
+  with `if __name__ == "__main__":`.)
 - torchrun (`torchrun --nproc-per-node N script.py`, where the script makes
   `LLM(..., tensor_parallel_size=N)`): every process runs the script; RANK, WORLD_SIZE,
   LOCAL_RANK and MASTER_ADDR/PORT come from torchrun. Rank 0's constructor returns the engine as

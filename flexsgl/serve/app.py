@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from flexsgl.errors import InputError
 from flexsgl.serve import chat
-from flexsgl.serve.engine_thread import EngineThread
+from flexsgl.serve.engine_client import EngineClient
 from flexsgl.serve.protocol import ChatRequest, CompletionRequest
 from flexsgl.serve.responses import Choices, error_body, sse
 
@@ -37,7 +37,7 @@ class APIError(Exception):
         self.status, self.message, self.kind, self.code = status, message, kind, code
 
 
-def build_app(engine: EngineThread, model_name: str) -> FastAPI:
+def build_app(engine: EngineClient, model_name: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start(asyncio.get_running_loop())
@@ -75,48 +75,48 @@ def build_app(engine: EngineThread, model_name: str) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "flexsgl",
-                                            "max_model_len": engine.llm.config.max_position if engine.serving else None}]}
+                                            "max_model_len": engine.info.config.max_position if engine.serving else None}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        llm = _check(engine, body.model, model_name)
-        sampling = body.to_sampling(llm.default_sampling)
-        reqs = [r for i, p in enumerate(body.prompts()) for r in llm.make_requests(p, sampling, i)]
-        return await _run(engine, request, reqs, Choices(False, model_name, llm.tokenizer, len(reqs),
+        info = _check(engine, body.model, model_name)
+        sampling = body.to_sampling(info.default_sampling)
+        reqs = [r for i, p in enumerate(body.prompts()) for r in info.requests.make_requests(p, sampling, i)]
+        return await _run(engine, request, reqs, Choices(False, model_name, info.tokenizer, len(reqs),
                                                           _prompt_tokens(reqs)), body, sampling.logprobs is not None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        llm = _check(engine, body.model, model_name)
-        if llm.tokenizer is None:
+        info = _check(engine, body.model, model_name)
+        if info.tokenizer is None:
             raise APIError(400, f"Model {model_name!r} has no tokenizer, so it cannot chat.")
-        text = chat.render(llm.tokenizer, body.message_dicts(), body.add_generation_prompt, body.chat_template_kwargs)
-        ids = chat.encode(llm.tokenizer, text)
-        sampling = body.to_sampling(llm.default_sampling, llm.config.max_position - len(ids))
-        reqs = llm.make_requests(ids, sampling)
-        return await _run(engine, request, reqs, Choices(True, model_name, llm.tokenizer, len(reqs), len(ids)),
+        text = chat.render(info.tokenizer, body.message_dicts(), body.add_generation_prompt, body.chat_template_kwargs)
+        ids = chat.encode(info.tokenizer, text)
+        sampling = body.to_sampling(info.default_sampling, info.config.max_position - len(ids))
+        reqs = info.requests.make_requests(ids, sampling)
+        return await _run(engine, request, reqs, Choices(True, model_name, info.tokenizer, len(reqs), len(ids)),
                           body, body.logprobs)
 
     return app
 
 
-def _check(engine: EngineThread, model: str | None, model_name: str):
+def _check(engine: EngineClient, model: str | None, model_name: str):
     if not engine.serving:
         raise APIError(503, engine.failure or "The model is still loading; try again when /health says ok.",
                        kind="service_unavailable")
     if model is not None and model != model_name:
         raise APIError(404, f"The model {model!r} does not exist; this server serves {model_name!r}.",
                        code="model_not_found")
-    return engine.llm
+    return engine.info
 
 
 def _prompt_tokens(reqs) -> int:
     return sum(r.prompt_len for r in reqs if r.index == 0)
 
 
-async def _run(engine: EngineThread, request: Request, reqs, choices: Choices, body, want_logprobs: bool):
+async def _run(engine: EngineClient, request: Request, reqs, choices: Choices, body, want_logprobs: bool):
     for r in reqs:
-        reason = engine.llm.scheduler.refusal(r)
+        reason = engine.info.requests.refusal(r)
         if reason is not None:
             raise APIError(400, f"Request refused: {reason}.")
     events: asyncio.Queue = asyncio.Queue()
@@ -154,7 +154,7 @@ async def _run(engine: EngineThread, request: Request, reqs, choices: Choices, b
     return choices.response(want_logprobs)
 
 
-async def _stream(engine: EngineThread, events: asyncio.Queue, ids: list[int], choices: Choices, want_logprobs: bool,
+async def _stream(engine: EngineClient, events: asyncio.Queue, ids: list[int], choices: Choices, want_logprobs: bool,
                   include_usage: bool):
     failed = False
     try:

@@ -1,8 +1,8 @@
 """The server's Prometheus metrics, in the text exposition format: requests running and waiting,
 KV pages, prefix-cache hit tokens, finished requests by reason, and TTFT and TPOT histograms.
 
-The engine thread writes them; GET /metrics reads a consistent enough snapshot (each value is
-replaced whole, and a histogram is copied under its lock).
+The HTTP process's event loop writes them: the engine's counters and gauges as they arrive with
+each step (engine_client.py), TTFT and TPOT from when each request's tokens arrive.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import time
 import uuid
 
 from flexsgl.request import TokenLogprobs
-from flexsgl.serve.engine_thread import Event
+from flexsgl.serve.messages import Event
 
 
 def error_body(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None,

@@ -1,0 +1,79 @@
+"""Prompts and sampling parameters to Requests, and whether a Request can ever run here.
+
+The LLM makes its requests through a RequestFactory; so does the server's HTTP process, which
+holds a copy of the engine's (it pickles without its id counter) and checks input there, so that
+bad input is answered at once while the engine process runs steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from flexsgl.cache.pool import KVPool
+from flexsgl.errors import PromptError, SamplingParamsError
+from flexsgl.request import Request, check_prompt
+from flexsgl.sampling_params import SamplingParams
+from flexsgl.tokenizer import encode_prompt
+
+
+class RequestFactory:
+    def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int):
+        """`config`: the model's ModelConfig; `capacity`: KV pages a request may ever use."""
+        self.model_name, self.config, self.tokenizer = model_name, config, tokenizer
+        self.page_size, self.capacity = page_size, capacity
+        self._ids = itertools.count()
+
+    def __reduce__(self):
+        return RequestFactory, (self.model_name, self.config, self.tokenizer, self.page_size, self.capacity)
+
+    def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> Request:
+        """Check one prompt and its sampling parameters and turn them into a Request (not queued);
+        bad input raises a ValueError (PromptError, SamplingParamsError) that says why."""
+        if not isinstance(sampling, SamplingParams):
+            raise SamplingParamsError(f"Sampling parameters must be a SamplingParams, got {type(sampling).__name__}.")
+        prompt = check_prompt(prompt, index)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise PromptError(f"Model {self.model_name!r} has no tokenizer; pass prompts as token ids.")
+            ids = encode_prompt(self.tokenizer, prompt, index)
+        else:
+            ids = prompt
+        vocab = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise PromptError(f"Prompt {index} has token ids outside the vocabulary [0, {vocab}).")
+        ctx = self.config.max_position
+        if len(ids) >= ctx:
+            raise PromptError(f"Prompt {index} has {len(ids)} tokens; the model's context is {ctx}, "
+                              "leaving no room for a new token.")
+        if any(t >= vocab for t in sampling.stop_token_ids):
+            raise SamplingParamsError(f"stop_token_ids of prompt {index} hold ids outside the vocabulary [0, {vocab}).")
+        eos = self.config.eos_token_ids
+        if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        return Request(next(self._ids), ids, sampling, eos, ctx)
+
+    def make_requests(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> list[Request]:
+        """make_request for each of sampling.n samples: sample 0 leads (its prompt pages go to the
+        prefix cache once computed) and the others wait for it, then reuse those pages."""
+        first = self.make_request(prompt, sampling, index)
+        rest = [Request(next(self._ids), first.prompt_ids, sampling, first.eos_ids, first.max_len, index=i,
+                        leader=first) for i in range(1, sampling.n)]
+        first.shares_prompt = bool(rest)
+        return [first, *rest]
+
+    def refusal(self, req: Request) -> str | None:
+        """Why `req` can never run here (longer than the context or the whole KV cache), or None."""
+        return refusal(req, self.page_size, self.capacity)
+
+
+def refusal(req: Request, page_size: int, capacity: int) -> str | None:
+    ctx = req.max_len
+    if req.target_len > ctx:
+        return (f"the prompt ({req.prompt_len} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
+                f"exceeds the model's context of {ctx} tokens")
+    need = KVPool.num_pages_for(req.target_len, page_size)
+    if need > capacity:
+        return (f"the prompt plus max_new_tokens needs {need * page_size} KV slots, more than the whole "
+                f"cache holds ({capacity * page_size})")
+    return None
