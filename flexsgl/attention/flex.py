@@ -6,13 +6,16 @@ page. Decode queries are `[B, 1]`, one per request; prefill queries are packed i
 a block's padding per request, not the longest request's length. The BlockMask is built on the
 device from the page table: for each query block, the pages wholly before its first row are *full*
 KV blocks (no mask_mod call) and the pages that reach its causal frontier are *partial* ones where
-the mask_mod (flex_masks.py) runs. Decode through flex_ops.py's op, where its kernel splits each
-request's KV over several programs (small batches), lists every visible page as partial instead:
-Inductor's flex-decoding kernel, given full blocks, cuts its KV splits from the KV length, which is
-the whole pool here, so one program would read all of a request's pages while the other splits
-idle (a batch-1 8B step's attention took 17 µs per layer that way, against 8 for FlashInfer). With
-one split per request, full blocks save the mask_mod's work (batch 256 x 1k: 302 µs without them). Mask memory is query blocks x pages per request (on the CPU,
+the mask_mod (flex_masks.py) runs. Mask memory is query blocks x pages per request (on the CPU,
 compiled, x pool pages: Inductor's CPU kernel wants full-width index rows).
+
+Decode through flex_ops.py's op, where its kernel splits each request's KV over several programs
+(small batches), lists every visible page as partial instead: Inductor's flex-decoding kernel,
+given full blocks, cuts its KV splits from the KV length, which is the whole pool here, so one
+program would read all of a request's pages while the other splits idle (a batch-1 8B step's
+attention took 17 µs per layer that way, against 8 for triton-decode). With one split per
+request, full blocks save the mask_mod's work (batch 256 x 1k: 302 µs without them, 261 for
+FlashInfer).
 
 Compiled on CUDA, decode runs through flex_ops.py's opaque op (a kernel per batch size, outside
 the compiled decoder layer); prefill runs flex_attention inside the layer. `page_pos[p]`, the logical index page
@@ -129,8 +132,8 @@ class FlexAttentionBackend:
         b = fb.batch_size
         last = fb.seq_lens.long() - 1
         valid = torch.ones(b, dtype=torch.bool, device=last.device)
-        blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), last if self.decode_full_blocks(b) else None, last,
-                                 valid)
+        first = last if self.decode_full_blocks(b) else None
+        blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), first, last, valid)
         mask_mod = paged_causal(fb.page_table, last, self.page_pos, self.pool.page_size)
         # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
         rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
