@@ -126,7 +126,7 @@ def check_experts(device, e, n, k, slots, prologue, dtype):
                     generator=g).to(dtype)
     scale = torch.rand(slots, device=device, generator=g) if p == gemv.SILU_GATE else None
     out = torch.full((slots, n), float("nan"), device=device, dtype=dtype)
-    gemv.launch_experts(x, w, experts, scale, out, prologue=p, use_pdl=False)
+    gemv.launch_experts(x, w, experts, scale, out, prologue=p)
     for s in range(slots):
         ref = reference(p, x[s if x.shape[0] > 1 else 0][None], w[experts[s]], None, None, None, 0.0)[0]
         ref = ref * (scale[s].double() if scale is not None else 1.0)

@@ -136,21 +136,21 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
 
 
 def launch_experts(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, scale: torch.Tensor | None,
-                   out: torch.Tensor, prologue: int = PLAIN, use_pdl: bool | None = None) -> torch.Tensor:
+                   out: torch.Tensor, prologue: int = PLAIN) -> torch.Tensor:
     """out[s] = weight[experts[s]] @ f(x[s]) (* scale[s]) for each slot s: one token's routed experts
     in one launch, each expert's weight read once. weight `[E, N, K]`; x `[1, K]` (every slot reads
-    the same row) or `[S, K]` (`[S, 2K]` for SILU_GATE), contiguous; out `[S, N]`."""
+    the same row) or `[S, K]` (`[S, 2K]` for SILU_GATE), contiguous; out `[S, N]`. Launched without
+    PDL: which weight to read comes from the kernel before (the router), so nothing can load early."""
     e, n, k = weight.shape
     slots = experts.numel()
     block_n, block_k, warps, stages = config_for(n, k)
-    use_pdl = pdl(x.device) if use_pdl is None else use_pdl
     _kernel()[((n + block_n - 1) // block_n, slots)](
         x, weight, weight, weight, weight, out, n, k, weight.stride(1), 0.0,
         experts, scale if scale is not None else weight, weight.stride(0), x.stride(0) if x.shape[0] > 1 else 0,
         out.stride(0),
         PROLOGUE=prologue, HAS_BIAS=False, HAS_RESIDUAL=False, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, PDL=use_pdl, EXPERTS=True, HAS_SCALE=scale is not None, num_warps=warps,
-        num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+        EVEN_K=k % block_k == 0, PDL=False, EXPERTS=True, HAS_SCALE=scale is not None, num_warps=warps,
+        num_stages=stages)
     return out
 
 
