@@ -11,7 +11,7 @@ bf16 bounds, and why:
   logit difference from float32 there. Two bounds, one per kind of fault:
   - systematic precision loss: for each prompt, our mean error over its steps is at most 1.5x
     transformers' bf16 mean error over the same steps. The mean over 32 steps is stable (on the
-    CPU with eager flex ours/theirs is 0.7-1.0 over 42 prompts of 7 seeds), and masking mistakes
+    CPU, not compiled, ours/theirs is 0.7-1.0 over 42 prompts of 7 seeds), and masking mistakes
     move it far past 1.5x (a prefill mask that sees one token ahead: 1.9-5.7x per prompt; a decode
     mask that hides the current token or the first page: 5-120x);
   - a bad step: no step of any prompt is off by more than twice the worst step of transformers'
@@ -133,7 +133,7 @@ def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, **l
 
 
 SMALL_MODES = {
-    # eager flex evaluates its mask densely over the pool: a small pool
+    # not compiled, flex evaluates its mask densely over the pool: a small pool
     "eager": dict(compile=False, disable_cuda_graph=True, max_total_tokens=32768),
     "compiled": dict(disable_cuda_graph=True),
     "compiled+graphs": dict(cuda_graph_bs=[1, 2, 8]),

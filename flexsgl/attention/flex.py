@@ -24,7 +24,6 @@ p holds in the requests that use it, is written here on the device before each s
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +35,6 @@ from flexsgl.attention.flex_ops import flex_decode, kv_splits, prefill_options
 from flexsgl.attention.flex_masks import Q_BLOCK, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 from flexsgl.compile import MIN_COMPILED_SIZE
-
-# Eager flex (CPU, tests) is a deliberate choice here, not a missed torch.compile.
-warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 
 @dataclass
@@ -64,8 +60,8 @@ class FlexAttentionBackend:
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
         """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
-        fewer shapes; on CUDA decode goes through flex_ops.py's op); otherwise flex runs eagerly
-        and the mask is evaluated once per step."""
+        fewer shapes; on CUDA decode goes through flex_ops.py's op); otherwise the mask is evaluated
+        once per step and SDPA applies it."""
         self.pool = pool
         self.compiled = compiled
         self.decode_op = compiled and pool.device.type == "cuda"  # flex_ops.py
@@ -77,7 +73,7 @@ class FlexAttentionBackend:
         return not self.decode_op or kv_splits(batch, self.pool.k[0].shape[1], self.pool.page_size) == 1
 
     def cuda_kernel_options(self) -> dict:
-        """Options of flex's main kernel on CUDA (prefill; eager flex and the CPU take none)."""
+        """Options of flex's main kernel on CUDA (compiled prefill; the CPU takes none)."""
         return prefill_options(self.pool.k[0].shape[-1], self.pool.page_size)
 
     @staticmethod
@@ -143,8 +139,8 @@ class FlexAttentionBackend:
     def _prefill_meta(self, fb: ForwardBatch) -> FlexMeta:
         """Queries packed into one sequence; each request starts a query block (a block belongs to one
         request, so its KV block list is that request's pages). Compiled, blocks are Q_BLOCK rows (at
-        most Q_BLOCK - 1 padding rows per request, at least MIN_COMPILED_SIZE blocks); eager flex
-        evaluates its mask densely, so there a block is one row and nothing is padded."""
+        most Q_BLOCK - 1 padding rows per request, at least MIN_COMPILED_SIZE blocks); not compiled,
+        the mask is evaluated densely, so there a block is one row and nothing is padded."""
         dev = fb.page_table.device
         align = Q_BLOCK if self.compiled else 1
         q_lens = fb.q_lens.long()
@@ -187,8 +183,10 @@ class FlexAttentionBackend:
         n_kv = fb.num_kv_pages * ps
         num_partial, partial_idx, num_full, full_idx = blocks
         if not self.compiled:
-            # Eager flex evaluates mask_mod over every (query, key) pair in every layer, under four
-            # vmaps whose per-index cost dominates a small model's step: evaluate it once per step.
+            # Not compiled: the mask_mod is evaluated over every (query, key) pair once per step, and
+            # attend() applies that boolean mask with SDPA. torch's eager flex_attention would evaluate
+            # it in every layer under four nested vmaps, whose Python cost per call (about 10 ms on
+            # the development CPU) made the embedded model decode at 23 tok/s instead of 230.
             dev = fb.page_table.device
             nb, nq = query_shape
             visible = mask_mod(torch.arange(nb, device=dev)[:, None, None], None,
@@ -219,16 +217,21 @@ class FlexAttentionBackend:
         return self.attend(q, kb, vb, meta)
 
     def attend(self, q, k, v, meta: FlexMeta, scale: float | None = None) -> torch.Tensor:
-        """flex_attention of q `[T, Hq, D]`, laid out as the step's metadata says, over the pool read
-        as one KV sequence, k `[1, Hkv, N, D]` and v `[1, Hkv, N, Dv]`; returns `[T, Hq, Dv]`."""
+        """Attention of q `[T, Hq, D]`, laid out as the step's metadata says, over the pool read as one
+        KV sequence, k `[1, Hkv, N, D]` and v `[1, Hkv, N, Dv]`; returns `[T, Hq, Dv]`. Compiled:
+        flex_attention with the step's BlockMask; otherwise SDPA with the mask_mod's dense values."""
         t, hq, d = q.shape
         nb, nq = meta.query_shape
         if meta.rows is None:
             qb = q.view(nb, nq, hq, d)
         else:
             qb = q.new_zeros(nb, nq, hq, d).index_put_(meta.rows, q)
-        out = flex_attention(qb.transpose(1, 2), k, v, block_mask=meta.block_mask, scale=scale,
-                             enable_gqa=hq != k.shape[1], kernel_options=self.kernel_options)
+        if self.compiled:
+            out = flex_attention(qb.transpose(1, 2), k, v, block_mask=meta.block_mask, scale=scale,
+                                 enable_gqa=hq != k.shape[1], kernel_options=self.kernel_options)
+        else:
+            out = F.scaled_dot_product_attention(qb.transpose(1, 2), k, v, attn_mask=meta.mask_state[0][:, None],
+                                                 scale=scale, enable_gqa=hq != k.shape[1])
         out = out.transpose(1, 2)  # [nb, nq, Hq, Dv]
         return out.reshape(t, hq, v.shape[-1]) if meta.rows is None else out[meta.rows]
 

@@ -4,8 +4,9 @@ A slot is visible to a query iff its page is one of the query's request's pages,
 index `page_pos[page]` (flex.py writes it from each step's page table; a page shared through a
 prefix is at the same index in every request that uses it, and a page no request of the step
 holds is at 0, so the mask indexes the page table without a clamp), and its position is not after
-the query's. Each mask is correct over the whole pool on its own: eager flex evaluates it everywhere,
-compiled flex only on the partial KV blocks of its BlockMask.
+the query's. Each mask is correct over the whole pool on its own: not compiled, flex.py evaluates it
+everywhere (and SDPA applies the result); compiled flex, only on the partial KV blocks of its
+BlockMask.
 """
 
 from __future__ import annotations
