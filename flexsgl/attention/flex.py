@@ -25,6 +25,7 @@ p holds in the requests that use it, is written here on the device before each s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,9 @@ class FlexMeta:
     query_shape: tuple[int, int]
     rows: tuple[torch.Tensor, torch.Tensor] | None  # each token's (sequence, row); None: a plain view
     mask_state: list[torch.Tensor]  # tensors the mask_mod reads besides the batch's page table
+    # Not compiled, on the CPU: the pool slots of the pages the step's requests hold, the only KV
+    # attention reads (None: every slot up to the step's extent, fb.num_kv_pages pages).
+    kv_slots: torch.Tensor | None = None
 
     def step_tensors(self) -> list[torch.Tensor]:
         """Every tensor whose values change from step to step (what fill_graph rewrites)."""
@@ -95,9 +99,11 @@ class FlexAttentionBackend:
     def prepare(self, fb: ForwardBatch) -> None:
         fb.attn = self.metadata(fb)
 
-    def metadata(self, fb: ForwardBatch) -> FlexMeta:
+    def metadata(self, fb: ForwardBatch, fixed_shapes: bool = False) -> FlexMeta:
+        """fixed_shapes: for a CUDA graph's buffers, whose shapes do not follow the step's pages."""
         self.record_page_positions(fb.page_table, fb.seq_lens)
-        return self._decode_meta(fb) if fb.mode == "decode" else self._prefill_meta(fb)
+        compact = not fixed_shapes and fb.page_table.device.type == "cpu" and fb.host_pages is not None
+        return self._decode_meta(fb, compact) if fb.mode == "decode" else self._prefill_meta(fb, compact)
 
     # CUDA graphs: the BlockMask of a captured size lives in tensors the graph reads; a step's
     # mask is built as usual from the static batch and copied into them.
@@ -105,10 +111,10 @@ class FlexAttentionBackend:
         self.graph_meta: dict[int, FlexMeta] = {}
 
     def bind_graph(self, bs: int, fb: ForwardBatch) -> None:
-        fb.attn = self.graph_meta[bs] = self.metadata(fb)
+        fb.attn = self.graph_meta[bs] = self.metadata(fb, fixed_shapes=True)
 
     def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
-        for dst, src in zip(self.graph_meta[bs].step_tensors(), self.metadata(fb).step_tensors()):
+        for dst, src in zip(self.graph_meta[bs].step_tensors(), self.metadata(fb, fixed_shapes=True).step_tensors()):
             dst.copy_(src)
 
     def record_page_positions(self, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -123,7 +129,7 @@ class FlexAttentionBackend:
         self.page_pos.zero_().scatter_(0, pages.reshape(-1).long(), logical.reshape(-1))
         self.page_pos[DUMMY_PAGE] = 0
 
-    def _decode_meta(self, fb: ForwardBatch) -> FlexMeta:
+    def _decode_meta(self, fb: ForwardBatch, compact: bool) -> FlexMeta:
         """One query block per request, its one token at position seq_len - 1."""
         b = fb.batch_size
         last = fb.seq_lens.long() - 1
@@ -134,9 +140,9 @@ class FlexAttentionBackend:
         # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
         rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
         return self._meta(fb, [x if x is None else x[:, None, None] for x in blocks], mask_mod, (b, 1), rows, [last],
-                          Q_BLOCK)
+                          Q_BLOCK, compact)
 
-    def _prefill_meta(self, fb: ForwardBatch) -> FlexMeta:
+    def _prefill_meta(self, fb: ForwardBatch, compact: bool) -> FlexMeta:
         """Queries packed into one sequence; each request starts a query block (a block belongs to one
         request, so its KV block list is that request's pages). Compiled, blocks are Q_BLOCK rows (at
         most Q_BLOCK - 1 padding rows per request, at least MIN_COMPILED_SIZE blocks); not compiled,
@@ -159,7 +165,7 @@ class FlexAttentionBackend:
         token_req, token_row = _query_index(fb)
         rows = (torch.zeros_like(token_row), first_block[token_req] * align + token_row)
         return self._meta(fb, [x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
-                          [req, first], align)
+                          [req, first], align, compact)
 
     def _kv_blocks(self, fb: ForwardBatch, req, first_pos, last_pos, valid):
         """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos: the
@@ -178,19 +184,29 @@ class FlexAttentionBackend:
         partial_idx = torch.gather(full_idx, 1, (n_full[:, None] + cols).clamp_(max=w - 1))
         return (n_visible - n_full).to(torch.int32), partial_idx, n_full.to(torch.int32), full_idx
 
-    def _meta(self, fb: ForwardBatch, blocks, mask_mod, query_shape, rows, mask_state, q_block: int) -> FlexMeta:
+    def _meta(self, fb: ForwardBatch, blocks, mask_mod, query_shape, rows, mask_state, q_block: int,
+              compact: bool) -> FlexMeta:
+        """compact: not compiled, attention reads only the slots of the step's pages (kv_slots)."""
         ps = self.pool.page_size
         n_kv = fb.num_kv_pages * ps
         num_partial, partial_idx, num_full, full_idx = blocks
+        kv_slots = None
         if not self.compiled:
             # Not compiled: the mask_mod is evaluated over every (query, key) pair once per step, and
             # attend() applies that boolean mask with SDPA. torch's eager flex_attention would evaluate
             # it in every layer under four nested vmaps, whose Python cost per call (about 10 ms on
             # the development CPU) made the embedded model decode at 23 tok/s instead of 230.
+            # Compact (on the CPU, outside graph buffers) the KV is only the slots of the pages the
+            # step's requests hold: the pages in use spread over the pool as the prefix cache keeps
+            # some, and attention over the whole extent dominated steps of many requests.
             dev = fb.page_table.device
             nb, nq = query_shape
+            if compact:
+                pages = torch.tensor(sorted(set(chain.from_iterable(fb.host_pages))), dtype=torch.long)
+                kv_slots = (pages[:, None] * ps + torch.arange(ps)).flatten()
+            kv_idx = kv_slots if kv_slots is not None else torch.arange(n_kv, device=dev)
             visible = mask_mod(torch.arange(nb, device=dev)[:, None, None], None,
-                               torch.arange(nq, device=dev)[None, :, None], torch.arange(n_kv, device=dev)[None, None, :])
+                               torch.arange(nq, device=dev)[None, :, None], kv_idx[None, None, :])
             mask_mod = lambda b, h, q_idx, kv_idx: visible[b, q_idx, kv_idx]  # noqa: E731
             mask_state = [visible]
         elif fb.page_table.device.type == "cpu" and partial_idx.shape[-1] < fb.num_kv_pages:
@@ -202,7 +218,7 @@ class FlexAttentionBackend:
             num_partial, partial_idx.contiguous(), num_full, None if full_idx is None else full_idx.contiguous(),
             BLOCK_SIZE=(q_block, ps),
             mask_mod=mask_mod, seq_lengths=(query_shape[1], n_kv), compute_q_blocks=False)
-        return FlexMeta(block_mask, query_shape, rows, mask_state)
+        return FlexMeta(block_mask, query_shape, rows, mask_state, kv_slots)
 
     def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
         meta: FlexMeta = fb.attn
@@ -211,10 +227,13 @@ class FlexAttentionBackend:
             bm = meta.block_mask
             return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
                                fb.page_table, *meta.mask_state, self.page_pos, self.pool.page_size)
-        n = fb.num_kv_pages * self.pool.page_size
-        kb = k[None, :n].transpose(1, 2)
-        vb = v[None, :n].transpose(1, 2)
-        return self.attend(q, kb, vb, meta)
+        return self.attend(q, self.kv_sequence(k, fb), self.kv_sequence(v, fb), meta)
+
+    def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]`."""
+        kv_slots = fb.attn.kv_slots
+        x = x[:fb.num_kv_pages * self.pool.page_size] if kv_slots is None else x[kv_slots]
+        return x[None].transpose(1, 2)
 
     def attend(self, q, k, v, meta: FlexMeta, scale: float | None = None) -> torch.Tensor:
         """Attention of q `[T, Hq, D]`, laid out as the step's metadata says, over the pool read as one
@@ -229,9 +248,11 @@ class FlexAttentionBackend:
         if self.compiled:
             out = flex_attention(qb.transpose(1, 2), k, v, block_mask=meta.block_mask, scale=scale,
                                  enable_gqa=hq != k.shape[1], kernel_options=self.kernel_options)
-        else:
-            out = F.scaled_dot_product_attention(qb.transpose(1, 2), k, v, attn_mask=meta.mask_state[0][:, None],
+        else:  # every query as one sequence over the one KV sequence: SDPA never copies K/V per request
+            out = F.scaled_dot_product_attention(qb.reshape(1, nb * nq, hq, d).transpose(1, 2), k, v,
+                                                 attn_mask=meta.mask_state[0].reshape(1, 1, nb * nq, -1),
                                                  scale=scale, enable_gqa=hq != k.shape[1])
+            out = out.view(hq, nb, nq, -1).permute(1, 0, 2, 3)
         out = out.transpose(1, 2)  # [nb, nq, Hq, Dv]
         return out.reshape(t, hq, v.shape[-1]) if meta.rows is None else out[meta.rows]
 

@@ -33,5 +33,5 @@ class FlexMLABackend(FlexAttentionBackend):
         return {"BLOCK_M": 32, "BLOCK_N": math.gcd(self.pool.page_size, 32), "num_stages": 1}
 
     def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
-        kv = cache[0][None, :fb.num_kv_pages * self.pool.page_size].transpose(1, 2)  # [1, 1, N, D]
+        kv = self.kv_sequence(cache[0], fb)  # [1, 1, N, D]
         return self.attend(q, kv, kv[..., :self.pool.kv_lora_rank], fb.attn, scale=self.pool.softmax_scale)
