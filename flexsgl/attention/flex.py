@@ -40,7 +40,7 @@ from flexsgl.compile import MIN_COMPILED_SIZE
 
 @dataclass
 class FlexMeta:
-    block_mask: BlockMask
+    block_mask: BlockMask | None  # None when not compiled: the mask is `mask_state[0]`, dense
     # Decode: queries `[B, 1]`, one per request. Prefill: one packed sequence `[1, rows]` in which
     # each request starts at a query block of its own; `rows` places each token in it.
     query_shape: tuple[int, int]
@@ -53,7 +53,7 @@ class FlexMeta:
     def step_tensors(self) -> list[torch.Tensor]:
         """Every tensor whose values change from step to step (what fill_graph rewrites)."""
         bm = self.block_mask
-        blocks = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+        blocks = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices] if bm else []
         return [t for t in blocks if t is not None] + self.mask_state
 
 
@@ -133,14 +133,16 @@ class FlexAttentionBackend:
         """One query block per request, its one token at position seq_len - 1."""
         b = fb.batch_size
         last = fb.seq_lens.long() - 1
+        mask_mod = paged_causal(fb.page_table, last, self.page_pos, self.pool.page_size)
+        if not self.compiled:
+            return self._dense_meta(fb, mask_mod, (b, 1), compact)
         valid = torch.ones(b, dtype=torch.bool, device=last.device)
         first = last if self.decode_full_blocks(b) else None
         blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), first, last, valid)
-        mask_mod = paged_causal(fb.page_table, last, self.page_pos, self.pool.page_size)
         # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
         rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
         return self._meta(fb, [x if x is None else x[:, None, None] for x in blocks], mask_mod, (b, 1), rows, [last],
-                          Q_BLOCK, compact)
+                          Q_BLOCK)
 
     def _prefill_meta(self, fb: ForwardBatch, compact: bool) -> FlexMeta:
         """Queries packed into one sequence; each request starts a query block (a block belongs to one
@@ -159,13 +161,15 @@ class FlexAttentionBackend:
         index = torch.arange(n_blocks, device=dev)
         prefix = (fb.seq_lens - fb.q_lens).long()[req]  # tokens cached before this step
         first = prefix + (index - first_block[req]) * align
+        mask_mod = packed_paged_causal(fb.page_table, req, first, self.page_pos, self.pool.page_size, align)
+        if not self.compiled:  # a block is a token, in packed order: the queries are a plain view
+            return self._dense_meta(fb, mask_mod, (1, n_blocks), compact)
         last = prefix + torch.minimum((index - first_block[req] + 1) * align, q_lens[req]) - 1
         blocks = self._kv_blocks(fb, req, first, last, index < n_real)
-        mask_mod = packed_paged_causal(fb.page_table, req, first, self.page_pos, self.pool.page_size, align)
         token_req, token_row = _query_index(fb)
         rows = (torch.zeros_like(token_row), first_block[token_req] * align + token_row)
         return self._meta(fb, [x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
-                          [req, first], align, compact)
+                          [req, first], align)
 
     def _kv_blocks(self, fb: ForwardBatch, req, first_pos, last_pos, valid):
         """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos: the
@@ -184,32 +188,30 @@ class FlexAttentionBackend:
         partial_idx = torch.gather(full_idx, 1, (n_full[:, None] + cols).clamp_(max=w - 1))
         return (n_visible - n_full).to(torch.int32), partial_idx, n_full.to(torch.int32), full_idx
 
-    def _meta(self, fb: ForwardBatch, blocks, mask_mod, query_shape, rows, mask_state, q_block: int,
-              compact: bool) -> FlexMeta:
-        """compact: not compiled, attention reads only the slots of the step's pages (kv_slots)."""
+    def _dense_meta(self, fb: ForwardBatch, mask_mod, query_shape, compact: bool) -> FlexMeta:
+        """Not compiled: the mask_mod evaluated over every (query, key) pair once per step, which
+        attend() applies with SDPA. torch's eager flex_attention would evaluate it in every layer
+        under four nested vmaps, whose Python cost per call (about 10 ms on the development CPU) made
+        the embedded model decode at 23 tok/s instead of 230. compact (on the CPU, outside graph
+        buffers): the KV is only the slots of the pages the step's requests hold, which the prefix
+        cache spreads over the pool; attention over the whole extent dominated steps of many requests."""
         ps = self.pool.page_size
-        n_kv = fb.num_kv_pages * ps
-        num_partial, partial_idx, num_full, full_idx = blocks
+        dev = fb.page_table.device
+        nb, nq = query_shape
         kv_slots = None
-        if not self.compiled:
-            # Not compiled: the mask_mod is evaluated over every (query, key) pair once per step, and
-            # attend() applies that boolean mask with SDPA. torch's eager flex_attention would evaluate
-            # it in every layer under four nested vmaps, whose Python cost per call (about 10 ms on
-            # the development CPU) made the embedded model decode at 23 tok/s instead of 230.
-            # Compact (on the CPU, outside graph buffers) the KV is only the slots of the pages the
-            # step's requests hold: the pages in use spread over the pool as the prefix cache keeps
-            # some, and attention over the whole extent dominated steps of many requests.
-            dev = fb.page_table.device
-            nb, nq = query_shape
-            if compact:
-                pages = torch.tensor(sorted(set(chain.from_iterable(fb.host_pages))), dtype=torch.long)
-                kv_slots = (pages[:, None] * ps + torch.arange(ps)).flatten()
-            kv_idx = kv_slots if kv_slots is not None else torch.arange(n_kv, device=dev)
-            visible = mask_mod(torch.arange(nb, device=dev)[:, None, None], None,
-                               torch.arange(nq, device=dev)[None, :, None], kv_idx[None, None, :])
-            mask_mod = lambda b, h, q_idx, kv_idx: visible[b, q_idx, kv_idx]  # noqa: E731
-            mask_state = [visible]
-        elif fb.page_table.device.type == "cpu" and partial_idx.shape[-1] < fb.num_kv_pages:
+        if compact:
+            pages = torch.tensor(sorted(set(chain.from_iterable(fb.host_pages))), dtype=torch.long)
+            kv_slots = (pages[:, None] * ps + torch.arange(ps)).flatten()
+        kv_idx = kv_slots if kv_slots is not None else torch.arange(fb.num_kv_pages * ps, device=dev)
+        visible = mask_mod(torch.arange(nb, device=dev)[:, None, None], None,
+                           torch.arange(nq, device=dev)[None, :, None], kv_idx[None, None, :])
+        return FlexMeta(None, query_shape, None, [visible], kv_slots)
+
+    def _meta(self, fb: ForwardBatch, blocks, mask_mod, query_shape, rows, mask_state, q_block: int) -> FlexMeta:
+        """Compiled: the step's BlockMask over its page lists."""
+        ps = self.pool.page_size
+        num_partial, partial_idx, num_full, full_idx = blocks
+        if fb.page_table.device.type == "cpu" and partial_idx.shape[-1] < fb.num_kv_pages:
             # Inductor's CPU flex kernel wants an index row as wide as the KV sequence has blocks.
             pad = (0, fb.num_kv_pages - partial_idx.shape[-1])
             partial_idx = F.pad(partial_idx, pad)
@@ -217,8 +219,8 @@ class FlexAttentionBackend:
         block_mask = BlockMask.from_kv_blocks(
             num_partial, partial_idx.contiguous(), num_full, None if full_idx is None else full_idx.contiguous(),
             BLOCK_SIZE=(q_block, ps),
-            mask_mod=mask_mod, seq_lengths=(query_shape[1], n_kv), compute_q_blocks=False)
-        return FlexMeta(block_mask, query_shape, rows, mask_state, kv_slots)
+            mask_mod=mask_mod, seq_lengths=(query_shape[1], fb.num_kv_pages * ps), compute_q_blocks=False)
+        return FlexMeta(block_mask, query_shape, rows, mask_state)
 
     def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
         meta: FlexMeta = fb.attn
