@@ -42,15 +42,20 @@ def decode_options(batch: int, kv_heads: int, page_size: int) -> dict:
     if page_size % 128:
         options["BLOCK_N"] = math.gcd(page_size, 64)
     if batch * kv_heads <= FEW_PROGRAMS:
-        sms = torch.cuda.get_device_properties().multi_processor_count
-        options["SPLIT_KV"] = max(MIN_SPLITS, sms // (batch * kv_heads) * 2)  # Inductor's rule, floored
+        options["SPLIT_KV"] = max(MIN_SPLITS, _inductor_splits(batch, kv_heads))
     return options
 
 
+@functools.cache
 def kv_splits(batch: int, kv_heads: int, page_size: int) -> int:
     """How many programs share a request's KV in the decode kernel: ours where set, else Inductor's rule."""
+    return decode_options(batch, kv_heads, page_size).get("SPLIT_KV") or _inductor_splits(batch, kv_heads)
+
+
+def _inductor_splits(batch: int, kv_heads: int) -> int:
+    """The KV splits Inductor's flex-decoding lowering picks by default (two programs per SM)."""
     sms = torch.cuda.get_device_properties().multi_processor_count
-    return decode_options(batch, kv_heads, page_size).get("SPLIT_KV") or max(1, sms // (batch * kv_heads) * 2)
+    return max(1, sms // (batch * kv_heads) * 2)
 
 
 def prefill_options(head_dim: int, page_size: int) -> dict:
