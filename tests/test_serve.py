@@ -397,3 +397,20 @@ def test_an_engine_that_cannot_start_stops_the_server_with_the_reason():
                            "--log-level", "warning"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "The engine could not start: TensorParallelError" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_mid_stream_chunks_from_the_template_equal_the_general_encoding(chat, include_usage):
+    """responses.py makes a mid-stream token's chunk from a template; it must be the bytes the
+    general path (one json.dumps of the whole body) gives, for any text."""
+    from flexsgl.serve.responses import Choices
+
+    rng = random.Random()
+    choices = Choices(chat, "tiny-docs", None, 3, 5)
+    alphabet = 'ab "\\/\n\t\u00e9\u4e2d\U0001f600<>&'
+    for _ in range(50):
+        i, text = rng.randrange(3), "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 12)))
+        c = {"index": i, "logprobs": None, "finish_reason": None}
+        c.update({"delta": {"content": text}} if chat else {"text": text})
+        assert choices._token_chunk(i, text, include_usage) == choices._chunk(c, include_usage)
