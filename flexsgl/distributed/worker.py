@@ -115,7 +115,9 @@ class Channel:
         collective whose peer died would never finish."""
         last = time.monotonic()
         while not event.query():
-            time.sleep(0)  # lets other threads run (a server's HTTP handlers) while this one polls
+            # Yield the GIL while polling: other threads of the process run meanwhile (an application
+            # that steps the LLM from a thread of its own, beside its other work).
+            time.sleep(0)
             now = time.monotonic()
             if now - last > LIVENESS_CHECK_S:
                 self.check()
