@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.flex_masks import listed_decode_causal, paged_causal
 from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_attention, random_paged_batch
 
@@ -81,3 +82,30 @@ def test_compiled_flex_decode_without_full_blocks_on_cpu():
     """Decode as the CUDA op lays it out (flex.py): every visible page a partial KV block."""
     run_backend_case(CASES["decode"], 16, torch.compile(FlexAttentionBackend.forward, dynamic=False), "cpu",
                      torch.float32, rtol=1e-4, atol=1e-5, compiled=True, full_blocks=False)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_listed_decode_mask_sees_what_the_paged_mask_sees(page_size):
+    """The CUDA decode op's mask (flex_ops.py) runs only on the pages a request's BlockMask lists,
+    the request's own: there, and with every other slot unseen, it must see exactly the slots that
+    paged_causal sees over the whole pool, which are the request's seq_len tokens."""
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    specs = CASES["decode"]
+    pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
+    pool = KVPool(1, pages, page_size, 2, 8, torch.float32, "cpu")
+    fb, *_ = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, 4, "cpu", torch.float32,
+                                random.Random(seed))
+    backend = FlexAttentionBackend(pool)
+    backend.record_page_positions(fb.page_table, fb.seq_lens)
+    last = fb.seq_lens.long() - 1
+    batch, slots = torch.arange(len(specs))[:, None], torch.arange(pages * page_size)[None, :]
+    paged = paged_causal(fb.page_table, last, backend.page_pos, page_size)(batch, None, 0, slots)
+    listed_mask = listed_decode_causal(fb.page_table, last, page_size)
+    listed = torch.zeros_like(paged)
+    for b, n in enumerate(fb.host_seq_lens):
+        own = (fb.page_table[b, :KVPool.num_pages_for(n, page_size)].long()[:, None] * page_size
+               + torch.arange(page_size)).flatten()
+        listed[b, own] = listed_mask(torch.tensor(b), None, 0, own)
+    assert paged.sum(1).tolist() == fb.host_seq_lens, f"seed={seed}"
+    assert torch.equal(listed, paged), f"seed={seed}"

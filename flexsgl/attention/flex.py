@@ -228,7 +228,7 @@ class FlexAttentionBackend:
         if fb.mode == "decode" and self.decode_op:
             bm = meta.block_mask
             return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-                               fb.page_table, *meta.mask_state, self.page_pos, self.pool.page_size)
+                               fb.page_table, *meta.mask_state, self.pool.page_size)
         return self.attend(q, self.kv_sequence(k, fb), self.kv_sequence(v, fb), meta)
 
     def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

@@ -6,7 +6,8 @@ prefix is at the same index in every request that uses it, and a page no request
 holds is at 0, so the mask indexes the page table without a clamp), and its position is not after
 the query's. Each mask is correct over the whole pool on its own: not compiled, flex.py evaluates it
 everywhere (and SDPA applies the result); compiled flex, only on the partial KV blocks of its
-BlockMask.
+BlockMask. `listed_decode_causal` is the exception: it is correct only on the pages a decode
+BlockMask lists for each request, and so it needs no page lookup at all.
 """
 
 from __future__ import annotations
@@ -23,6 +24,20 @@ def paged_causal(page_table: torch.Tensor, last_pos: torch.Tensor, page_pos: tor
         logical = page_pos[page]
         owned = page_table[b, logical] == page
         return owned & (logical * page_size + kv_idx % page_size <= last_pos[b] + q_idx)
+
+    return mask
+
+
+def listed_decode_causal(page_table: torch.Tensor, last_pos: torch.Tensor, page_size: int):
+    """Decode over a BlockMask whose KV blocks for request b are b's own pages and nothing else
+    (flex_ops.py): of those, only the page holding b's query, at position last_pos[b], has slots
+    after it. Per KV element it compares two integers, where paged_causal gathers from page_pos
+    and from the page table."""
+    last_page = page_table.gather(1, (last_pos // page_size)[:, None])[:, 0]
+    last_slot = last_page.long() * page_size + last_pos % page_size
+
+    def mask(b, h, q_idx, kv_idx):
+        return (kv_idx // page_size != last_slot[b] // page_size) | (kv_idx <= last_slot[b])
 
     return mask
 

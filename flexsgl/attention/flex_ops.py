@@ -28,7 +28,7 @@ import types
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexsgl.attention.flex_masks import Q_BLOCK, paged_causal
+from flexsgl.attention.flex_masks import Q_BLOCK, listed_decode_causal
 from flexsgl.compile import settings
 from flexsgl.compile_cache import cache_dir
 
@@ -66,12 +66,12 @@ def prefill_options(head_dim: int, page_size: int) -> dict:
     return options
 
 
-def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_pos,
+def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos,
             page_size: int, options: dict):
     b, hq, d = q.shape
     block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks, kv_indices, full_num_blocks, full_indices, BLOCK_SIZE=(Q_BLOCK, page_size),
-        mask_mod=paged_causal(page_table, last_pos, page_pos, page_size), seq_lengths=(1, k.shape[0]),
+        mask_mod=listed_decode_causal(page_table, last_pos, page_size), seq_lengths=(1, k.shape[0]),
         compute_q_blocks=False)
     out = flex_attention(q.view(b, 1, hq, d).transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
                          block_mask=block_mask, enable_gqa=hq != k.shape[1], kernel_options=options)
@@ -104,16 +104,16 @@ def _run(fn, key: tuple, *args):
 @torch.library.custom_op("flexsgl::flex_decode", mutates_args=())
 def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks: torch.Tensor,
                 kv_indices: torch.Tensor, full_num_blocks: torch.Tensor | None, full_indices: torch.Tensor | None,
-                page_table: torch.Tensor, last_pos: torch.Tensor, page_pos: torch.Tensor,
-                page_size: int) -> torch.Tensor:
+                page_table: torch.Tensor, last_pos: torch.Tensor, page_size: int) -> torch.Tensor:
     """Decode attention of q `[B, Hq, D]` over one layer's pool `k`, `v` (`[slots, Hkv, D]`) through
-    the BlockMask given by its four tensors (`[B, 1, 1, ...]`; the full ones may be None); returns
-    `[B, Hq, D]`."""
+    the BlockMask given by its four tensors (`[B, 1, 1, ...]`; the full ones may be None), which
+    list request b's pages `page_table[b]` and no other; request b's query is at position
+    last_pos[b]. Returns `[B, Hq, D]`."""
     key = ("decode", *q.shape, *k.shape, page_table.shape[1], q.dtype, page_size, q.device, full_num_blocks is None)
     return _run(_decode, key, q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table,
-                last_pos, page_pos, page_size, decode_options(q.shape[0], k.shape[1], page_size))
+                last_pos, page_size, decode_options(q.shape[0], k.shape[1], page_size))
 
 
 @flex_decode.register_fake
-def _(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_pos, page_size):
+def _(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_size):
     return torch.empty_like(q)
