@@ -49,6 +49,9 @@ class FlexMeta:
     # Not compiled, on the CPU: the pool slots of the pages the step's requests hold, the only KV
     # attention reads (None: every slot up to the step's extent, fb.num_kv_pages pages).
     kv_slots: torch.Tensor | None = None
+    # Compiled decode with one KV head (MLA): query `[B, 1, Hq, D]`, a request's heads are the rows
+    # of one query block, so the kernel reads each request's KV once, not once per head.
+    heads_as_rows: bool = False
 
     def step_tensors(self) -> list[torch.Tensor]:
         """Every tensor whose values change from step to step (what fill_graph rewrites)."""
@@ -61,12 +64,14 @@ class FlexAttentionBackend:
     name = "flex"
     graphable = True
     compiles_per_shape = True  # its kernels are compiled per batch size and page-table width
+    heads_as_rows = False  # compiled decode lays a request's query heads out as rows (FlexMeta)
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
         """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
         fewer shapes; on CUDA decode goes through flex_ops.py's op); otherwise the mask is evaluated
         once per step and SDPA applies it."""
         self.pool = pool
+        self.num_heads = num_heads
         self.compiled = compiled
         self.decode_op = compiled and pool.device.type == "cuda"  # flex_ops.py
         self.page_pos = torch.zeros(pool.num_pages, dtype=torch.int32, device=pool.device)
@@ -138,11 +143,13 @@ class FlexAttentionBackend:
             return self._dense_meta(fb, mask_mod, (b, 1), compact)
         valid = torch.ones(b, dtype=torch.bool, device=last.device)
         first = last if self.decode_full_blocks(b) else None
-        blocks = self._kv_blocks(fb, torch.arange(b, device=last.device), first, last, valid)
+        blocks = [x if x is None else x[:, None, None]
+                  for x in self._kv_blocks(fb, torch.arange(b, device=last.device), first, last, valid)]
+        if self.heads_as_rows:
+            return self._meta(fb, blocks, mask_mod, (b, self.num_heads), None, [last], Q_BLOCK, heads_as_rows=True)
         # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
         rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
-        return self._meta(fb, [x if x is None else x[:, None, None] for x in blocks], mask_mod, (b, 1), rows, [last],
-                          Q_BLOCK)
+        return self._meta(fb, blocks, mask_mod, (b, 1), rows, [last], Q_BLOCK)
 
     def _prefill_meta(self, fb: ForwardBatch, compact: bool) -> FlexMeta:
         """Queries packed into one sequence; each request starts a query block (a block belongs to one
@@ -207,7 +214,8 @@ class FlexAttentionBackend:
                            torch.arange(nq, device=dev)[None, :, None], kv_idx[None, None, :])
         return FlexMeta(None, query_shape, None, [visible], kv_slots)
 
-    def _meta(self, fb: ForwardBatch, blocks, mask_mod, query_shape, rows, mask_state, q_block: int) -> FlexMeta:
+    def _meta(self, fb: ForwardBatch, blocks, mask_mod, query_shape, rows, mask_state, q_block: int,
+              heads_as_rows: bool = False) -> FlexMeta:
         """Compiled: the step's BlockMask over its page lists."""
         ps = self.pool.page_size
         num_partial, partial_idx, num_full, full_idx = blocks
@@ -220,7 +228,7 @@ class FlexAttentionBackend:
             num_partial, partial_idx.contiguous(), num_full, None if full_idx is None else full_idx.contiguous(),
             BLOCK_SIZE=(q_block, ps),
             mask_mod=mask_mod, seq_lengths=(query_shape[1], fb.num_kv_pages * ps), compute_q_blocks=False)
-        return FlexMeta(block_mask, query_shape, rows, mask_state)
+        return FlexMeta(block_mask, query_shape, rows, mask_state, heads_as_rows=heads_as_rows)
 
     def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
         meta: FlexMeta = fb.attn
@@ -243,6 +251,11 @@ class FlexAttentionBackend:
         flex_attention with the step's BlockMask; otherwise SDPA with the mask_mod's dense values."""
         t, hq, d = q.shape
         nb, nq = meta.query_shape
+        if meta.heads_as_rows:  # Inductor's CPU flex kernel wants the query in a buffer of its own
+            qb = q[:, None] if q.device.type != "cpu" else \
+                q.new_zeros(t, 1, hq, d).index_put_((torch.arange(t, device=q.device),), q[:, None])
+            return flex_attention(qb, k, v, block_mask=meta.block_mask, scale=scale,
+                                  kernel_options=self.kernel_options)[:, 0]
         if meta.rows is None:
             qb = q.view(nb, nq, hq, d)
         else:

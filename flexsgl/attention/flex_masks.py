@@ -18,12 +18,13 @@ Q_BLOCK = 128  # rows of a BlockMask query block in compiled flex
 
 
 def paged_causal(page_table: torch.Tensor, last_pos: torch.Tensor, page_pos: torch.Tensor, page_size: int):
-    """Decode (`[B, 1]` queries): request b's query sits at position last_pos[b]."""
+    """Decode: request b's query sits at position last_pos[b] (every row of its query block, which
+    holds one token, or one token's heads)."""
     def mask(b, h, q_idx, kv_idx):
         page = kv_idx // page_size
         logical = page_pos[page]
         owned = page_table[b, logical] == page
-        return owned & (logical * page_size + kv_idx % page_size <= last_pos[b] + q_idx)
+        return owned & (logical * page_size + kv_idx % page_size <= last_pos[b])
 
     return mask
 

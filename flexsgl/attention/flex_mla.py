@@ -25,6 +25,7 @@ class FlexMLABackend(FlexAttentionBackend):
     def __init__(self, pool: LatentKVPool, num_heads: int | None = None, compiled: bool = False):
         super().__init__(pool, num_heads, compiled)
         self.decode_op = False  # flex_ops.py's decode kernels are GQA's; MLA decode runs inside the step
+        self.heads_as_rows = compiled
 
     def cuda_kernel_options(self) -> dict:
         # A latent row is 576 values (DeepSeek-V2), which flex's kernels round up to 1024: smaller
