@@ -79,11 +79,15 @@ class FlexAttentionBackend:
 
     def decode_full_blocks(self, batch: int) -> bool:
         """Whether decode at this batch size lists full KV blocks (see the module docstring)."""
-        return not self.decode_op or kv_splits(batch, self.pool.k[0].shape[1], self.pool.page_size) == 1
+        return not self.decode_op or kv_splits(batch, self.kv_shape()[0], self.pool.page_size, self.kv_shape()[1]) == 1
+
+    def kv_shape(self) -> tuple[int, int]:
+        """(KV heads, key head dim) of the pool."""
+        return tuple(self.pool.k[0].shape[1:])
 
     def cuda_kernel_options(self) -> dict:
         """Options of flex's main kernel on CUDA (compiled prefill; the CPU takes none)."""
-        return prefill_options(self.pool.k[0].shape[-1], self.pool.page_size)
+        return prefill_options(self.kv_shape()[1], self.pool.page_size)
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:
@@ -231,13 +235,18 @@ class FlexAttentionBackend:
         return FlexMeta(block_mask, query_shape, rows, mask_state, heads_as_rows=heads_as_rows)
 
     def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
-        meta: FlexMeta = fb.attn
         k, v = cache
+        return self.attention(q, k, v, fb)
+
+    def attention(self, q, k, v, fb: ForwardBatch, scale: float | None = None) -> torch.Tensor:
+        """q `[T, Hq, D]` over one layer's pool, k `[slots, Hkv, D]` and v `[slots, Hkv, Dv]`, as the
+        step's metadata lays it out; returns `[T, Hq, Dv]`."""
+        meta: FlexMeta = fb.attn
         if fb.mode == "decode" and self.decode_op:
             bm = meta.block_mask
             return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-                               fb.page_table, *meta.mask_state, self.pool.page_size)
-        return self.attend(q, self.kv_sequence(k, fb), self.kv_sequence(v, fb), meta)
+                               fb.page_table, *meta.mask_state, self.pool.page_size, scale)
+        return self.attend(q, self.kv_sequence(k, fb), self.kv_sequence(v, fb), meta, scale)
 
     def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]`."""

@@ -33,11 +33,14 @@ from flexsgl.compile import settings
 from flexsgl.compile_cache import cache_dir
 
 MIN_SPLITS, FEW_PROGRAMS = 16, 32
+LARGE_HEAD_DIM, LATENT_SPLITS = 256, 32
 
 
 @functools.cache
-def decode_options(batch: int, kv_heads: int, page_size: int) -> dict:
+def decode_options(batch: int, kv_heads: int, page_size: int, head_dim: int) -> dict:
     """flex-decoding kernel options for a static batch size."""
+    if head_dim > LARGE_HEAD_DIM:
+        return latent_decode_options(batch, page_size)
     options = {"num_warps": 4, "num_stages": 3}
     if page_size % 128:
         options["BLOCK_N"] = math.gcd(page_size, 64)
@@ -46,10 +49,19 @@ def decode_options(batch: int, kv_heads: int, page_size: int) -> dict:
     return options
 
 
+def latent_decode_options(batch: int, page_size: int) -> dict:
+    """MLA's latent KV (576 dims, which the kernel rounds up to 1024; one KV head, a request's heads
+    as the rows of one tile): KV tiles of 32 tokens and no pipelining keep a K and a V tile within
+    shared memory, and at most LATENT_SPLITS programs share a request, as each writes a partial
+    output of kv_lora_rank floats per head."""
+    return {"num_warps": 4, "num_stages": 1, "BLOCK_N": math.gcd(page_size, 32),
+            "SPLIT_KV": min(LATENT_SPLITS, _inductor_splits(batch, 1))}
+
+
 @functools.cache
-def kv_splits(batch: int, kv_heads: int, page_size: int) -> int:
+def kv_splits(batch: int, kv_heads: int, page_size: int, head_dim: int) -> int:
     """How many programs share a request's KV in the decode kernel: ours where set, else Inductor's rule."""
-    return decode_options(batch, kv_heads, page_size).get("SPLIT_KV") or _inductor_splits(batch, kv_heads)
+    return decode_options(batch, kv_heads, page_size, head_dim).get("SPLIT_KV") or _inductor_splits(batch, kv_heads)
 
 
 def _inductor_splits(batch: int, kv_heads: int) -> int:
@@ -67,15 +79,15 @@ def prefill_options(head_dim: int, page_size: int) -> dict:
 
 
 def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos,
-            page_size: int, options: dict):
+            page_size: int, scale: float | None, options: dict):
     b, hq, d = q.shape
     block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks, kv_indices, full_num_blocks, full_indices, BLOCK_SIZE=(Q_BLOCK, page_size),
         mask_mod=listed_decode_causal(page_table, last_pos, page_size), seq_lengths=(1, k.shape[0]),
         compute_q_blocks=False)
     out = flex_attention(q.view(b, 1, hq, d).transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
-                         block_mask=block_mask, enable_gqa=hq != k.shape[1], kernel_options=options)
-    return out.transpose(1, 2).reshape(b, hq, d)
+                         block_mask=block_mask, scale=scale, enable_gqa=hq != k.shape[1], kernel_options=options)
+    return out.transpose(1, 2).reshape(b, hq, v.shape[-1])
 
 
 @functools.cache
@@ -104,16 +116,20 @@ def _run(fn, key: tuple, *args):
 @torch.library.custom_op("flexsgl::flex_decode", mutates_args=())
 def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks: torch.Tensor,
                 kv_indices: torch.Tensor, full_num_blocks: torch.Tensor | None, full_indices: torch.Tensor | None,
-                page_table: torch.Tensor, last_pos: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Decode attention of q `[B, Hq, D]` over one layer's pool `k`, `v` (`[slots, Hkv, D]`) through
-    the BlockMask given by its four tensors (`[B, 1, 1, ...]`; the full ones may be None), which
-    list request b's pages `page_table[b]` and no other; request b's query is at position
-    last_pos[b]. Returns `[B, Hq, D]`."""
-    key = ("decode", *q.shape, *k.shape, page_table.shape[1], q.dtype, page_size, q.device, full_num_blocks is None)
+                page_table: torch.Tensor, last_pos: torch.Tensor, page_size: int,
+                scale: float | None = None) -> torch.Tensor:
+    """Decode attention of q `[B, Hq, D]` over one layer's pool `k` (`[slots, Hkv, D]`) and `v`
+    (`[slots, Hkv, Dv]`, which may be a view of k: MLA's latent) through the BlockMask given by its
+    four tensors (`[B, 1, 1, ...]`; the full ones may be None), which list request b's pages
+    `page_table[b]` and no other; request b's query is at position last_pos[b]; scale None is
+    1/sqrt(D). Returns `[B, Hq, Dv]`."""
+    key = ("decode", *q.shape, *k.shape, v.shape[-1], page_table.shape[1], q.dtype, page_size, scale, q.device,
+           full_num_blocks is None)
     return _run(_decode, key, q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table,
-                last_pos, page_size, decode_options(q.shape[0], k.shape[1], page_size))
+                last_pos, page_size, scale, decode_options(q.shape[0], k.shape[1], page_size, k.shape[2]))
 
 
 @flex_decode.register_fake
-def _(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_size):
-    return torch.empty_like(q)
+def _(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_size,
+      scale=None):
+    return q.new_empty(*q.shape[:2], v.shape[-1])
