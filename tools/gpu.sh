@@ -52,7 +52,9 @@
 #   (the tree travels without .git, so the reports take the commit from FLEXSGL_COMMIT), e.g.
 #   bash tools/gpu.sh tests -- tests/test_triton_decode.py -k "not 8b"
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+# The CUTLASS DSL's package sits in a folder its .pth file adds to sys.path, and Python reads .pth
+# files only in site directories, not on PYTHONPATH: name that folder too (tools/stage_flash.sh).
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/flexsgl-out}; mkdir -p "$OUT"
 steps=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do steps+=("$1"); shift; done
 [ $# -gt 0 ] && shift

@@ -3,7 +3,8 @@
 # "FLASH"}`) for the device machine, which has no registry: wheels for its Python 3.12 and CUDA 13,
 # split into .gpu/flash0 and .gpu/flash1 (git-ignored), each under what one device call carries.
 # Carry them one per call, each running `bash .gpu/flashK/install.sh`; the second installs into
-# /tmp/site (gpu.sh puts it on PYTHONPATH) and prints the versions.
+# /tmp/site and prints the versions. gpu.sh puts /tmp/site on PYTHONPATH, and the folder the CUTLASS
+# DSL's .pth file would add (Python reads .pth files only in site directories).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 gitdir=$(git rev-parse --git-dir); mkdir -p "$gitdir/info"
@@ -25,7 +26,7 @@ mkdir -p /tmp/flash-parts && cp "$here"/part.* /tmp/flash-parts/
 [ -f /tmp/flash-parts/part.0 ] && [ -f /tmp/flash-parts/part.1 ] || { echo "staged $(ls /tmp/flash-parts | wc -l) of 2 parts"; exit 0; }
 mkdir -p /tmp/flash-wheels && cat /tmp/flash-parts/part.0 /tmp/flash-parts/part.1 | tar -C /tmp/flash-wheels -xf - &&
   python -m pip install -q --no-deps --no-index --target /tmp/site /tmp/flash-wheels/*.whl &&
-  PYTHONPATH=/tmp/site python -c "import flash_attn.cute, cutlass; from importlib.metadata import version as v; print('flash-attn-4', v('flash-attn-4'), '| nvidia-cutlass-dsl', v('nvidia-cutlass-dsl'))"
+  PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages python -c "import flash_attn.cute, cutlass; from importlib.metadata import version as v; print('flash-attn-4', v('flash-attn-4'), '| nvidia-cutlass-dsl', v('nvidia-cutlass-dsl'))"
 SH
 done
 [ -z "$(ls "$work"/part.* 2>/dev/null)" ] || { echo "the wheels no longer fit two parts" >&2; exit 1; }
