@@ -5,6 +5,8 @@
 # Carry them one per call, each running `bash .gpu/flashK/install.sh`; the second installs into
 # /tmp/site and prints the versions. gpu.sh puts /tmp/site on PYTHONPATH, and the folder the CUTLASS
 # DSL's .pth file would add (Python reads .pth files only in site directories).
+# Known gap: nvidia-cutlass-dsl 4.8.1's wheels (base, cu13) hold the DSL's MLIR bindings but no
+# `cutlass.cute` Python package, so on the H200 flex-flash still fails to load with these pins.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 gitdir=$(git rev-parse --git-dir); mkdir -p "$gitdir/info"
