@@ -49,8 +49,9 @@ class FlexMeta:
     # Not compiled, on the CPU: the pool slots of the pages the step's requests hold, the only KV
     # attention reads (None: every slot up to the step's extent, fb.num_kv_pages pages).
     kv_slots: torch.Tensor | None = None
-    # Compiled decode with one KV head (MLA): query `[B, 1, Hq, D]`, a request's heads are the rows
-    # of one query block, so the kernel reads each request's KV once, not once per head.
+    # Compiled decode with one KV head (MLA) on flex's main kernel, that is where flex_ops.py's op does
+    # not run (the CPU): query `[B, 1, Hq, D]`, a request's heads are the rows of one query block,
+    # so the kernel reads each request's KV once, not once per head.
     heads_as_rows: bool = False
 
     def step_tensors(self) -> list[torch.Tensor]:
@@ -64,7 +65,7 @@ class FlexAttentionBackend:
     name = "flex"
     graphable = True
     compiles_per_shape = True  # its kernels are compiled per batch size and page-table width
-    heads_as_rows = False  # compiled decode lays a request's query heads out as rows (FlexMeta)
+    heads_as_rows = False  # compiled decode on the main kernel lays a request's heads out as rows (FlexMeta)
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
         """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
