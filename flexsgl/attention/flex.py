@@ -80,7 +80,8 @@ class FlexAttentionBackend:
 
     def decode_full_blocks(self, batch: int) -> bool:
         """Whether decode at this batch size lists full KV blocks (see the module docstring)."""
-        return not self.decode_op or kv_splits(batch, self.kv_shape()[0], self.pool.page_size, self.kv_shape()[1]) == 1
+        heads, dim = self.kv_shape()
+        return not self.decode_op or kv_splits(batch, heads, self.pool.page_size, dim) == 1
 
     def kv_shape(self) -> tuple[int, int]:
         """(KV heads, key head dim) of the pool."""
