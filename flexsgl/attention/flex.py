@@ -262,9 +262,8 @@ class FlexAttentionBackend:
         flex_attention with the step's BlockMask; otherwise SDPA with the mask_mod's dense values."""
         t, hq, d = q.shape
         nb, nq = meta.query_shape
-        if meta.heads_as_rows:  # Inductor's CPU flex kernel wants the query in a buffer of its own
-            qb = q[:, None] if q.device.type != "cpu" else \
-                q.new_zeros(t, 1, hq, d).index_put_((torch.arange(t, device=q.device),), q[:, None])
+        if meta.heads_as_rows:  # on the CPU, whose flex kernel wants the query in a buffer of its own
+            qb = q.new_zeros(t, 1, hq, d).index_put_((torch.arange(t, device=q.device),), q[:, None])
             return flex_attention(qb, k, v, block_mask=meta.block_mask, scale=scale,
                                   kernel_options=self.kernel_options)[:, 0]
         if meta.rows is None:
