@@ -12,7 +12,8 @@ Kernel options (H100 sweep, 32/8 heads, d=128, pages of 64, docs/BENCHMARKS.md).
 and 3 stages (Inductor's default config is up to 2.2x slower at batch 8), and at least 16 KV splits
 while batch x KV heads is at most 32 (Inductor gives batch 4 only 8: 48 µs against 39 at 4k
 tokens). Prefill (run inside the compiled decoder layer), up to head_dim 128: 64x64 tiles, 4 warps, 3 stages
-(5-9% faster than 128x64 with 8 warps). The KV tile must divide a page.
+(5-9% faster than 128x64 with 8 warps). MLA's latent decode (one KV head of 576 dims, an H200
+sweep): latent_decode_options. The KV tile must divide a page.
 
 Prefill stays inside the model's step: the same op pattern for it, compiled with dynamic shapes,
 failed to compile (torch 2.11, "XBLOCK is not defined" in the flex template, with the page size
