@@ -54,7 +54,7 @@
 set -uo pipefail
 # The CUTLASS DSL's package sits in a folder its .pth file adds to sys.path, and Python reads .pth
 # files only in site directories, not on PYTHONPATH: name that folder too (tools/stage_flash.sh).
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/flexsgl-out}; mkdir -p "$OUT"
 steps=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do steps+=("$1"); shift; done
 [ $# -gt 0 ] && shift
