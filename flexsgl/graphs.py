@@ -7,8 +7,9 @@ the leading rows. Capture goes largest size first into one memory pool:
     bind_graph(bs, static batch) -> fill(bs, dummy batch) -> warm up -> record
     replay:                          fill(bs, step's batch) -> replay
 
-`fill` is the only routine that writes a step into the buffers, for capture and replay alike:
-it copies the inputs, then calls the backend's `fill_graph`. The runner pads a batch to the next
+`fill` is the only host routine that writes a step into the buffers, for capture and replay alike:
+it copies the inputs, then calls the backend's `fill_graph`. What is recorded is the backend's
+`graph_step` (metadata it derives on the device from the static inputs) and then the model. The runner pads a batch to the next
 captured size with rows whose KV slot and pages are the reserved dummy page, so padding never
 touches a real page.
 
@@ -82,6 +83,11 @@ class GraphManager:
         static.host_seq_lens, static.host_q_lens, static.host_pages = fb.host_seq_lens, fb.host_q_lens, fb.host_pages
         self.backend.fill_graph(bs, static)
 
+    def step(self, bs: int, fb: ForwardBatch) -> torch.Tensor:
+        """What a graph records: the backend's device-side metadata, then the model."""
+        self.backend.graph_step(bs, fb)
+        return self.forward(fb)
+
     def capture(self) -> None:
         pool = None if self.emulate else torch.cuda.graph_pool_handle()
         for bs in progress(self.sizes, desc="capturing decode graphs", unit="graph"):
@@ -95,11 +101,11 @@ class GraphManager:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.forward(fb)
+                    self.step(bs, fb)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self.forward(fb)
+                self.outputs[bs] = self.step(bs, fb)
             pool = graph.pool()
             self.graphs[bs] = graph
 
@@ -108,6 +114,6 @@ class GraphManager:
         bs = fb.batch_size
         self.fill(bs, fb)
         if self.emulate:
-            return self.forward(self.batches[bs])
+            return self.step(bs, self.batches[bs])
         self.graphs[bs].replay()
         return self.outputs[bs]

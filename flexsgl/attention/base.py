@@ -58,10 +58,12 @@ class AttentionBackend(Protocol):
     A backend only reads the KV pool: the model's attention layers store each step's K/V through
     the pool's store path (flexsgl/cache/pool.py) before they call `forward`.
 
-    Decode steps replayed from CUDA graphs use the three graph hooks: capture is
-    `bind_graph(bs, static_fb)` then `fill_graph(bs, dummy_fb)` then record; replay is
-    `fill_graph(bs, fb)` then replay. `fill_graph` is the one routine that writes a step's values
-    into the buffers the graph reads, so capture and replay cannot drift apart.
+    Decode steps replayed from CUDA graphs use the graph hooks: capture is
+    `bind_graph(bs, static_fb)` then `fill_graph(bs, dummy_fb)` then record `graph_step(bs,
+    static_fb)` and the model; replay is `fill_graph(bs, fb)` then replay. `fill_graph` is the one
+    host routine that writes a step's values into the buffers the graph reads, so capture and
+    replay cannot drift apart; `graph_step` is device work recorded in the graph, which derives a
+    step's metadata from the static inputs at every replay with no host work.
     """
 
     name: str
@@ -96,6 +98,9 @@ class AttentionBackend(Protocol):
     def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
         """At capture and replay: write this step's metadata (from fb) into the buffers bound for bs."""
 
+    def graph_step(self, bs: int, fb: ForwardBatch) -> None:
+        """Recorded in the graph before the model (fb holds the static buffers, already filled)."""
+
 
 
 class KernelBackend:
@@ -104,6 +109,9 @@ class KernelBackend:
 
     graphable = True
     compiles_per_shape = False
+
+    def graph_step(self, bs: int, fb: ForwardBatch) -> None:
+        """Nothing: a kernel's metadata is planned on the host, in fill_graph."""
 
     @staticmethod
     def max_pool_elements(device: torch.device) -> int | None:

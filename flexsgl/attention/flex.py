@@ -55,7 +55,7 @@ class FlexMeta:
     heads_as_rows: bool = False
 
     def step_tensors(self) -> list[torch.Tensor]:
-        """Every tensor whose values change from step to step (what fill_graph rewrites)."""
+        """Every tensor whose values change from step to step (what graph_step rewrites)."""
         bm = self.block_mask
         blocks = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices] if bm else []
         return [t for t in blocks if t is not None] + self.mask_state
@@ -116,8 +116,9 @@ class FlexAttentionBackend:
         compact = not fixed_shapes and fb.page_table.device.type == "cpu" and fb.host_pages is not None
         return self._decode_meta(fb, compact) if fb.mode == "decode" else self._prefill_meta(fb, compact)
 
-    # CUDA graphs: the BlockMask of a captured size lives in tensors the graph reads; a step's
-    # mask is built as usual from the static batch and copied into them.
+    # CUDA graphs: the BlockMask of a captured size lives in tensors the graph reads. Its step's
+    # values are built inside the graph, from the static batch the graph manager has filled, and
+    # copied into them: a replay rebuilds the mask on the device, with no host work per step.
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         self.graph_meta: dict[int, FlexMeta] = {}
 
@@ -125,6 +126,9 @@ class FlexAttentionBackend:
         fb.attn = self.graph_meta[bs] = self.metadata(fb, fixed_shapes=True)
 
     def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
+        """Nothing on the host: graph_step builds the step's mask inside the graph."""
+
+    def graph_step(self, bs: int, fb: ForwardBatch) -> None:
         for dst, src in zip(self.graph_meta[bs].step_tensors(), self.metadata(fb, fixed_shapes=True).step_tensors()):
             dst.copy_(src)
 

@@ -55,3 +55,6 @@ class DecodeBySize:
 
     def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
         self.owner(bs).fill_graph(bs, fb)
+
+    def graph_step(self, bs: int, fb: ForwardBatch) -> None:
+        self.owner(bs).graph_step(bs, fb)
