@@ -112,7 +112,8 @@ class FlexAttentionBackend:
 
     def metadata(self, fb: ForwardBatch, fixed_shapes: bool = False) -> FlexMeta:
         """fixed_shapes: for a CUDA graph's buffers, whose shapes do not follow the step's pages."""
-        self.record_page_positions(fb.page_table, fb.seq_lens)
+        if not (fb.mode == "decode" and self.decode_op):  # the decode op's mask needs no page positions
+            self.record_page_positions(fb.page_table, fb.seq_lens)
         compact = not fixed_shapes and fb.page_table.device.type == "cpu" and fb.host_pages is not None
         return self._decode_meta(fb, compact) if fb.mode == "decode" else self._prefill_meta(fb, compact)
 
@@ -142,7 +143,7 @@ class FlexAttentionBackend:
         n_pages = (seq_lens + self.pool.page_size - 1) // self.pool.page_size
         pages = torch.where(logical < n_pages[:, None], page_table, DUMMY_PAGE)
         self.page_pos.zero_().scatter_(0, pages.reshape(-1).long(), logical.reshape(-1))
-        self.page_pos[DUMMY_PAGE] = 0
+        self.page_pos.narrow(0, DUMMY_PAGE, 1).zero_()  # a fill: `[DUMMY_PAGE] = 0` copies from the host
 
     def _decode_meta(self, fb: ForwardBatch, compact: bool) -> FlexMeta:
         """One query block per request, its one token at position seq_len - 1."""
