@@ -200,8 +200,8 @@ def test_generation_config_sets_the_defaults(tmp_path):
 @pytest.mark.gpu
 def test_penalties_logprobs_and_n_on_cuda_graphs_match_the_cpu():
     """The request features through CUDA graphs and torch.compile give the CPU's tokens and logprobs."""
-    rng = random.Random()
-    seed = rng.randrange(2**31)
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)  # the seed in a failure's message gives its prompts too
     prompts = [[rng.randrange(512) for _ in range(rng.randrange(20, 90))] for _ in range(6)]
     sp = SamplingParams(max_tokens=12, temperature=0.7, seed=seed, n=2, presence_penalty=0.8, frequency_penalty=0.3,
                         repetition_penalty=1.2, min_tokens=4, logprobs=3, ignore_eos=True)

@@ -179,7 +179,9 @@ class FlexAttentionBackend:
         index = torch.arange(n_blocks, device=dev)
         prefix = (fb.seq_lens - fb.q_lens).long()[req]  # tokens cached before this step
         first = prefix + (index - first_block[req]) * align
-        mask_mod = packed_paged_causal(fb.page_table, req, first, self.page_pos, self.pool.page_size, align)
+        # int32 like the page table and page_pos: the FLASH backend's mask_mod code keeps one integer type
+        mask_state = [req.int(), first.int()]
+        mask_mod = packed_paged_causal(fb.page_table, *mask_state, self.page_pos, self.pool.page_size, align)
         if not self.compiled:  # a block is a token, in packed order: the queries are a plain view
             return self._dense_meta(fb, mask_mod, (1, n_blocks), compact)
         last = prefix + torch.minimum((index - first_block[req] + 1) * align, q_lens[req]) - 1
@@ -187,7 +189,7 @@ class FlexAttentionBackend:
         token_req, token_row = _query_index(fb)
         rows = (torch.zeros_like(token_row), first_block[token_req] * align + token_row)
         return self._meta(fb, [x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
-                          [req, first], align)
+                          mask_state, align)
 
     def _kv_blocks(self, fb: ForwardBatch, req, first_pos, last_pos, valid):
         """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos: the
