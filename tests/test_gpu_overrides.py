@@ -54,7 +54,7 @@ def test_override_matches_float64_and_flex(name, case, page_size, hq, hkv):
     torch.testing.assert_close(ours.float(), flex.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")
 
 
-@pytest.mark.parametrize("override", ["fa3", "fi", "fa3-prefill,fi-decode", "fa3-prefill,triton-decode",
+@pytest.mark.parametrize("override", ["flex", "fa3", "fi", "fa3-prefill,fi-decode", "fa3-prefill,triton-decode",
                                       "fa3-prefill,fi-decode,triton-decode<=2"])  # graphs 1, 2: triton; 8: fi
 def test_override_engine_tracks_hf(tmp_path, monkeypatch, override):
     for name in override.split(","):

@@ -198,16 +198,19 @@ def test_generation_config_sets_the_defaults(tmp_path):
 
 
 @pytest.mark.gpu
-def test_penalties_logprobs_and_n_on_cuda_graphs_match_the_cpu():
-    """The request features through CUDA graphs and torch.compile give the CPU's tokens and logprobs."""
+def test_penalties_logprobs_and_n_on_cuda_graphs_match_the_cpu(tmp_path):
+    """The request features through CUDA graphs and torch.compile give the CPU's tokens and logprobs.
+    Both load one checkpoint: dummy weights are drawn on the model's device, so they differ by device."""
     seed = random.randrange(2**31)
     rng = random.Random(seed)  # the seed in a failure's message gives its prompts too
-    prompts = [[rng.randrange(512) for _ in range(rng.randrange(20, 90))] for _ in range(6)]
+    make_checkpoint("qwen3", tmp_path, seed, head_dim=32)
+    prompts = [[rng.randrange(320) for _ in range(rng.randrange(20, 90))] for _ in range(6)]
     sp = SamplingParams(max_tokens=12, temperature=0.7, seed=seed, n=2, presence_penalty=0.8, frequency_penalty=0.3,
                         repetition_penalty=1.2, min_tokens=4, logprobs=3, ignore_eos=True)
     outs = {}
     for device in ("cpu", "cuda"):
-        llm = LLM("tiny", device=device, dtype="float32", page_size=16, max_total_tokens=8192, max_running_requests=16)
+        llm = LLM(str(tmp_path), device=device, dtype="float32", page_size=16, max_total_tokens=8192,
+                  max_running_requests=16)
         outs[device] = llm.generate(prompts, sp)
         del llm
     for a, b in zip(outs["cpu"], outs["cuda"]):

@@ -89,7 +89,7 @@ class FlexAttentionBackend:
 
     def cuda_kernel_options(self) -> dict:
         """Options of flex's main kernel on CUDA (compiled prefill; the CPU takes none)."""
-        return prefill_options(self.kv_shape()[1], self.pool.page_size)
+        return prefill_options(self.kv_shape()[1], self.pool.page_size, self.pool.k[0].dtype)
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:

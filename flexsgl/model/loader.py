@@ -119,7 +119,8 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int, full: nn.Module | None = None, split=None) -> None:
-    """Random weights of the right shapes, generated on the model's device (for benchmarks and tests).
+    """Random weights of the right shapes, generated on the model's device (for benchmarks and tests;
+    the generators differ by device, so the same model's dummy weights on a CPU and a GPU do too).
     A rank's part of a model (`full`: the whole model on the meta device, `split`: how a parameter
     is split) gets its slice of the very tensors the whole model gets: each parameter is generated
     whole, one at a time, and sliced."""
