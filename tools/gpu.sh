@@ -16,7 +16,7 @@
 #   startup        flexsgl generate on the Qwen3-8B dummy with flex, then auto: once on an empty compile cache
 #                  (TORCHINDUCTOR_CACHE_DIR fresh), once more on the cache that run left; ready and first-token
 #                  times and the whole process's wall time
-#   prefill        flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts
+#   prefill        flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts (--override flags in $OVERRIDES)
 #   suite-kernels  benchmarks/ attention kernels and the HF peers (pytest-benchmark)
 #   suite-engine   benchmarks/test_engine.py for the backends $SUITE_BACKENDS selects (a -k expression;
 #                  default fa3, fi and fa3-prefill,fi-decode). A row with flex prefill spends ~60 s
@@ -105,7 +105,7 @@ for s in "${steps[@]}"; do
                  echo "$ov $run: process $((SECONDS - t)) s, exit ${PIPESTATUS[0]}"
                done
              done ;;
-    prefill) timeout "$LIMIT" "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 \
+    prefill) timeout "$LIMIT" "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 ${OVERRIDES:-} \
                --json "$OUT/prefill.json" ;;
     suite-kernels) suite kernels benchmarks/test_attention_kernels.py benchmarks/test_peers.py ;;
     suite-engine) suite engine benchmarks/test_engine.py -k "${SUITE_BACKENDS:-fa3 or (fi and not decode)}" ;;
