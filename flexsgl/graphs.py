@@ -9,9 +9,9 @@ the leading rows. Capture goes largest size first into one memory pool:
 
 `fill` is the only host routine that writes a step into the buffers, for capture and replay alike:
 it copies the inputs, then calls the backend's `fill_graph`. What is recorded is the backend's
-`graph_step` (metadata it derives on the device from the static inputs) and then the model. The runner pads a batch to the next
-captured size with rows whose KV slot and pages are the reserved dummy page, so padding never
-touches a real page.
+`graph_step` (metadata it derives on the device from the static inputs) and then the model. The
+runner pads a batch to the next captured size with rows whose KV slot and pages are the reserved
+dummy page, so padding never touches a real page.
 
 `emulate=True` (CPU tests) runs the bound forward on the static buffers instead of a graph: the
 buffer, bind and fill logic is the same, only the recording is skipped.
