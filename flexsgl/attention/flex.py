@@ -149,7 +149,9 @@ class FlexAttentionBackend:
         """One query block per request, its one token at position seq_len - 1."""
         b = fb.batch_size
         last = fb.seq_lens.long() - 1
-        mask_mod = paged_causal(fb.page_table, last, self.page_pos, self.pool.page_size)
+        # The decode op reads only the block lists and applies a mask of its own (flex_ops.py), one
+        # that needs no page positions, which metadata() therefore leaves unwritten in decode.
+        mask_mod = None if self.decode_op else paged_causal(fb.page_table, last, self.page_pos, self.pool.page_size)
         if not self.compiled:
             return self._dense_meta(fb, mask_mod, (b, 1), compact)
         valid = torch.ones(b, dtype=torch.bool, device=last.device)
