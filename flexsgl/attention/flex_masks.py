@@ -20,7 +20,7 @@ Q_BLOCK = 128  # rows of a BlockMask query block in compiled flex
 def paged_causal(page_table: torch.Tensor, last_pos: torch.Tensor, page_pos: torch.Tensor, page_size: int):
     """Decode: request b's query sits at position last_pos[b] (every row of its query block, which
     holds one token, or one token's heads)."""
-    def mask(b, h, q_idx, kv_idx):
+    def mask(b, h, q_idx, kv_idx, page_size=page_size):
         page = kv_idx // page_size
         logical = page_pos[page]
         owned = page_table[b, logical] == page
@@ -37,7 +37,7 @@ def listed_decode_causal(page_table: torch.Tensor, last_pos: torch.Tensor, page_
     last_page = page_table.gather(1, (last_pos // page_size)[:, None])[:, 0]
     last_slot = last_page.long() * page_size + last_pos % page_size
 
-    def mask(b, h, q_idx, kv_idx):
+    def mask(b, h, q_idx, kv_idx, page_size=page_size):
         return (kv_idx // page_size != last_slot[b] // page_size) | (kv_idx <= last_slot[b])
 
     return mask
@@ -47,7 +47,7 @@ def packed_paged_causal(page_table: torch.Tensor, block_req: torch.Tensor, block
                         page_pos: torch.Tensor, page_size: int, rows_per_block: int):
     """Prefill (one packed `[1, rows]` query sequence): query block j holds request block_req[j]'s
     tokens from position block_first_pos[j] on, one per row."""
-    def mask(b, h, q_idx, kv_idx):
+    def mask(b, h, q_idx, kv_idx, page_size=page_size, rows_per_block=rows_per_block):
         j = q_idx // rows_per_block
         page = kv_idx // page_size
         logical = page_pos[page]
