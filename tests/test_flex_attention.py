@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flexsgl.attention.flex import FlexAttentionBackend
-from flexsgl.attention.flex_masks import listed_decode_causal, paged_causal
+from flexsgl.attention.flex_masks import listed_decode_causal, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_attention, random_paged_batch
 
@@ -109,3 +109,38 @@ def test_listed_decode_mask_sees_what_the_paged_mask_sees(page_size):
         listed[b, own] = listed_mask(torch.tensor(b), None, 0, own)
     assert paged.sum(1).tolist() == fb.host_seq_lens, f"seed={seed}"
     assert torch.equal(listed, paged), f"seed={seed}"
+
+
+@pytest.mark.parametrize("make", ["paged", "listed", "packed"])
+def test_mask_integers_stay_constants_under_dynamic_shapes(make):
+    """Compiled with dynamic shapes (the engine's CUDA prefill), a mask's page size and rows per block
+    are constants, not graph inputs: FlexAttention's FLASH backend refuses masks that capture
+    symbolic integers, and Triton would divide by a runtime value."""
+    page_size = random.choice([16, 64, 128])
+    table = torch.randint(1, 50, (3, 5), dtype=torch.int32)
+    last = torch.randint(0, 5 * page_size, (3,))
+    page_pos = torch.randint(0, 5, (50,), dtype=torch.int32)
+    mask = {"paged": lambda: paged_causal(table, last, page_pos, page_size),
+            "listed": lambda: listed_decode_causal(table, last, page_size),
+            "packed": lambda: packed_paged_causal(table, torch.randint(0, 3, (4,), dtype=torch.int32),
+                                                  last.repeat(2)[:4].int(), page_pos, page_size, 128)}[make]()
+    inputs = []
+
+    def backend(gm, example_inputs):
+        inputs.extend(n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder")
+        return gm
+
+    holder = type("Holder", (), {})()
+    holder.mask = mask
+
+    @torch.compile(backend=backend, dynamic=True, fullgraph=True)
+    def visible(b, q_idx, kv_idx, holder):
+        return holder.mask(b, 0, q_idx, kv_idx)
+
+    b = torch.randint(0, 3, (4 * 128, 1))
+    q_idx, kv_idx = torch.arange(4 * 128)[:, None], torch.arange(50 * page_size)[None, :]
+    expected = mask(b, 0, q_idx, kv_idx)
+    assert torch.equal(visible(b, q_idx, kv_idx, holder), expected)
+    sizes = {s.node.expr for t in inputs if isinstance(t, torch.Tensor) for s in t.shape if isinstance(s, torch.SymInt)}
+    loose = [x for x in inputs if isinstance(x, torch.SymInt) and x.node.expr not in sizes]
+    assert not loose, f"integers the mask captured became graph inputs: {loose}"

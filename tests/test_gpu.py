@@ -32,6 +32,7 @@ import transformers
 
 from flexsgl import LLM, SamplingParams
 from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.flex_ops import flash_prefill_runs
 from flexsgl.model.presets import DEFAULT_MODEL, EMBEDDED, PRESETS
 from tests.hf_models import capture_logits, make_checkpoint
 from tests.test_flex_attention import CASES, GQA_RATIOS, HEAD_DIMS, TOLERANCE, run_backend_case
@@ -69,6 +70,14 @@ def test_compiled_flex_in_full_and_half_precision(case, dtype):
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_bf16_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size):
     check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, override="flex")
+
+
+def test_flash_prefill_engine_tracks_hf(tmp_path, monkeypatch):
+    """Pages of 128 at head_dim 128 in bf16: prefill runs on FlexAttention's FLASH backend where
+    flash-attn-4 is installed (tools/stage_flash.sh stages it for the GPU machine)."""
+    if not flash_prefill_runs(128, 128, torch.bfloat16):
+        pytest.skip("FlexAttention's FLASH backend does not run here (flash-attn-4 on SM90/SM100)")
+    check_engine_tracks_hf(tmp_path, monkeypatch, "qwen3", 128, head_dim=128, override="flex")
 
 
 def test_bf16_engine_at_batch_1_tracks_hf(tmp_path, monkeypatch):
