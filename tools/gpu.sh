@@ -17,6 +17,9 @@
 #                  (TORCHINDUCTOR_CACHE_DIR fresh), once more on the cache that run left; ready and first-token
 #                  times and the whole process's wall time
 #   prefill        flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts (--override flags in $OVERRIDES)
+#   flash-prefill  prefill on FlexAttention's FLASH backend (stage tools/stage_flash.sh first): the engine against HF
+#                  with pages of 128 and the bf16 engine tests, then bench prefill of the Qwen3-8B dummy with pages
+#                  of 128, auto and flex
 #   suite-kernels  benchmarks/ attention kernels and the HF peers (pytest-benchmark)
 #   suite-engine   benchmarks/test_engine.py for the backends $SUITE_BACKENDS selects (a -k expression;
 #                  default fa3, fi and fa3-prefill,fi-decode). A row with flex prefill spends ~60 s
@@ -74,7 +77,7 @@ suite() {  # NAME, then pytest's arguments
   FLEXSGL_BENCH_LINES="$OUT/benchmarks-$name.jsonl" timeout -s INT "$LIMIT" python -m pytest -q -p no:cacheprovider \
     "$@" --benchmark-json="$OUT/benchmarks-$name.json" --benchmark-columns=median,rounds
 }
-declare -A LIMITS=([tests]=580 [startup]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
+declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=560 [serve]=560
                    [tp-tests]=200 [tp-latency]=240 [tp-throughput]=200 [tp-70b]=200)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
@@ -107,6 +110,9 @@ for s in "${steps[@]}"; do
              done ;;
     prefill) timeout "$LIMIT" "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 ${OVERRIDES:-} \
                --json "$OUT/prefill.json" ;;
+    flash-prefill) timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu.py -k "flash_prefill or bf16_engine"
+               timeout 200 "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 --page-size 128 \
+                 --override auto --override flex --json "$OUT/prefill-128.json" ;;
     suite-kernels) suite kernels benchmarks/test_attention_kernels.py benchmarks/test_peers.py ;;
     suite-engine) suite engine benchmarks/test_engine.py -k "${SUITE_BACKENDS:-fa3 or (fi and not decode)}" ;;
     profile) timeout "$LIMIT" python tools/profile_step.py ${PROFILE_ARGS:---model qwen3-8b} --workload latency \
