@@ -91,10 +91,12 @@ def test_fi_mla_and_flex_match_float64_on_gpu(case, page_size):
 
 
 @gpu
+@pytest.mark.parametrize("one_at_a_time", [False, True], ids=["together", "batch1"])
 @pytest.mark.parametrize("override", ["flex", "fi-mla"])
-def test_bf16_mla_engine_tracks_hf(tmp_path, monkeypatch, override):
+def test_bf16_mla_engine_tracks_hf(tmp_path, monkeypatch, override, one_at_a_time):
     """The compiled bf16 engine with decode from CUDA graphs, on a tiny DeepSeek-V2 with the real
-    latent sizes, against transformers in float32 and bf16 (tests/test_gpu.py's bounds)."""
+    latent sizes, against transformers in float32 and bf16 (tests/test_gpu.py's bounds); the prompts
+    together, and one at a time (decode at batch 1: the matrix-vector kernels and fused routing)."""
     from tests.test_gpu import check_tracks_hf
 
     if override != "flex":
@@ -102,5 +104,5 @@ def test_bf16_mla_engine_tracks_hf(tmp_path, monkeypatch, override):
     seed = random.randrange(1 << 30)
     make_deepseek_checkpoint(tmp_path, seed, q_lora_rank=48, kv_lora_rank=512, qk_rope_head_dim=64,
                              qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.05)
-    check_tracks_hf(str(tmp_path), monkeypatch, seed, 64, override=override, max_total_tokens=32768,
+    check_tracks_hf(str(tmp_path), monkeypatch, seed, 64, one_at_a_time, override=override, max_total_tokens=32768,
                     cuda_graph_bs=[1, 2, 8])

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import flexsgl.model.moe as moe_module
-from flexsgl.model.layers import RMSNorm
+from flexsgl.kernels import gemv, moe_route
+from flexsgl.model.layers import RMSNorm, rms_norm
 from flexsgl.model.mla_config import MoEConfig
 from flexsgl.model.moe import MoE
 
@@ -81,25 +82,76 @@ def test_grouped_moe_in_bf16_on_gpu(tokens):
 
 
 @pytest.mark.usefixtures("triton_interpreter")
-def test_one_token_through_the_matrix_vector_kernel():
-    """One token's routed experts as a GPU runs them at decode batch 1 (expert_gemv: a launch for
-    gate/up, one for down with the SiLU gate and the routing weights), here through Triton's
-    interpreter in float32."""
+@pytest.mark.parametrize("shared", [0, 2])
+def test_one_token_through_the_decode_kernels(monkeypatch, shared):
+    """One token's MoE layer as a GPU runs it at decode batch 1 (the fused routing kernel, expert_gemv:
+    a launch for gate/up, one for down with the SiLU gate and the routing weights; the shared experts
+    through the matrix-vector kernel), here through Triton's interpreter in float32."""
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
-    cfg = MoEConfig(n_routed_experts=8, n_shared_experts=0, top_k=3, intermediate_size=16, first_k_dense_replace=0,
+    cfg = MoEConfig(n_routed_experts=8, n_shared_experts=shared, top_k=3, intermediate_size=16, first_k_dense_replace=0,
                     routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=True)
     m = MoE(HIDDEN, cfg)
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.3)
     norm = RMSNorm(HIDDEN, 1e-6)
     norm.weight.data.uniform_(0.5, 1.5)
+    one_row = lambda x, *_: x.dim() == 2 and x.shape[0] == 1  # noqa: E731
+    monkeypatch.setattr(moe_route, "applies", one_row)
+    monkeypatch.setattr(gemv, "applies", one_row)
+    launched = []
+    monkeypatch.setattr(moe_route, "launch", lambda *a, f=moe_route.launch: launched.append(1) or f(*a))
     x = torch.randn(1, HIDDEN)
     with torch.no_grad():
-        h = norm(x)
-        ours = x + m.experts._one_token(h, *m.route(h))
+        ours = m(x, norm, residual=x)
+    assert launched, "the fused routing kernel did not run"
     torch.testing.assert_close(ours.double(), reference(m, x, norm), rtol=1e-5, atol=1e-5,
                                msg=lambda msg: f"seed={seed}: {msg}")
+
+
+def check_fused_routing(device, dtype, tokens, experts, hidden, top_k, norm_topk):
+    """moe_route's normed input against rms_norm's, and its experts and weights against float64
+    routing of that input; draws are repeated until every token's k-th choice is decisive."""
+    seed = random.randrange(1 << 30)
+    g = torch.Generator(device=device).manual_seed(seed)
+    norm = (0.5 + torch.rand(hidden, device=device, generator=g)).to(dtype)
+    gate = (0.3 * torch.randn(experts, hidden, device=device, generator=g)).to(dtype)
+    for _ in range(50):
+        x = torch.randn(tokens, hidden, device=device, generator=g).to(dtype)
+        h = rms_norm(x, norm, 1e-6)
+        scores = (h.double() @ gate.double().T).softmax(-1)
+        top = scores.sort(-1, descending=True).values
+        if ((top[:, top_k - 1] - top[:, top_k]) > 1e-3 * top[:, 0]).all():
+            break
+    else:
+        pytest.fail(f"seed={seed}: no draw with decisive routing")
+    ours_h, ours_experts, ours_weights = moe_route.launch(x, norm, 1e-6, gate, top_k, norm_topk, 1.7)
+    assert ours_experts.dtype == torch.int32 and ours_weights.dtype == torch.float32
+    # the same roundings; the sum of squares in another order (one ulp of the input's dtype apart at most)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(ours_h, h, rtol=tol, atol=tol, msg=lambda msg: f"seed={seed}: the normed input: {msg}")
+    weights, chosen = scores.topk(top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True) if norm_topk else weights * 1.7
+    order = ours_experts.long().argsort(-1)
+    assert torch.equal(ours_experts.long().gather(-1, order), chosen.sort(-1).values), f"seed={seed}: experts"
+    ref_weights = weights.gather(-1, chosen.argsort(-1))
+    torch.testing.assert_close(ours_weights.double().gather(-1, order), ref_weights, rtol=1e-5, atol=1e-6,
+                               msg=lambda msg: f"seed={seed}: routing weights: {msg}")
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("experts,hidden,top_k,norm_topk", [(8, 40, 3, True), (12, 300, 4, False)])
+def test_fused_routing_matches_float64(experts, hidden, top_k, norm_topk):
+    """The routing kernel through Triton's interpreter in float32, with expert counts a power of two
+    and not, and a hidden size its tiles do not divide."""
+    check_fused_routing("cpu", torch.float32, 3, experts, hidden, top_k, norm_topk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_fused_routing_in_bf16_on_gpu(norm_topk):
+    """DeepSeek-V2-Lite's router: 64 experts, hidden 2048, top 6, bfloat16 input and weights."""
+    check_fused_routing("cuda", torch.bfloat16, 1, 64, 2048, 6, norm_topk)
 
 
 @pytest.mark.parametrize("tokens", [1, 300])

@@ -78,7 +78,7 @@ suite() {  # NAME, then pytest's arguments
     "$@" --benchmark-json="$OUT/benchmarks-$name.json" --benchmark-columns=median,rounds
 }
 declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
-                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=560 [serve]=560
+                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
                    [tp-tests]=200 [tp-latency]=240 [tp-throughput]=200 [tp-70b]=200)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
@@ -118,7 +118,7 @@ for s in "${steps[@]}"; do
     profile) timeout "$LIMIT" python tools/profile_step.py ${PROFILE_ARGS:---model qwen3-8b} --workload latency \
                --profile-steps 20 --profile-at decode:8 --rows 30 ;;
     gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ;;
-    mla) timeout 220 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_mla_attention.py tests/test_moe.py
+    mla) timeout 260 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_mla_attention.py tests/test_moe.py
          for b in 1 64; do
            timeout 160 "${BENCH[@]}" --workload latency --model deepseek-v2-lite --batch-size "$b" --input-len 512 \
              --output-len 64 --repeats 1 --cuda-graph-bs "$b" --max-total-tokens 65536 --override fi-mla --override flex \

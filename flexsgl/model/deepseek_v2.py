@@ -97,6 +97,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, bias=False)
         self.kv_pool = None  # DeepseekV2ForCausalLM.bind_kv_pool sets it, and this layer's latents in it:
         self.cache: tuple[torch.Tensor, ...] = ()
+        self.heads: torch.Tensor | None = None  # 0..H-1 on the pool's device: each head's slot in W_UV's kernel
 
     def forward(self, x, norm, positions, rope: InterleavedRotary, fb) -> torch.Tensor:
         """x + attention(norm(x)), `[T, hidden]`."""
@@ -113,7 +114,10 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w_kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
         out = fb.backend.forward(torch.cat([q_latent, rope.rotate(positions, q_pe)], dim=-1), self.cache, fb)
-        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        if gemv.applies(x, w_uv):  # one token: each head's W_UV as a slot of the matrix-vector kernel
+            out = torch.ops.flexsgl.expert_gemv(out[0], w_uv, self.heads, None, gemv.PLAIN)  # [H, v]
+        else:
+            out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return gemv.linear(out.reshape(t, -1), self.o_proj, residual=x)
 
 
@@ -198,6 +202,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         """Give every attention layer the latent pool it stores its latents in (once, before the first step)."""
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_pool, layer.self_attn.cache = pool, pool.layer_cache(i)
+            layer.self_attn.heads = torch.arange(layer.self_attn.hq, dtype=torch.int32, device=pool.device)
             if isinstance(layer.mlp, MoE):
                 layer.mlp.experts.place(pool.device)
 
