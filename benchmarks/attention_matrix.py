@@ -12,7 +12,8 @@ Backends: flex compiled (decode through its per-batch-size op, prefill compiled 
 `flex-flash`: prefill through FlexAttention's FLASH backend, flash-attn-4's CuTe DSL kernel, staged
 by tools/stage_flash.sh), each
 kernel override the registry lets run here (fa3, fi-decode, triton-decode), and SDPA over the same
-K/V gathered into contiguous per-request tensors (the dense lower bound, gather not timed).
+K/V gathered into contiguous per-request tensors (the dense lower bound, gather not timed). `fa4`:
+flash-attn-4's kernel called directly on the same pages, prefill only (the FLASH backend's ceiling).
 
 Timing: `INNER` calls captured in one CUDA graph, CUDA events around each replay, the median of
 `ROUNDS` replays. Floors: decode reads every cached K/V byte once (over the copy bandwidth measured
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexsgl.attention.base import ForwardBatch  # noqa: E402
-from flexsgl.attention.registry import SPECS, backend_class, why_not  # noqa: E402
+from flexsgl.attention.registry import SPECS, backend_class, sm_version, why_not  # noqa: E402
 from flexsgl.bench import copy_bandwidth  # noqa: E402
 from flexsgl.bench.cuda_timing import graph_median_s  # noqa: E402
 from flexsgl.cache.pool import KVPool, PageAllocator  # noqa: E402
@@ -126,11 +127,38 @@ def sdpa(q, kv, specs):
     return torch.cat(outs)
 
 
+def fa4(pool, fb, q):
+    """flash-attn-4's CuTe DSL kernel called directly (no FlexAttention) on the pool's pages, or why not.
+
+    The pool's flat `[slots, Hkv, D]` K/V are viewed as `[pages, page_size, Hkv, D]` (same memory, no
+    copy); the page table (padded with the dummy page) and KV lengths are the batch's own. On SM90 a
+    page the size of the kernel's KV tile (128 tokens at D 128) is loaded by TMA, any other page size
+    by cp.async. Causal masking is aligned to the end of each request's KV, as for the other backends."""
+    if fb.mode != "prefill":
+        return "it runs prefill only"
+    sm = sm_version(torch.device("cuda"))
+    if sm // 10 not in (9, 10, 11):
+        return f"its paged kernels run on SM 90 to 110, and this GPU is SM {sm}"
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as e:
+        return f"flash-attn-4 does not import ({e}); tools/stage_flash.sh stages it"
+    k, v = (x.view(pool.num_pages, pool.page_size, KV_HEADS, D) for x in pool.layer_cache(0))
+    cu_seqlens_q = F.pad(torch.cumsum(fb.q_lens, 0, dtype=torch.int32), (1, 0))
+    max_k = max(fb.host_seq_lens)
+    # It returns (out, lse); lse is None unless asked for.
+    return lambda: flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, seqused_k=fb.seq_lens, page_table=fb.page_table,
+        max_seqlen_q=fb.max_q_len, max_seqlen_k=max_k, softmax_scale=D ** -0.5, causal=True)[0]
+
+
 def attend_fn(name: str, pool, fb, q, hq: int, kv):
     """A callable running `name` on this batch, or the reason it cannot run here."""
     if name == "sdpa":
         specs = [(s - n, n) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
         return lambda: sdpa(q, kv, specs)
+    if name == "fa4":
+        return fa4(pool, fb, q)
     flash = name == "flex-flash"
     if flash and fb.mode != "prefill":
         return "it runs prefill only"
