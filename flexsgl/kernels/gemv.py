@@ -53,6 +53,9 @@ def _kernel():
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                     EXPERTS: tl.constexpr, HAS_SCALE: tl.constexpr):
         if EXPERTS:  # program_id(1) is a slot: its expert's weight, its x row, its output row
+            if PDL:  # which weight to read comes from the kernel before: wait for it first
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
             slot = tl.program_id(1)
             w_ptr += tl.load(e_ptr + slot).to(tl.int64) * stride_we
             x_ptr += slot * stride_xs
@@ -63,7 +66,7 @@ def _kernel():
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if PDL:  # the first weight slice loads while the previous kernel finishes (launch.py)
+        if PDL and not EXPERTS:  # the first weight slice loads while the previous kernel finishes (launch.py)
             w_first = tl.load(w_ptrs, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
                               eviction_policy="evict_first")
             tl.extra.cuda.gdc_wait()
@@ -71,7 +74,7 @@ def _kernel():
         for k in range(0, K, BLOCK_K):
             k_ok = k + cols < K
             w_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & k_ok[None, :]
-            if PDL:
+            if PDL and not EXPERTS:
                 if k == 0:
                     w = w_first
                 else:
@@ -139,18 +142,20 @@ def launch_experts(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor,
                    out: torch.Tensor, prologue: int = PLAIN) -> torch.Tensor:
     """out[s] = weight[experts[s]] @ f(x[s]) (* scale[s]) for each slot s: one token's routed experts
     in one launch, each expert's weight read once. weight `[E, N, K]`; x `[1, K]` (every slot reads
-    the same row) or `[S, K]` (`[S, 2K]` for SILU_GATE), contiguous; out `[S, N]`. Launched without
-    PDL: which weight to read comes from the kernel before (the router), so nothing can load early."""
+    the same row) or `[S, K]` (`[S, 2K]` for SILU_GATE), contiguous; out `[S, N]`. With PDL it waits
+    for the kernel before it first thing: which weight to read comes from that kernel (the router),
+    so only the launch overlaps, not a load."""
     e, n, k = weight.shape
     slots = experts.numel()
     block_n, block_k, warps, stages = config_for(n, k)
+    use_pdl = pdl(x.device)
     _kernel()[((n + block_n - 1) // block_n, slots)](
         x, weight, weight, weight, weight, out, n, k, weight.stride(1), 0.0,
         experts, scale if scale is not None else weight, weight.stride(0), x.stride(0) if x.shape[0] > 1 else 0,
         out.stride(0),
         PROLOGUE=prologue, HAS_BIAS=False, HAS_RESIDUAL=False, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, PDL=False, EXPERTS=True, HAS_SCALE=scale is not None, num_warps=warps,
-        num_stages=stages)
+        EVEN_K=k % block_k == 0, PDL=use_pdl, EXPERTS=True, HAS_SCALE=scale is not None, num_warps=warps,
+        num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 
