@@ -7,12 +7,12 @@ products (`torch.nn.functional.grouped_mm`: one GEMM per expert segment in one l
 with no rows reading nothing) compute gate/up and down for every pair; the outputs go back to
 token order by the inverse permutation and are summed with their routing weights.
 
-One token on a GPU (decode at batch 1) takes neither: one kernel normalises and routes it
+One token on a GPU (decode at batch 1) takes neither: two launches normalise and route it
 (flexsgl/kernels/moe_route.py), then two launches of the matrix-vector kernel
 (flexsgl/kernels/gemv.py, `expert_gemv`) with a grid row per routed slot, each reading its expert's
 weight once straight from the stacked tensor, the SiLU gate folded into the second and the routing
 weight into its output; the shared experts run through the same matrix-vector kernel. A layer's MoE
-is then six launches where the unfused path took thirteen.
+is then seven launches where the unfused path took thirteen.
 
 Where grouped_mm does not run (it takes bfloat16 on SM90+ GPUs and under torch.compile, and float32
 only eagerly on the CPU; its strides must be multiples of 16 bytes), each (token, expert) pair
