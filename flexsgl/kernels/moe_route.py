@@ -105,7 +105,7 @@ def _(x, norm_weight, eps, gate_weight, top_k, norm_topk_prob, scaling):
     return (torch.empty_like(x), x.new_empty(1, top_k, dtype=torch.int32), x.new_empty(1, top_k, dtype=torch.float32))
 
 
-def applies(x: torch.Tensor, topk_method: str) -> bool:
-    """Whether the fused routing serves this call: one token on CUDA in float16 or bfloat16, greedy top-k."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and topk_method == "greedy")
+def applies(x: torch.Tensor, gate_weight: torch.Tensor, topk_method: str) -> bool:
+    """Whether the fused routing serves this call: greedy top-k, where the matrix-vector kernel runs
+    the router's product (one token on CUDA in float16 or bfloat16)."""
+    return topk_method == "greedy" and gemv.applies(x, gate_weight)

@@ -121,7 +121,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, norm, residual: torch.Tensor) -> torch.Tensor:
         """residual + moe(norm(x))."""
         c = self.cfg
-        if moe_route.applies(x, c.topk_method) and gemv.applies(x, self.experts.down_proj):
+        if moe_route.applies(x, self.gate.weight, c.topk_method) and gemv.applies(x, self.experts.down_proj):
             h, experts, weights = torch.ops.flexsgl.moe_route(x, norm.weight, norm.eps, self.gate.weight, c.top_k,
                                                               c.norm_topk_prob, c.routed_scaling_factor)
         else:
