@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flexsgl.attention.flex import FlexAttentionBackend
-from flexsgl.attention.flex_masks import listed_decode_causal, packed_paged_causal, paged_causal
+from flexsgl.attention.flex_masks import Q_BLOCK, listed_decode_causal, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_attention, random_paged_batch
 
@@ -109,6 +109,41 @@ def test_listed_decode_mask_sees_what_the_paged_mask_sees(page_size):
         listed[b, own] = listed_mask(torch.tensor(b), None, 0, own)
     assert paged.sum(1).tolist() == fb.host_seq_lens, f"seed={seed}"
     assert torch.equal(listed, paged), f"seed={seed}"
+
+
+@pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend", "mixed", "random"])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_compiled_prefill_blocks_see_each_query_s_own_earlier_tokens(case, page_size):
+    """Compiled prefill's BlockMask and the mask it carries (listed_prefill_causal, which trusts the block
+    lists to hold only the query block's own request's pages): each token's row sees, through the full pages and
+    the mask on the partial ones, exactly the slots of its request's tokens at or before its position,
+    from the page table and nothing of flex's."""
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    specs = CASES[case] if case != "random" else [(rng.randrange(300), rng.randrange(1, 300)) for _ in range(6)]
+    pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
+    pool = KVPool(1, pages, page_size, 2, 8, torch.float32, "cpu")
+    fb, *_ = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, 4, "cpu", torch.float32, rng)
+    meta = FlexAttentionBackend(pool, compiled=True).metadata(fb)
+    bm = meta.block_mask
+    offset = torch.arange(page_size)
+    token = 0
+    for b, (prefix, new) in enumerate(specs):
+        slot_pos = {int(fb.page_table[b, i]) * page_size + o: i * page_size + o
+                    for i in range(KVPool.num_pages_for(prefix + new, page_size)) for o in range(page_size)}
+        for t in range(new):
+            row = int(meta.rows[1][token])
+            j = row // Q_BLOCK
+            full = bm.full_kv_indices[0, 0, j, :bm.full_kv_num_blocks[0, 0, j]]
+            partial = bm.kv_indices[0, 0, j, :bm.kv_num_blocks[0, 0, j]]
+            seen = {int(s) for s in (full.long()[:, None] * page_size + offset).flatten()}
+            partial_slots = (partial.long()[:, None] * page_size + offset).flatten()
+            shown = bm.mask_mod(torch.tensor(0), None, torch.tensor(row), partial_slots)
+            seen |= {int(s) for s in partial_slots[shown]}
+            expected = {s for s, pos in slot_pos.items() if pos <= prefix + t}
+            assert seen == expected, f"seed={seed}: request {b}, token {t}"
+            token += 1
 
 
 @pytest.mark.parametrize("make", ["paged", "listed", "packed"])
