@@ -11,7 +11,7 @@ receives (one kernel, about 2 s to compile; Inductor's cache keeps it across pro
 Kernel options (H100 sweep, 32/8 heads, d=128, pages of 64, docs/BENCHMARKS.md). Decode: 4 warps
 and 3 stages (Inductor's default config is up to 2.2x slower at batch 8), and at least 16 KV splits
 while batch x KV heads is at most 32 (Inductor gives batch 4 only 8: 48 µs against 39 at 4k
-tokens); with pages of 16 or 32 tokens, enough splits for about a thousand programs
+tokens); with pages of 16 or 32 tokens, 2 warps and enough splits for about a thousand programs
 (small_tile_splits). Prefill (run inside the compiled decoder layer), up to head_dim 128: 64x64 tiles, 4 warps, 3 stages
 (5-9% faster than 128x64 with 8 warps), with TMA loads at head_dim 128, pages of 64, bf16/fp16 on
 SM90 (12-13% faster on an H200). With pages of 128 and flash-attn-4 installed, prefill runs on
@@ -52,7 +52,7 @@ def decode_options(batch: int, kv_heads: int, page_size: int, head_dim: int) -> 
     if page_size % 128:
         options["BLOCK_N"] = math.gcd(page_size, 64)
     if options.get("BLOCK_N", 128) <= SMALL_TILE:
-        options["SPLIT_KV"] = small_tile_splits(batch, kv_heads)
+        options.update(num_warps=2, SPLIT_KV=small_tile_splits(batch, kv_heads))
     elif batch * kv_heads <= FEW_PROGRAMS:
         options["SPLIT_KV"] = max(MIN_SPLITS, _inductor_splits(batch, kv_heads))
     return options
@@ -60,10 +60,11 @@ def decode_options(batch: int, kv_heads: int, page_size: int, head_dim: int) -> 
 
 def small_tile_splits(batch: int, kv_heads: int) -> int:
     """KV splits where a page caps the KV tile at 16 or 32 tokens: each turn of a program's loop reads
-    one small tile and waits on it, so the kernel needs many programs in flight. At least two splits
-    per request, and about SMALL_TILE_PROGRAMS programs in all (H200 sweep, pages of 16: 8 x 4k 61 ->
-    50 µs with 16 splits, 32 x 4k 218 -> 149 with 4, 128 x 4k 659 -> 559 with 4, 256 x 1k 301 -> 281
-    with 2)."""
+    one small tile and waits on it, so the kernel needs many programs in flight (of 2 warps each). At
+    least two splits per request, and about SMALL_TILE_PROGRAMS programs in all. H200 sweep, pages of
+    16, GQA 4, 4 warps: 8 x 4k 61 -> 50 µs with 16 splits, 32 x 4k 218 -> 149 with 4, 128 x 4k 659 ->
+    559 with 4, 256 x 1k 301 -> 281 with 2; then 2 warps instead of 4, GQA 4 and 8: 5-24% faster
+    on every shape from batch 8 to 256."""
     return min(SMALL_TILE_MAX_SPLITS, max(2, -(-SMALL_TILE_PROGRAMS // (batch * kv_heads))))
 
 
