@@ -33,7 +33,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexsgl.attention.base import ForwardBatch
 from flexsgl.attention.flex_ops import flex_decode, kv_splits, prefill_options
-from flexsgl.attention.flex_masks import Q_BLOCK, listed_prefill_causal, packed_paged_causal, paged_causal
+from flexsgl.attention.flex_masks import Q_BLOCK, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 from flexsgl.compile import MIN_COMPILED_SIZE
 
@@ -182,17 +182,16 @@ class FlexAttentionBackend:
         prefix = (fb.seq_lens - fb.q_lens).long()[req]  # tokens cached before this step
         first = prefix + (index - first_block[req]) * align
         # int32 like the page table and page_pos: the FLASH backend's mask_mod code keeps one integer type
-        req32, first32 = req.int(), first.int()
+        mask_state = [req.int(), first.int()]
+        mask_mod = packed_paged_causal(fb.page_table, *mask_state, self.page_pos, self.pool.page_size, align)
         if not self.compiled:  # a block is a token, in packed order: the queries are a plain view
-            mask_mod = packed_paged_causal(fb.page_table, req32, first32, self.page_pos, self.pool.page_size, align)
             return self._dense_meta(fb, mask_mod, (1, n_blocks), compact)
-        mask_mod = listed_prefill_causal(first32, self.page_pos, self.pool.page_size, align)
         last = prefix + torch.minimum((index - first_block[req] + 1) * align, q_lens[req]) - 1
         blocks = self._kv_blocks(fb, req, first, last, index < n_real)
         token_req, token_row = _query_index(fb)
         rows = (torch.zeros_like(token_row), first_block[token_req] * align + token_row)
         return self._meta(fb, [x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
-                          [first32], align)
+                          mask_state, align)
 
     def _kv_blocks(self, fb: ForwardBatch, req, first_pos, last_pos, valid):
         """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos: the

@@ -6,9 +6,8 @@ prefix is at the same index in every request that uses it, and a page no request
 holds is at 0, so the mask indexes the page table without a clamp), and its position is not after
 the query's. Each mask is correct over the whole pool on its own: not compiled, flex.py evaluates it
 everywhere (and SDPA applies the result); compiled flex, only on the partial KV blocks of its
-BlockMask. The `listed_` masks are the exception: each is correct only on the pages a BlockMask
-lists for a query block, which are its request's own, and so skips the page table:
-`listed_decode_causal` needs no lookup at all, `listed_prefill_causal` one page position per page.
+BlockMask. `listed_decode_causal` is the exception: it is correct only on the pages a decode
+BlockMask lists for each request, and so it needs no page lookup at all.
 """
 
 from __future__ import annotations
@@ -54,18 +53,5 @@ def packed_paged_causal(page_table: torch.Tensor, block_req: torch.Tensor, block
         logical = page_pos[page]
         owned = page_table[block_req[j], logical] == page
         return owned & (logical * page_size + kv_idx % page_size <= block_first_pos[j] + q_idx % rows_per_block)
-
-    return mask
-
-
-def listed_prefill_causal(block_first_pos: torch.Tensor, page_pos: torch.Tensor, page_size: int,
-                          rows_per_block: int):
-    """Prefill over a BlockMask whose KV blocks for query block j are its request's own pages (flex.py):
-    a slot there is visible iff its position, from its page's logical index page_pos[page], is not after
-    the query's. packed_paged_causal's ownership check (two dependent gathers per KV element, through
-    the request and the page table) is what the block lists already guarantee."""
-    def mask(b, h, q_idx, kv_idx, page_size=page_size, rows_per_block=rows_per_block):
-        position = page_pos[kv_idx // page_size] * page_size + kv_idx % page_size
-        return position <= block_first_pos[q_idx // rows_per_block] + q_idx % rows_per_block
 
     return mask
