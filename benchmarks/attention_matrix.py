@@ -14,6 +14,8 @@ by tools/stage_flash.sh), each
 kernel override the registry lets run here (fa3, fi-decode, triton-decode), and SDPA over the same
 K/V gathered into contiguous per-request tensors (the dense lower bound, gather not timed). `fa4`:
 flash-attn-4's kernel called directly on the same pages, prefill only (the FLASH backend's ceiling).
+`flex-dense`: flex's Triton kernel on the same K/V made contiguous, under a plain document-causal
+mask, prefill only (the Triton path's ceiling).
 
 Timing: `INNER` calls captured in one CUDA graph, CUDA events around each replay, the median of
 `ROUNDS` replays. Floors: decode reads every cached K/V byte once (over the copy bandwidth measured
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -152,6 +155,30 @@ def fa4(pool, fb, q):
         max_seqlen_q=fb.max_q_len, max_seqlen_k=max_k, softmax_scale=D ** -0.5, causal=True)[0]
 
 
+def flex_dense(fb, q, kv):
+    """Flex's Triton kernel on each request's K/V made contiguous, packed into one sequence, under the
+    document-causal mask FlexAttention's own examples use (no pages, no page lookups): the Triton flex
+    path's ceiling, prefill only. Options: 128x64 tiles, 8 warps, 3 stages, the fastest measured here."""
+    if fb.mode != "prefill":
+        return "it runs prefill only"
+    specs = [(s - n, n) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
+    k, v = (torch.cat([x[i] for x in kv])[None].transpose(1, 2).contiguous() for i in (0, 1))
+    doc_q, pos_q, doc_k, pos_k = (torch.cat(parts).cuda() for parts in zip(*[
+        (torch.full((n,), r), torch.arange(p, p + n), torch.full((p + n,), r), torch.arange(p + n))
+        for r, (p, n) in enumerate(specs)]))
+
+    def mask(b, h, q_idx, kv_idx):
+        return (doc_q[q_idx] == doc_k[kv_idx]) & (pos_k[kv_idx] <= pos_q[q_idx])
+
+    block_mask = create_block_mask(mask, 1, 1, q.shape[0], k.shape[2], device="cuda", _compile=True)
+    qs = q[None].transpose(1, 2).contiguous()
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    options = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return lambda: compiled(qs, k, v, block_mask=block_mask, enable_gqa=True,
+                            kernel_options=options)[0].transpose(0, 1)
+
+
 def attend_fn(name: str, pool, fb, q, hq: int, kv):
     """A callable running `name` on this batch, or the reason it cannot run here."""
     if name == "sdpa":
@@ -159,6 +186,8 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv):
         return lambda: sdpa(q, kv, specs)
     if name == "fa4":
         return fa4(pool, fb, q)
+    if name == "flex-dense":
+        return flex_dense(fb, q, kv)
     flash = name == "flex-flash"
     if flash and fb.mode != "prefill":
         return "it runs prefill only"
