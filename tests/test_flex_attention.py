@@ -113,7 +113,7 @@ def test_listed_decode_mask_sees_what_the_paged_mask_sees(page_size):
 
 @pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend", "mixed", "random"])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
-def test_compiled_prefill_blocks_see_each_query_s_own_earlier_tokens(case, page_size):
+def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case, page_size):
     """Compiled prefill's BlockMask and the mask it carries: each token's row sees, through the full pages
     and the mask on the partial ones, exactly the slots of its request's tokens at or before its position,
     from the page table and nothing of flex's."""
