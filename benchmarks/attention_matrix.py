@@ -155,13 +155,12 @@ def fa4(pool, fb, q):
         max_seqlen_q=fb.max_q_len, max_seqlen_k=max_k, softmax_scale=D ** -0.5, causal=True)[0]
 
 
-def flex_dense(fb, q, kv):
+def flex_dense(fb, q, kv, specs):
     """Flex's Triton kernel on each request's K/V made contiguous, packed into one sequence, under the
     document-causal mask FlexAttention's own examples use (no pages, no page lookups): the Triton flex
     path's ceiling, prefill only. Options: 128x64 tiles, 8 warps, 3 stages, the fastest measured here."""
     if fb.mode != "prefill":
         return "it runs prefill only"
-    specs = [(s - n, n) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
     k, v = (torch.cat([x[i] for x in kv])[None].transpose(1, 2).contiguous() for i in (0, 1))
     doc_q, pos_q, doc_k, pos_k = (torch.cat(parts).cuda() for parts in zip(*[
         (torch.full((n,), r), torch.arange(p, p + n), torch.full((p + n,), r), torch.arange(p + n))
@@ -181,13 +180,13 @@ def flex_dense(fb, q, kv):
 
 def attend_fn(name: str, pool, fb, q, hq: int, kv):
     """A callable running `name` on this batch, or the reason it cannot run here."""
+    specs = [(s - n, n) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]  # (cached prefix, new) per request
     if name == "sdpa":
-        specs = [(s - n, n) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
         return lambda: sdpa(q, kv, specs)
     if name == "fa4":
         return fa4(pool, fb, q)
     if name == "flex-dense":
-        return flex_dense(fb, q, kv)
+        return flex_dense(fb, q, kv, specs)
     flash = name == "flex-flash"
     if flash and fb.mode != "prefill":
         return "it runs prefill only"
