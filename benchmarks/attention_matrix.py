@@ -203,7 +203,7 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv):
         return reason
     backend = cls(pool, num_heads=hq, compiled=True)
     if flash:
-        backend.kernel_options = {"BACKEND": "FLASH"}
+        backend.kernel_options = backend.packed_kernel_options = {"BACKEND": "FLASH"}
     fb.backend = backend
     backend.prepare(fb)
     fn = lambda: backend.forward(q, pool.layer_cache(0), fb)  # noqa: E731

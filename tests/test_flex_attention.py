@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flexsgl.attention.flex import FlexAttentionBackend
-from flexsgl.attention.flex_masks import Q_BLOCK, listed_decode_causal, packed_paged_causal, paged_causal
+from flexsgl.attention.flex_masks import Q_BLOCK, listed_decode_causal, packed_causal, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_attention, random_paged_batch
 
@@ -64,16 +64,20 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
     backend.prepare(fb)
     cast = lambda x: x.to(device, dtype)
     pool.store(0, cast(k), cast(v), fb.out_slots)
-    out = (forward or type(backend).forward)(backend, cast(q), pool.layer_cache(0), fb)
+    if compiled:  # compile afresh, and fail rather than run flex eagerly past dynamo's recompile limit
+        torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=compiled):
+        out = (forward or type(backend).forward)(backend, cast(q), pool.layer_cache(0), fb)
     ref = dense_attention(q, dense, specs)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol, msg=lambda m: f"seed={seed}: {m}")
     return out
 
 
-@pytest.mark.parametrize("case", ["prefix-extend", "decode"])
+@pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend", "decode"])
 def test_compiled_flex_on_cpu_matches_float64_reference(case):
     """Compiled flex skips blocks the BlockMask leaves out (eager evaluates the mask everywhere),
-    so this is what checks the full/partial block lists built from the page table."""
+    so this is what checks the full/partial block lists built from the page table, and (ragged
+    prefill, no cached prefix) those over the packed new K/V."""
     run_backend_case(CASES[case], 16, torch.compile(FlexAttentionBackend.forward, dynamic=False), "cpu",
                      torch.float32, rtol=1e-4, atol=1e-5, compiled=True)
 
@@ -114,9 +118,10 @@ def test_listed_decode_mask_sees_what_the_paged_mask_sees(page_size):
 @pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend", "mixed", "random"])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case, page_size):
-    """Compiled prefill's BlockMask and the mask it carries: each token's row sees, through the full pages
-    and the mask on the partial ones, exactly the slots of its request's tokens at or before its position,
-    from the page table and nothing of flex's."""
+    """Compiled prefill's BlockMask and the mask it carries: each token's row sees, through the full KV
+    blocks and the mask on the partial ones, exactly the slots of its request's tokens at or before its
+    position, from the page table and nothing of flex's. A KV block is a page, or, in a step without
+    cached prefixes, a block of the packed new K/V rows, each reading the pool slot kv_rows names."""
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -126,7 +131,11 @@ def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case
     fb, *_ = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, 4, "cpu", torch.float32, rng)
     meta = FlexAttentionBackend(pool, compiled=True).metadata(fb)
     bm = meta.block_mask
-    offset = torch.arange(page_size)
+    assert (meta.kv_rows is not None) == all(p == 0 for p, _ in specs)
+    kv_block = page_size if meta.kv_rows is None else Q_BLOCK
+    offset = torch.arange(kv_block)
+    slot_of = (lambda kv: kv) if meta.kv_rows is None else (lambda kv: meta.kv_rows[kv])
+    n_kv = pool.num_pages * page_size if meta.kv_rows is None else meta.kv_rows.shape[0]
     token = 0
     for b, (prefix, new) in enumerate(specs):
         slot_pos = {int(fb.page_table[b, i]) * page_size + o: i * page_size + o
@@ -136,16 +145,20 @@ def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case
             j = row // Q_BLOCK
             full = bm.full_kv_indices[0, 0, j, :bm.full_kv_num_blocks[0, 0, j]]
             partial = bm.kv_indices[0, 0, j, :bm.kv_num_blocks[0, 0, j]]
-            seen = {int(s) for s in (full.long()[:, None] * page_size + offset).flatten()}
-            partial_slots = (partial.long()[:, None] * page_size + offset).flatten()
-            shown = bm.mask_mod(torch.tensor(0), None, torch.tensor(row), partial_slots)
-            seen |= {int(s) for s in partial_slots[shown]}
+            seen = {int(s) for s in slot_of((full.long()[:, None] * kv_block + offset).flatten())}
+            partial_kv = (partial.long()[:, None] * kv_block + offset).flatten()
+            shown = bm.mask_mod(torch.tensor(0), None, torch.tensor(row), partial_kv)
+            seen |= {int(s) for s in slot_of(partial_kv[shown])}
             expected = {s for s, pos in slot_pos.items() if pos <= prefix + t}
             assert seen == expected, f"seed={seed}: request {b}, token {t}"
+            # The mask alone, over the whole KV sequence, shows the same (as if flex ran it everywhere).
+            everywhere = torch.arange(n_kv)
+            alone = {int(s) for s in slot_of(everywhere[bm.mask_mod(torch.tensor(0), None, torch.tensor(row), everywhere)])}
+            assert alone == expected, f"seed={seed}: request {b}, token {t}, mask alone"
             token += 1
 
 
-@pytest.mark.parametrize("make", ["paged", "listed", "packed"])
+@pytest.mark.parametrize("make", ["paged", "listed", "packed", "packed-rows"])
 def test_mask_integers_stay_constants_under_dynamic_shapes(make):
     """Compiled with dynamic shapes (the engine's CUDA prefill), a mask's page size and rows per block
     are constants, not graph inputs: FlexAttention's FLASH backend refuses masks that capture
@@ -157,7 +170,8 @@ def test_mask_integers_stay_constants_under_dynamic_shapes(make):
     mask = {"paged": lambda: paged_causal(table, last, page_pos, page_size),
             "listed": lambda: listed_decode_causal(table, last, page_size),
             "packed": lambda: packed_paged_causal(table, torch.randint(0, 3, (4,), dtype=torch.int32),
-                                                  last.repeat(2)[:4].int(), page_pos, page_size, 128)}[make]()
+                                                  last.repeat(2)[:4].int(), page_pos, page_size, 128),
+            "packed-rows": lambda: packed_causal(torch.randint(0, 300, (50,), dtype=torch.int32), 128)}[make]()
     inputs = []
 
     def backend(gm, example_inputs):

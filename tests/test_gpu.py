@@ -48,19 +48,20 @@ def test_compiled_flex_bf16_matches_float64(case, page_size):
                      compiled=True, hq=8, hkv=2, d=64)
 
 
-@pytest.mark.parametrize("case", ["mixed", "decode"])
+@pytest.mark.parametrize("case", ["ragged-prefill", "mixed", "decode"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("gqa", GQA_RATIOS)
 def test_compiled_flex_on_every_served_shape(case, d, gqa):
-    """Compiled flex (prefill in the model's graph, decode through the flex_decode op) in bf16 on each
-    head dim and GQA ratio flexsgl serves."""
+    """Compiled flex (prefill in the model's graph, over the pages or, without cached prefixes, over
+    the packed new K/V; decode through the flex_decode op) in bf16 on each head dim and GQA ratio
+    flexsgl serves."""
     forward = torch.compile(FlexAttentionBackend.forward, dynamic=False)
     run_backend_case(CASES[case], 64, forward, "cuda", torch.bfloat16, *TOLERANCE[torch.bfloat16],
                      compiled=True, hq=2 * gqa, hkv=2, d=d)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("case", ["mixed", "decode"])
+@pytest.mark.parametrize("case", ["ragged-prefill", "mixed", "decode"])
 def test_compiled_flex_in_full_and_half_precision(case, dtype):
     forward = torch.compile(FlexAttentionBackend.forward, dynamic=False)
     run_backend_case(CASES[case], 64, forward, "cuda", dtype, *TOLERANCE[dtype], compiled=True, hq=8, hkv=2, d=64)

@@ -17,6 +17,15 @@ attention took 17 µs per layer that way, against 8 for triton-decode). With one
 request, full blocks save the mask_mod's work (batch 256 x 1k: 302 µs without them, 261 for
 FlashInfer).
 
+Compiled prefill of a step in which no request has cached tokens reads no pages: the step's new
+K/V, gathered from the pool into a sequence packed exactly like the queries (`FlexMeta.kv_rows`),
+is all it attends to, so query block j's KV blocks are its request's blocks up to j itself, full
+ones before j and j as the one partial block, where the mask compares rows (`packed_causal`: no
+page lookups), and the KV block is 128 rows whatever the page size (options:
+flex_ops.packed_prefill_options). On an H200 such batches took 0.65-0.67x the time of attention
+over pages of 64 and about half of that over pages of 16 (docs/BENCHMARKS.md). Steps with cached
+prefixes attend over the pages.
+
 Compiled on CUDA, decode runs through flex_ops.py's opaque op (a kernel per batch size, outside
 the compiled decoder layer); prefill runs flex_attention inside the layer. `page_pos[p]`, the logical index page
 p holds in the requests that use it, is written here on the device before each step.
@@ -32,8 +41,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexsgl.attention.base import ForwardBatch
-from flexsgl.attention.flex_ops import flex_decode, kv_splits, prefill_options
-from flexsgl.attention.flex_masks import Q_BLOCK, packed_paged_causal, paged_causal
+from flexsgl.attention.flex_ops import flex_decode, kv_splits, packed_prefill_options, prefill_options
+from flexsgl.attention.flex_masks import Q_BLOCK, packed_causal, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 from flexsgl.compile import MIN_COMPILED_SIZE
 
@@ -53,6 +62,9 @@ class FlexMeta:
     # not run (the CPU): query `[B, 1, Hq, D]`, a request's heads are the rows of one query block,
     # so the kernel reads each request's KV once, not once per head.
     heads_as_rows: bool = False
+    # Compiled prefill without cached prefixes: the pool slot each packed KV row reads, laid out like
+    # the queries (-1: a padding row, read as zeros); attention reads these rows, not the pages.
+    kv_rows: torch.Tensor | None = None
 
     def step_tensors(self) -> list[torch.Tensor]:
         """Every tensor whose values change from step to step (what graph_step rewrites)."""
@@ -61,11 +73,17 @@ class FlexMeta:
         return [t for t in blocks if t is not None] + self.mask_state
 
 
+def packs_new_kv(fb: ForwardBatch) -> bool:
+    """Whether a prefill step reads only its own new K/V (no request has cached tokens)."""
+    return fb.host_q_lens is not None and fb.host_seq_lens == fb.host_q_lens
+
+
 class FlexAttentionBackend:
     name = "flex"
     graphable = True
     compiles_per_shape = True  # its kernels are compiled per batch size and page-table width
     heads_as_rows = False  # compiled decode on the main kernel lays a request's heads out as rows (FlexMeta)
+    packs_prefill = True  # compiled prefill without cached prefixes reads the new K/V packed (FlexMeta.kv_rows)
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
         """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
@@ -76,7 +94,10 @@ class FlexAttentionBackend:
         self.compiled = compiled
         self.decode_op = compiled and pool.device.type == "cuda"  # flex_ops.py
         self.page_pos = torch.zeros(pool.num_pages, dtype=torch.int32, device=pool.device)
-        self.kernel_options = self.cuda_kernel_options() if pool.device.type == "cuda" else None
+        cuda = pool.device.type == "cuda"
+        self.kernel_options = self.cuda_kernel_options() if cuda else None
+        self.packed_kernel_options = (packed_prefill_options(self.kv_shape()[1], pool.k[0].dtype)
+                                      if cuda and self.packs_prefill else None)
 
     def decode_full_blocks(self, batch: int) -> bool:
         """Whether decode at this batch size lists full KV blocks (see the module docstring)."""
@@ -169,16 +190,11 @@ class FlexAttentionBackend:
         request, so its KV block list is that request's pages). Compiled, blocks are Q_BLOCK rows (at
         most Q_BLOCK - 1 padding rows per request, at least MIN_COMPILED_SIZE blocks); not compiled,
         the mask is evaluated densely, so there a block is one row and nothing is padded."""
-        dev = fb.page_table.device
+        if self.compiled and self.packs_prefill and packs_new_kv(fb):
+            return self._packed_prefill_meta(fb)
         align = Q_BLOCK if self.compiled else 1
         q_lens = fb.q_lens.long()
-        per_req = (q_lens + align - 1) // align
-        n_real = sum(-(-n // align) for n in fb.host_q_lens)
-        n_blocks = max(n_real, MIN_COMPILED_SIZE) if self.compiled else n_real
-        first_block = torch.cumsum(per_req, 0) - per_req
-        req = torch.repeat_interleave(torch.arange(fb.batch_size, device=dev), per_req, output_size=n_real)
-        req = F.pad(req, (0, n_blocks - n_real), value=fb.batch_size - 1)  # padding blocks see nothing
-        index = torch.arange(n_blocks, device=dev)
+        req, index, first_block, n_real, n_blocks = _query_blocks(fb, align)
         prefix = (fb.seq_lens - fb.q_lens).long()[req]  # tokens cached before this step
         first = prefix + (index - first_block[req]) * align
         # int32 like the page table and page_pos: the FLASH backend's mask_mod code keeps one integer type
@@ -188,10 +204,31 @@ class FlexAttentionBackend:
             return self._dense_meta(fb, mask_mod, (1, n_blocks), compact)
         last = prefix + torch.minimum((index - first_block[req] + 1) * align, q_lens[req]) - 1
         blocks = self._kv_blocks(fb, req, first, last, index < n_real)
-        token_req, token_row = _query_index(fb)
-        rows = (torch.zeros_like(token_row), first_block[token_req] * align + token_row)
+        rows = _packed_rows(fb, first_block, align)
         return self._meta(fb, [x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
                           mask_state, align)
+
+    def _packed_prefill_meta(self, fb: ForwardBatch) -> FlexMeta:
+        """Compiled prefill with no cached prefix: the K/V rows are packed like the query rows, so
+        query block j of a request that starts at block f sees KV blocks f..j-1 whole and block j up
+        to its own row (see the module docstring)."""
+        req, index, first_block, n_real, n_blocks = _query_blocks(fb, Q_BLOCK)
+        valid = index < n_real
+        n_full = torch.where(valid, index - first_block[req], 0)
+        # Inductor's CPU flex kernel wants index rows as wide as the KV sequence has blocks.
+        width = n_blocks if fb.page_table.device.type == "cpu" else max(-(-n // Q_BLOCK) for n in fb.host_q_lens)
+        full_idx = (first_block[req][:, None] + torch.arange(width, device=index.device)).clamp_(max=n_blocks - 1)
+        partial_idx = torch.where(torch.arange(width, device=index.device) == 0, index[:, None], full_idx)
+        blocks = [x.to(torch.int32)[None, None] for x in (valid, partial_idx, n_full, full_idx)]
+        rows = _packed_rows(fb, first_block, Q_BLOCK)
+        kv_rows = torch.full((n_blocks * Q_BLOCK,), -1, dtype=torch.long, device=index.device)
+        kv_rows.index_put_(rows[1:], fb.out_slots)
+        n = n_blocks * Q_BLOCK
+        mask_state = [(first_block[req] * Q_BLOCK).int()]  # int32: see _prefill_meta
+        block_mask = BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=(Q_BLOCK, Q_BLOCK),
+                                              mask_mod=packed_causal(*mask_state, Q_BLOCK), seq_lengths=(n, n),
+                                              compute_q_blocks=False)
+        return FlexMeta(block_mask, (1, n), rows, mask_state, kv_rows=kv_rows)
 
     def _kv_blocks(self, fb: ForwardBatch, req, first_pos, last_pos, valid):
         """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos: the
@@ -260,7 +297,12 @@ class FlexAttentionBackend:
         return self.attend(q, self.kv_sequence(k, fb), self.kv_sequence(v, fb), meta, scale)
 
     def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]`."""
+        """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]`: the
+        packed new rows where the step has them (contiguous per head), else the pool's slots."""
+        kv_rows = fb.attn.kv_rows
+        if kv_rows is not None:
+            packed = torch.where((kv_rows >= 0)[:, None, None], x[kv_rows.clamp(min=0)], 0)
+            return packed[None].transpose(1, 2).contiguous()
         kv_slots = fb.attn.kv_slots
         x = x[:fb.num_kv_pages * self.pool.page_size] if kv_slots is None else x[kv_slots]
         return x[None].transpose(1, 2)
@@ -280,8 +322,9 @@ class FlexAttentionBackend:
         else:
             qb = q.new_zeros(nb, nq, hq, d).index_put_(meta.rows, q)
         if self.compiled:
+            options = self.kernel_options if meta.kv_rows is None else self.packed_kernel_options
             out = flex_attention(qb.transpose(1, 2), k, v, block_mask=meta.block_mask, scale=scale,
-                                 enable_gqa=hq != k.shape[1], kernel_options=self.kernel_options)
+                                 enable_gqa=hq != k.shape[1], kernel_options=options)
         else:  # every query as one sequence over the one KV sequence: SDPA never copies K/V per request
             out = F.scaled_dot_product_attention(qb.reshape(1, nb * nq, hq, d).transpose(1, 2), k, v,
                                                  attn_mask=meta.mask_state[0].reshape(1, 1, nb * nq, -1),
@@ -289,6 +332,26 @@ class FlexAttentionBackend:
             out = out.view(hq, nb, nq, -1).permute(1, 0, 2, 3)
         out = out.transpose(1, 2)  # [nb, nq, Hq, Dv]
         return out.reshape(t, hq, v.shape[-1]) if meta.rows is None else out[meta.rows]
+
+
+def _query_blocks(fb: ForwardBatch, align: int):
+    """Packed prefill's query blocks of `align` rows, each request starting a block of its own:
+    (request of each block, block index, each request's first block, real blocks, all blocks). Compiled,
+    at least MIN_COMPILED_SIZE blocks; padding blocks belong to the last request and see nothing."""
+    dev = fb.page_table.device
+    per_req = (fb.q_lens.long() + align - 1) // align
+    n_real = sum(-(-n // align) for n in fb.host_q_lens)
+    n_blocks = max(n_real, MIN_COMPILED_SIZE) if align > 1 else n_real
+    first_block = torch.cumsum(per_req, 0) - per_req
+    req = torch.repeat_interleave(torch.arange(fb.batch_size, device=dev), per_req, output_size=n_real)
+    req = F.pad(req, (0, n_blocks - n_real), value=fb.batch_size - 1)
+    return req, torch.arange(n_blocks, device=dev), first_block, n_real, n_blocks
+
+
+def _packed_rows(fb: ForwardBatch, first_block: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, row) of each packed token in the `[1, rows]` query sequence."""
+    token_req, token_row = _query_index(fb)
+    return torch.zeros_like(token_row), first_block[token_req] * align + token_row
 
 
 def _query_index(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
