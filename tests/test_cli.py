@@ -118,3 +118,17 @@ def test_cache_defaults_under_the_user_cache_dir(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"XDG_CACHE_HOME": str(tmp_path)}
     show = subprocess.run([sys.executable, "-m", "flexsgl.cli", "cache"], env=env, text=True, capture_output=True)
     assert show.returncode == 0 and show.stdout.startswith(f"{tmp_path}/flexsgl/inductor (0.0 MB)"), show
+
+
+@pytest.mark.parametrize("preset", [False, True])
+def test_flash_kernel_cache_lives_in_the_compile_cache_unless_set(tmp_path, monkeypatch, preset):
+    from flexsgl import compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    for name in compile_cache.FLASH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    if preset:
+        monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    compile_cache.cache_dir()
+    got = tuple(os.environ.get(name) for name in compile_cache.FLASH_ENV)
+    assert got == (("0", None) if preset else ("1", str(tmp_path / "inductor" / "flash_attn_cute")))
