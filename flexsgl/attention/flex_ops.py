@@ -14,9 +14,10 @@ while batch x KV heads is at most 32 (Inductor gives batch 4 only 8: 48 µs agai
 tokens); with pages of 16 or 32 tokens, 2 warps and enough splits for about a thousand programs
 (small_tile_splits). Prefill (run inside the compiled decoder layer), up to head_dim 128: 64x64 tiles, 4 warps, 3 stages
 (5-9% faster than 128x64 with 8 warps), with TMA loads at head_dim 128, pages of 64, bf16/fp16 on
-SM90 (12-13% faster on an H200). With pages of 128 and flash-attn-4 installed, prefill runs on
-FlexAttention's FLASH backend instead (H200, ragged prefill: 1.1-1.55x FA3's time, where the
-Triton kernel takes 1.8-2.8x with pages of 64). MLA's latent decode (one KV head of 576 dims, an H200
+SM90 (12-13% faster on an H200). With flash-attn-4 installed, prefill over KV blocks of 128 (pages
+of 128, or the packed new K/V of a step without cached prefixes, flex.py) runs on FlexAttention's
+FLASH backend instead (H200, ragged prefill: 1.1-1.55x FA3's time, where the Triton kernel takes
+1.7-2.0x). MLA's latent decode (one KV head of 576 dims, an H200
 sweep): latent_decode_options. The KV tile must divide a page.
 
 Prefill stays inside the model's step: the same op pattern for it, compiled with dynamic shapes,
