@@ -43,7 +43,8 @@ def test_flex_on_every_served_shape(d, gqa, dtype):
 
 
 def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, compiled=False,
-                     hq=4, hkv=2, d=16, backend_cls=FlexAttentionBackend, seed=None, full_blocks=True):
+                     hq=4, hkv=2, d=16, backend_cls=FlexAttentionBackend, seed=None, full_blocks=True,
+                     packs_prefill=True):
     """Store a random paged batch's K/V in the pool, run `backend_cls` on it (through `forward`, or
     its own when None) and check it against float64 attention; returns its output. The same seed
     gives the same batch."""
@@ -61,6 +62,8 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
     backend = backend_cls(pool, num_heads=hq, compiled=compiled)
     if not full_blocks:
         backend.decode_full_blocks = lambda batch: False
+    if not packs_prefill:  # flex's compiled prefill over the pages
+        backend.packs_prefill = False
     backend.prepare(fb)
     cast = lambda x: x.to(device, dtype)
     pool.store(0, cast(k), cast(v), fb.out_slots)
@@ -74,12 +77,13 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
 
 
 @pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend", "decode"])
-def test_compiled_flex_on_cpu_matches_float64_reference(case):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "paged"])
+def test_compiled_flex_on_cpu_matches_float64_reference(case, packed):
     """Compiled flex skips blocks the BlockMask leaves out (eager evaluates the mask everywhere),
     so this is what checks the full/partial block lists built from the page table, and (ragged
     prefill, no cached prefix) those over the packed new K/V."""
     run_backend_case(CASES[case], 16, torch.compile(FlexAttentionBackend.forward, dynamic=False), "cpu",
-                     torch.float32, rtol=1e-4, atol=1e-5, compiled=True)
+                     torch.float32, rtol=1e-4, atol=1e-5, compiled=True, packs_prefill=packed)
 
 
 def test_compiled_flex_decode_without_full_blocks_on_cpu():
@@ -117,11 +121,12 @@ def test_listed_decode_mask_sees_what_the_paged_mask_sees(page_size):
 
 @pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend", "mixed", "random"])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
-def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case, page_size):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "paged"])
+def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case, page_size, packed):
     """Compiled prefill's BlockMask and the mask it carries: each token's row sees, through the full KV
     blocks and the mask on the partial ones, exactly the slots of its request's tokens at or before its
-    position, from the page table and nothing of flex's. A KV block is a page, or, in a step without
-    cached prefixes, a block of the packed new K/V rows, each reading the pool slot kv_rows names."""
+    position, from the page table and nothing of flex's. A KV block is a page, or a block of the
+    step's K/V packed into rows, each reading the pool slot kv_rows names."""
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -129,9 +134,11 @@ def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case
     pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
     pool = KVPool(1, pages, page_size, 2, 8, torch.float32, "cpu")
     fb, *_ = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, 4, "cpu", torch.float32, rng)
-    meta = FlexAttentionBackend(pool, compiled=True).metadata(fb)
+    backend = FlexAttentionBackend(pool, compiled=True)
+    backend.packs_prefill = packed
+    meta = backend.metadata(fb)
     bm = meta.block_mask
-    assert (meta.kv_rows is not None) == all(p == 0 for p, _ in specs)
+    assert (meta.kv_rows is not None) == packed
     kv_block = page_size if meta.kv_rows is None else Q_BLOCK
     offset = torch.arange(kv_block)
     slot_of = (lambda kv: kv) if meta.kv_rows is None else (lambda kv: meta.kv_rows[kv])
@@ -171,7 +178,8 @@ def test_mask_integers_stay_constants_under_dynamic_shapes(make):
             "listed": lambda: listed_decode_causal(table, last, page_size),
             "packed": lambda: packed_paged_causal(table, torch.randint(0, 3, (4,), dtype=torch.int32),
                                                   last.repeat(2)[:4].int(), page_pos, page_size, 128),
-            "packed-rows": lambda: packed_causal(torch.randint(0, 300, (50,), dtype=torch.int32), 128)}[make]()
+            "packed-rows": lambda: packed_causal(torch.randint(0, 300, (4,), dtype=torch.int32),
+                                                 torch.randint(0, 300, (4,), dtype=torch.int32), 128)}[make]()
     inputs = []
 
     def backend(gm, example_inputs):

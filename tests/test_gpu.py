@@ -42,10 +42,12 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("page_size", [16, 64, 128])
-def test_compiled_flex_bf16_matches_float64(case, page_size):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "paged"])
+def test_compiled_flex_bf16_matches_float64(case, page_size, packed):
+    """Prefill over the step's K/V packed into rows (the engine's choice) and over the pages."""
     forward = torch.compile(FlexAttentionBackend.forward, dynamic=False)
     run_backend_case(CASES[case], page_size, forward, "cuda", torch.bfloat16, rtol=1e-2, atol=1e-2,
-                     compiled=True, hq=8, hkv=2, d=64)
+                     compiled=True, hq=8, hkv=2, d=64, packs_prefill=packed)
 
 
 @pytest.mark.parametrize("case", ["ragged-prefill", "mixed", "decode"])

@@ -17,14 +17,16 @@ attention took 17 µs per layer that way, against 8 for triton-decode). With one
 request, full blocks save the mask_mod's work (batch 256 x 1k: 302 µs without them, 261 for
 FlashInfer).
 
-Compiled prefill of a step in which no request has cached tokens reads no pages: the step's new
-K/V, gathered from the pool into a sequence packed exactly like the queries (`FlexMeta.kv_rows`),
-is all it attends to, so query block j's KV blocks are its request's blocks up to j itself, full
-ones before j and j as the one partial block, where the mask compares rows (`packed_causal`: no
-page lookups), and the KV block is 128 rows whatever the page size (options:
-flex_ops.packed_prefill_options). On an H200 such batches took 0.65-0.67x the time of attention
-over pages of 64 and about half of that over pages of 16 (docs/BENCHMARKS.md). Steps with cached
-prefixes attend over the pages.
+Compiled prefill reads no pages either: each layer copies the step's K/V (the cached prefixes and
+the new tokens) out of the pool into rows, request after request, each request from a 128-row block
+boundary (`FlexMeta.kv_rows`, the slot each row reads), so a request's KV blocks are consecutive
+and its query blocks list the blocks wholly before their first row as full and those up to their
+last row as partial, where the mask compares rows with the query block's request start and first
+position (`packed_causal`: no page lookups, nothing per key). The KV block is 128 rows whatever the
+page size, so FlexAttention's FLASH backend runs at any page size (options:
+flex_ops.packed_prefill_options). On an H200 steps without cached prefixes took 0.65-0.67x the time
+of attention over pages of 64 and about half of it over pages of 16 (docs/BENCHMARKS.md). A step
+whose prefixes hold more than PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
 
 Compiled on CUDA, decode runs through flex_ops.py's opaque op (a kernel per batch size, outside
 the compiled decoder layer); prefill runs flex_attention inside the layer. `page_pos[p]`, the logical index page
@@ -62,8 +64,8 @@ class FlexMeta:
     # not run (the CPU): query `[B, 1, Hq, D]`, a request's heads are the rows of one query block,
     # so the kernel reads each request's KV once, not once per head.
     heads_as_rows: bool = False
-    # Compiled prefill without cached prefixes: the pool slot each packed KV row reads, laid out like
-    # the queries (-1: a padding row, read as zeros); attention reads these rows, not the pages.
+    # Compiled prefill: the pool slot each packed KV row reads, request after request (-1: a padding
+    # row, read as zeros); attention reads these rows, not the pages.
     kv_rows: torch.Tensor | None = None
 
     def step_tensors(self) -> list[torch.Tensor]:
@@ -73,9 +75,13 @@ class FlexMeta:
         return [t for t in blocks if t is not None] + self.mask_state
 
 
-def packs_new_kv(fb: ForwardBatch) -> bool:
-    """Whether a prefill step reads only its own new K/V (no request has cached tokens)."""
-    return fb.host_q_lens is not None and fb.host_seq_lens == fb.host_q_lens
+PACKED_PREFIX_MAX_TOKENS = 65536  # cached tokens a packed prefill step may copy per layer (flex.py)
+
+
+def packs_kv(fb: ForwardBatch) -> bool:
+    """Whether a compiled prefill step attends over its K/V packed into rows: where its requests'
+    cached prefixes, which each layer copies out of the pool, hold at most PACKED_PREFIX_MAX_TOKENS."""
+    return fb.host_q_lens is not None and sum(fb.host_seq_lens) - sum(fb.host_q_lens) <= PACKED_PREFIX_MAX_TOKENS
 
 
 class FlexAttentionBackend:
@@ -83,7 +89,7 @@ class FlexAttentionBackend:
     graphable = True
     compiles_per_shape = True  # its kernels are compiled per batch size and page-table width
     heads_as_rows = False  # compiled decode on the main kernel lays a request's heads out as rows (FlexMeta)
-    packs_prefill = True  # compiled prefill without cached prefixes reads the new K/V packed (FlexMeta.kv_rows)
+    packs_prefill = True  # compiled prefill reads the step's K/V copied into rows (FlexMeta.kv_rows)
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
         """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
@@ -190,7 +196,7 @@ class FlexAttentionBackend:
         request, so its KV block list is that request's pages). Compiled, blocks are Q_BLOCK rows (at
         most Q_BLOCK - 1 padding rows per request, at least MIN_COMPILED_SIZE blocks); not compiled,
         the mask is evaluated densely, so there a block is one row and nothing is padded."""
-        if self.compiled and self.packs_prefill and packs_new_kv(fb):
+        if self.compiled and self.packs_prefill and packs_kv(fb):
             return self._packed_prefill_meta(fb)
         align = Q_BLOCK if self.compiled else 1
         q_lens = fb.q_lens.long()
@@ -209,26 +215,39 @@ class FlexAttentionBackend:
                           mask_state, align)
 
     def _packed_prefill_meta(self, fb: ForwardBatch) -> FlexMeta:
-        """Compiled prefill with no cached prefix: the K/V rows are packed like the query rows, so
-        query block j of a request that starts at block f sees KV blocks f..j-1 whole and block j up
-        to its own row (see the module docstring)."""
+        """Compiled prefill over the step's K/V packed into rows: request r's positions 0..seq_len-1
+        from its first KV block on, so its KV blocks are consecutive and the block lists are
+        _kv_blocks' over pages of Q_BLOCK rows (see the module docstring)."""
         req, index, first_block, n_real, n_blocks = _query_blocks(fb, Q_BLOCK)
+        dev, ps = index.device, self.pool.page_size
+        seq_lens = fb.seq_lens.long()
+        kv_per_req = (seq_lens + Q_BLOCK - 1) // Q_BLOCK
+        kv_first = torch.cumsum(kv_per_req, 0) - kv_per_req  # each request's first KV block
+        n_kv = sum(-(-n // Q_BLOCK) for n in fb.host_seq_lens)
+        row_req = torch.repeat_interleave(torch.arange(fb.batch_size, device=dev), kv_per_req * Q_BLOCK,
+                                          output_size=n_kv * Q_BLOCK)
+        pos = torch.arange(n_kv * Q_BLOCK, device=dev) - kv_first[row_req] * Q_BLOCK
+        page = fb.page_table[row_req, (pos // ps).clamp_(max=fb.page_table.shape[1] - 1)].long()
+        kv_rows = torch.where(pos < seq_lens[row_req], page * ps + pos % ps, -1)  # -1: a padding row
+        prefix = (seq_lens - fb.q_lens.long())[req]
+        in_req = index - first_block[req]
+        first = prefix + in_req * Q_BLOCK
+        last = prefix + torch.minimum((in_req + 1) * Q_BLOCK, fb.q_lens.long()[req]) - 1
         valid = index < n_real
-        n_full = torch.where(valid, index - first_block[req], 0)
+        n_visible = torch.where(valid, last // Q_BLOCK + 1, 0)
+        n_full = torch.where(valid, (first + 1) // Q_BLOCK, 0)
         # Inductor's CPU flex kernel wants index rows as wide as the KV sequence has blocks.
-        width = n_blocks if fb.page_table.device.type == "cpu" else max(-(-n // Q_BLOCK) for n in fb.host_q_lens)
-        full_idx = (first_block[req][:, None] + torch.arange(width, device=index.device)).clamp_(max=n_blocks - 1)
-        partial_idx = torch.where(torch.arange(width, device=index.device) == 0, index[:, None], full_idx)
-        blocks = [x.to(torch.int32)[None, None] for x in (valid, partial_idx, n_full, full_idx)]
-        rows = _packed_rows(fb, first_block, Q_BLOCK)
-        kv_rows = torch.full((n_blocks * Q_BLOCK,), -1, dtype=torch.long, device=index.device)
-        kv_rows.index_put_(rows[1:], fb.out_slots)
-        n = n_blocks * Q_BLOCK
-        mask_state = [(first_block[req] * Q_BLOCK).int()]  # int32: see _prefill_meta
+        width = n_kv if dev.type == "cpu" else max(-(-n // Q_BLOCK) for n in fb.host_seq_lens)
+        cols = torch.arange(width, device=dev)
+        full_idx = (kv_first[req][:, None] + cols).clamp_(max=n_kv - 1)
+        partial_idx = (kv_first[req][:, None] + n_full[:, None] + cols).clamp_(max=n_kv - 1)
+        blocks = [x.to(torch.int32)[None, None] for x in (n_visible - n_full, partial_idx, n_full, full_idx)]
+        mask_state = [(kv_first[req] * Q_BLOCK).int(), first.int()]  # int32: see _prefill_meta
         block_mask = BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=(Q_BLOCK, Q_BLOCK),
-                                              mask_mod=packed_causal(*mask_state, Q_BLOCK), seq_lengths=(n, n),
-                                              compute_q_blocks=False)
-        return FlexMeta(block_mask, (1, n), rows, mask_state, kv_rows=kv_rows)
+                                              mask_mod=packed_causal(*mask_state, Q_BLOCK),
+                                              seq_lengths=(n_blocks * Q_BLOCK, n_kv * Q_BLOCK), compute_q_blocks=False)
+        return FlexMeta(block_mask, (1, n_blocks * Q_BLOCK), _packed_rows(fb, first_block, Q_BLOCK), mask_state,
+                        kv_rows=kv_rows)
 
     def _kv_blocks(self, fb: ForwardBatch, req, first_pos, last_pos, valid):
         """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos: the
@@ -298,7 +317,7 @@ class FlexAttentionBackend:
 
     def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]`: the
-        packed new rows where the step has them (contiguous per head), else the pool's slots."""
+        step's K/V packed into rows where it has them (contiguous per head), else the pool's slots."""
         kv_rows = fb.attn.kv_rows
         if kv_rows is not None:
             packed = torch.where((kv_rows >= 0)[:, None, None], x[kv_rows.clamp(min=0)], 0)

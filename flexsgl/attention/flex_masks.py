@@ -8,7 +8,7 @@ the query's. Each mask is correct over the whole pool on its own: not compiled, 
 everywhere (and SDPA applies the result); compiled flex, only on the partial KV blocks of its
 BlockMask. `listed_decode_causal` is the exception: it is correct only on the pages a decode
 BlockMask lists for each request, and so it needs no page lookup at all. `packed_causal` reads no
-pages: it runs over K/V rows packed exactly like the query rows (a step without cached prefixes).
+pages: it runs over the step's K/V copied into rows, request after request.
 """
 
 from __future__ import annotations
@@ -58,12 +58,14 @@ def packed_paged_causal(page_table: torch.Tensor, block_req: torch.Tensor, block
     return mask
 
 
-def packed_causal(block_first_row: torch.Tensor, rows_per_block: int):
-    """Prefill over the step's new K/V packed row for row like its queries (flex.py): query block j
-    holds rows of the request whose rows start at row block_first_row[j], and a key is visible iff
-    it lies between that row and its query's. One lookup per query row: a lookup per key (comparing
-    the key's block's request with the query's) made the H200 kernel 1.35-1.42x slower."""
+def packed_causal(block_kv_start: torch.Tensor, block_first_pos: torch.Tensor, rows_per_block: int):
+    """Prefill over the step's K/V packed into rows (flex.py): query block j holds a request's tokens
+    from position block_first_pos[j] on, one per row, and that request's positions 0, 1, ... are the
+    KV rows from block_kv_start[j] on. Two lookups per query row and none per key: a lookup per key
+    (comparing the key's block's request with the query's) made the H200 kernel 1.35-1.42x slower."""
     def mask(b, h, q_idx, kv_idx, rows_per_block=rows_per_block):
-        return (kv_idx >= block_first_row[q_idx // rows_per_block]) & (kv_idx <= q_idx)
+        j = q_idx // rows_per_block
+        start = block_kv_start[j]
+        return (kv_idx >= start) & (kv_idx - start <= block_first_pos[j] + q_idx % rows_per_block)
 
     return mask

@@ -28,6 +28,9 @@ from flexsgl.cache.latent_pool import LatentKVPool
 
 class FlexMLABackend(FlexAttentionBackend):
     name = "flex"
+    # Prefill attends over the pages: a latent row is one 576-value head, whose kernel options are
+    # cuda_kernel_options', and its prefill was not measured over packed rows.
+    packs_prefill = False
 
     def __init__(self, pool: LatentKVPool, num_heads: int | None = None, compiled: bool = False):
         super().__init__(pool, num_heads, compiled)

@@ -14,9 +14,9 @@ while batch x KV heads is at most 32 (Inductor gives batch 4 only 8: 48 µs agai
 tokens); with pages of 16 or 32 tokens, 2 warps and enough splits for about a thousand programs
 (small_tile_splits). Prefill (run inside the compiled decoder layer), up to head_dim 128: 64x64 tiles, 4 warps, 3 stages
 (5-9% faster than 128x64 with 8 warps), with TMA loads at head_dim 128, pages of 64, bf16/fp16 on
-SM90 (12-13% faster on an H200). With flash-attn-4 installed, prefill over KV blocks of 128 (pages
-of 128, or the packed new K/V of a step without cached prefixes, flex.py) runs on FlexAttention's
-FLASH backend instead (H200, ragged prefill: 1.1-1.55x FA3's time, where the Triton kernel takes
+SM90 (12-13% faster on an H200). With flash-attn-4 installed, prefill over KV blocks of 128 (the
+step's K/V packed into rows, flex.py, or pages of 128) runs on FlexAttention's FLASH backend instead
+(H200, ragged prefill over packed rows: 0.96-1.5x FA3's time, where the Triton kernel takes
 1.7-2.0x). MLA's latent decode (one KV head of 576 dims, an H200
 sweep): latent_decode_options. The KV tile must divide a page.
 
@@ -105,8 +105,8 @@ def prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
 
 
 def packed_prefill_options(head_dim: int, dtype: torch.dtype) -> dict:
-    """Kernel options for prefill over the step's new K/V packed like its queries (flex.py), where a
-    KV block is a 128-row query block rather than a page: the FLASH backend where flash_prefill_runs
+    """Kernel options for prefill over the step's K/V packed into rows (flex.py), where a KV block is
+    128 rows rather than a page: the FLASH backend where flash_prefill_runs
     at that block, else the Triton kernel as over pages of 64 (64x64 tiles, 4 warps, 3 stages, TMA
     loads at head_dim 128 in half precision on SM90: on an H200 the fastest of six option sets on
     8k and 32k new tokens, 1-8% ahead of 128x64 tiles with 8 warps)."""
