@@ -17,16 +17,16 @@ attention took 17 µs per layer that way, against 8 for triton-decode). With one
 request, full blocks save the mask_mod's work (batch 256 x 1k: 302 µs without them, 261 for
 FlashInfer).
 
-Compiled prefill reads no pages either: each layer copies the step's K/V (the cached prefixes and
+Compiled prefill does not read the pages: each layer copies the step's K/V (the cached prefixes and
 the new tokens) out of the pool into rows, request after request, each request from a 128-row block
 boundary (`FlexMeta.kv_rows`, the slot each row reads), so a request's KV blocks are consecutive
 and its query blocks list the blocks wholly before their first row as full and those up to their
 last row as partial, where the mask compares rows with the query block's request start and first
 position (`packed_causal`: no page lookups, nothing per key). The KV block is 128 rows whatever the
 page size, so FlexAttention's FLASH backend runs at any page size (options:
-flex_ops.packed_prefill_options). On an H200 steps without cached prefixes took 0.65-0.67x the time
-of attention over pages of 64 and about half of it over pages of 16 (docs/BENCHMARKS.md). A step
-whose prefixes hold more than PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
+flex_ops.packed_prefill_options). On an H200 it took 0.96-1.21x FA3's time on batches with cached
+prefixes (1.18-3.18x over pages of 128 down to 16) and 1.27-1.50x on batches without (docs/BENCHMARKS.md).
+A step whose prefixes hold more than PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
 
 Compiled on CUDA, decode runs through flex_ops.py's opaque op (a kernel per batch size, outside
 the compiled decoder layer); prefill runs flex_attention inside the layer. `page_pos[p]`, the logical index page
