@@ -199,16 +199,13 @@ class FlexAttentionBackend:
         if self.compiled and self.packs_prefill and packs_kv(fb):
             return self._packed_prefill_meta(fb)
         align = Q_BLOCK if self.compiled else 1
-        q_lens = fb.q_lens.long()
         req, index, first_block, n_real, n_blocks = _query_blocks(fb, align)
-        prefix = (fb.seq_lens - fb.q_lens).long()[req]  # tokens cached before this step
-        first = prefix + (index - first_block[req]) * align
+        first, last = _block_positions(fb, req, index, first_block, align)
         # int32 like the page table and page_pos: the FLASH backend's mask_mod code keeps one integer type
         mask_state = [req.int(), first.int()]
         mask_mod = packed_paged_causal(fb.page_table, *mask_state, self.page_pos, self.pool.page_size, align)
         if not self.compiled:  # a block is a token, in packed order: the queries are a plain view
             return self._dense_meta(fb, mask_mod, (1, n_blocks), compact)
-        last = prefix + torch.minimum((index - first_block[req] + 1) * align, q_lens[req]) - 1
         blocks = self._kv_blocks(fb, req, first, last, index < n_real)
         rows = _packed_rows(fb, first_block, align)
         return self._meta(fb, [x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
@@ -217,7 +214,7 @@ class FlexAttentionBackend:
     def _packed_prefill_meta(self, fb: ForwardBatch) -> FlexMeta:
         """Compiled prefill over the step's K/V packed into rows: request r's positions 0..seq_len-1
         from its first KV block on, so its KV blocks are consecutive and the block lists are
-        _kv_blocks' over pages of Q_BLOCK rows (see the module docstring)."""
+        kv_blocks' over a table of those (see the module docstring)."""
         req, index, first_block, n_real, n_blocks = _query_blocks(fb, Q_BLOCK)
         dev, ps = index.device, self.pool.page_size
         seq_lens = fb.seq_lens.long()
@@ -229,19 +226,12 @@ class FlexAttentionBackend:
         pos = torch.arange(n_kv * Q_BLOCK, device=dev) - kv_first[row_req] * Q_BLOCK
         page = fb.page_table[row_req, (pos // ps).clamp_(max=fb.page_table.shape[1] - 1)].long()
         kv_rows = torch.where(pos < seq_lens[row_req], page * ps + pos % ps, -1)  # -1: a padding row
-        prefix = (seq_lens - fb.q_lens.long())[req]
-        in_req = index - first_block[req]
-        first = prefix + in_req * Q_BLOCK
-        last = prefix + torch.minimum((in_req + 1) * Q_BLOCK, fb.q_lens.long()[req]) - 1
-        valid = index < n_real
-        n_visible = torch.where(valid, last // Q_BLOCK + 1, 0)
-        n_full = torch.where(valid, (first + 1) // Q_BLOCK, 0)
-        # Inductor's CPU flex kernel wants index rows as wide as the KV sequence has blocks.
+        first, last = _block_positions(fb, req, index, first_block, Q_BLOCK)
+        # Each request's KV blocks, as a page table of Q_BLOCK-row blocks. Inductor's CPU flex kernel
+        # wants index rows as wide as the KV sequence has blocks.
         width = n_kv if dev.type == "cpu" else max(-(-n // Q_BLOCK) for n in fb.host_seq_lens)
-        cols = torch.arange(width, device=dev)
-        full_idx = (kv_first[req][:, None] + cols).clamp_(max=n_kv - 1)
-        partial_idx = (kv_first[req][:, None] + n_full[:, None] + cols).clamp_(max=n_kv - 1)
-        blocks = [x.to(torch.int32)[None, None] for x in (n_visible - n_full, partial_idx, n_full, full_idx)]
+        table = (kv_first[:, None] + torch.arange(width, device=dev)).clamp_(max=n_kv - 1).int()
+        blocks = [x[None, None] for x in kv_blocks(table, Q_BLOCK, req, first, last, index < n_real)]
         mask_state = [(kv_first[req] * Q_BLOCK).int(), first.int()]  # int32: see _prefill_meta
         block_mask = BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=(Q_BLOCK, Q_BLOCK),
                                               mask_mod=packed_causal(*mask_state, Q_BLOCK),
@@ -250,21 +240,8 @@ class FlexAttentionBackend:
                         kv_rows=kv_rows)
 
     def _kv_blocks(self, fb: ForwardBatch, req, first_pos, last_pos, valid):
-        """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos: the
-        pages wholly before the first row are *full* KV blocks (no mask_mod call), the pages up to
-        the last row's are *partial* ones. Returns (partial count, partial pages, full count, full
-        pages), each with a leading query-block dimension; first_pos None: every visible page is
-        partial, and there are no full blocks (None, None)."""
-        ps = self.pool.page_size
-        w = fb.page_table.shape[1]
-        n_visible = torch.where(valid, last_pos // ps + 1, 0)
-        full_idx = fb.page_table[req]
-        if first_pos is None:
-            return n_visible.to(torch.int32), full_idx, None, None
-        n_full = torch.where(valid, (first_pos + 1) // ps, 0)
-        cols = torch.arange(w, device=req.device)
-        partial_idx = torch.gather(full_idx, 1, (n_full[:, None] + cols).clamp_(max=w - 1))
-        return (n_visible - n_full).to(torch.int32), partial_idx, n_full.to(torch.int32), full_idx
+        """kv_blocks over the pool's pages, listed in the step's page table."""
+        return kv_blocks(fb.page_table, self.pool.page_size, req, first_pos, last_pos, valid)
 
     def _dense_meta(self, fb: ForwardBatch, mask_mod, query_shape, compact: bool) -> FlexMeta:
         """Not compiled: the mask_mod evaluated over every (query, key) pair once per step, which
@@ -353,6 +330,24 @@ class FlexAttentionBackend:
         return out.reshape(t, hq, v.shape[-1]) if meta.rows is None else out[meta.rows]
 
 
+def kv_blocks(table: torch.Tensor, block: int, req, first_pos, last_pos, valid):
+    """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos, where
+    `table[r]` lists request r's KV blocks of `block` positions each in order: the KV blocks wholly
+    before the first row are *full* (no mask_mod call), those up to the last row's are *partial*.
+    Returns (partial count, partial blocks, full count, full blocks), each with a leading
+    query-block dimension; first_pos None: every visible block is partial, and there are no full
+    blocks (None, None)."""
+    w = table.shape[1]
+    n_visible = torch.where(valid, last_pos // block + 1, 0)
+    full_idx = table[req]
+    if first_pos is None:
+        return n_visible.to(torch.int32), full_idx, None, None
+    n_full = torch.where(valid, (first_pos + 1) // block, 0)
+    cols = torch.arange(w, device=req.device)
+    partial_idx = torch.gather(full_idx, 1, (n_full[:, None] + cols).clamp_(max=w - 1))
+    return (n_visible - n_full).to(torch.int32), partial_idx, n_full.to(torch.int32), full_idx
+
+
 def _query_blocks(fb: ForwardBatch, align: int):
     """Packed prefill's query blocks of `align` rows, each request starting a block of its own:
     (request of each block, block index, each request's first block, real blocks, all blocks). Compiled,
@@ -365,6 +360,13 @@ def _query_blocks(fb: ForwardBatch, align: int):
     req = torch.repeat_interleave(torch.arange(fb.batch_size, device=dev), per_req, output_size=n_real)
     req = F.pad(req, (0, n_blocks - n_real), value=fb.batch_size - 1)
     return req, torch.arange(n_blocks, device=dev), first_block, n_real, n_blocks
+
+
+def _block_positions(fb: ForwardBatch, req, index, first_block, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of each query block's first and last rows (_query_blocks' blocks)."""
+    prefix = (fb.seq_lens - fb.q_lens).long()[req]  # tokens cached before this step
+    in_req = index - first_block[req]
+    return prefix + in_req * align, prefix + torch.minimum((in_req + 1) * align, fb.q_lens.long()[req]) - 1
 
 
 def _packed_rows(fb: ForwardBatch, first_block: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
