@@ -1,6 +1,7 @@
 """The attention kernel matrix: every backend on the same paged batches, beside the hardware floor.
 
-    python benchmarks/attention_matrix.py [--pages 16,64,128] [--gqa 4,8] [--json PATH]   (a GPU)
+    python benchmarks/attention_matrix.py [--pages 16,64,128] [--gqa 4,8] [--phases decode,prefill]
+        [--batches 1,8,32,128,256] [--contexts 1024,4096,16384] [--backends ...] [--json PATH]   (a GPU)
 
 Shapes: decode at batch 1, 8, 32, 128, 256 with contexts of 1k, 4k and 16k tokens; ragged prefill
 of 8k and 32k new tokens in all (requests of 512 to 4096 new tokens, drawn with a fixed seed),
@@ -213,11 +214,11 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv):
     return fn
 
 
-def cases(pages, gqas):
+def cases(pages, gqas, batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS):
     for page in pages:
         for gqa in gqas:
-            for bs in DECODE_BATCHES:
-                for ctx in DECODE_CONTEXTS:
+            for bs in batches:
+                for ctx in contexts:
                     yield "decode", f"{bs}x{ctx}", [(ctx - 1, 1)] * bs, page, gqa
             for total in PREFILL_TOTALS:
                 for with_prefix in (False, True):
@@ -238,6 +239,8 @@ def main() -> None:
     ap.add_argument("--pages", default="16,64,128")
     ap.add_argument("--gqa", default="4,8")
     ap.add_argument("--phases", default="decode,prefill")
+    ap.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
+    ap.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)), help="decode contexts")
     ap.add_argument("--backends", default="flex,fa3,fi-decode,triton-decode,sdpa")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
     ap.add_argument("--json", default=None)
@@ -250,7 +253,8 @@ def main() -> None:
     rows = []
     backends = a.backends.split(",")
     phases = a.phases.split(",")
-    for phase, label, specs, page, gqa in cases([int(p) for p in a.pages.split(",")], [int(g) for g in a.gqa.split(",")]):
+    ints = lambda arg: [int(x) for x in arg.split(",")]  # noqa: E731
+    for phase, label, specs, page, gqa in cases(ints(a.pages), ints(a.gqa), ints(a.batches), ints(a.contexts)):
         if phase not in phases:
             continue
         hq = KV_HEADS * gqa
