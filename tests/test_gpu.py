@@ -13,7 +13,11 @@ bf16 bounds, and why:
     transformers' bf16 mean error over the same steps. The mean over 32 steps is stable (on the
     CPU, not compiled, ours/theirs is 0.7-1.0 over 42 prompts of 7 seeds), and masking mistakes
     move it far past 1.5x (a prefill mask that sees one token ahead: 1.9-5.7x per prompt; a decode
-    mask that hides the current token or the first page: 5-120x);
+    mask that hides the current token or the first page: 5-120x). Where both errors are the rounding
+    of the logits themselves, the ratio says nothing: the tiny preset's one-token prompt at one seed
+    erred by 0.006 at every step against transformers' 0.004, both about an ulp of bf16 at its
+    logits (1.65x compiled, 0.99x eager; its other prompts 0.86-1.03x, H200). So a mean error within
+    2 ulp of bf16 at the steps' largest logits passes too;
   - a bad step: no step of any prompt is off by more than twice the worst step of transformers'
     bf16 over all prompts (or 2% of the logit scale, whichever is larger). The worst of one
     prompt's 32 steps is too noisy a yardstick: one step's error can be 2-4x the typical one
@@ -127,8 +131,10 @@ def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, **l
         scale = max(scale, ref.abs().max().item())
         err = (ours - ref).abs().max(-1).values  # per step
         their_err = (theirs - ref).abs().max(-1).values
-        assert err.mean() <= 1.5 * their_err.mean(), (
-            f"prompt {i}: mean error {err.mean():.3g} > 1.5 x transformers' bf16 {their_err.mean():.3g} (seed={seed})")
+        ulp = torch.exp2(torch.floor(torch.log2(ref.abs().amax(-1))) - 7)  # bf16's at each step's largest logit
+        assert err.mean() <= max(1.5 * their_err.mean(), 2 * ulp.mean()), (
+            f"prompt {i}: mean error {err.mean():.3g} > 1.5 x transformers' bf16 {their_err.mean():.3g} and > 2 ulp "
+            f"{2 * ulp.mean():.3g} (seed={seed})")
         errs.append(err)
         their_errs.append(their_err)
         top2 = ref.topk(2, dim=-1).values
