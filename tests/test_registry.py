@@ -170,6 +170,26 @@ def test_table_lists_every_backend_with_a_reason():
             assert not rows[name]["runs_here"] and rows[name]["why_not"]
 
 
+@pytest.mark.parametrize("installed", [True, False])
+def test_table_says_whether_flex_prefill_has_its_flash_backend(fake_gpu, monkeypatch, installed):
+    """On SM90, flex's row says that prefill runs on FlexAttention's FLASH backend, or how to get it:
+    the `flash` extra, which pyproject.toml must define with flash-attn-4."""
+    from pathlib import Path
+
+    import flexsgl.attention.flex_ops as flex_ops
+
+    fake_gpu(90)
+    monkeypatch.setattr(flex_ops, "_flash_installed", lambda: installed)
+    about = {r["name"]: r for r in registry.table(GPU)}["flex"]["about"]
+    if installed:
+        assert "FLASH backend (flash-attn-4)" in about
+    else:
+        assert "pip install 'flexsgl[flash]'" in about
+        pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+        assert 'flash = ["flash-attn-4==' in pyproject  # the extra (tomllib is Python 3.11+)
+    assert flex_ops.flash_note(None) == "" == flex_ops.flash_note(80)
+
+
 def test_cli_backends_and_a_refused_override():
     run = lambda *args: subprocess.run([sys.executable, "-m", "flexsgl.cli", *args],  # noqa: E731
                                        capture_output=True, text=True, timeout=120)

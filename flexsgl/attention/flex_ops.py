@@ -127,6 +127,17 @@ def flash_prefill_runs(head_dim: int, page_size: int, dtype: torch.dtype) -> boo
             and torch.cuda.get_device_capability()[0] in (9, 10) and _flash_installed())
 
 
+def flash_note(sm: int | None) -> str:
+    """What `flexsgl backends` says of flex's FLASH prefill on a GPU of this SM version (90 for
+    SM90; None: no GPU), empty where it cannot run."""
+    if sm is None or sm // 10 not in (9, 10):
+        return ""
+    if _flash_installed():
+        return "; prefill at head_dim 128 in bf16/fp16 on FlexAttention's FLASH backend (flash-attn-4)"
+    return ("; flash-attn-4 is not installed, so prefill runs on the Triton kernel (1.3-1.9x FLASH's time at "
+            "head_dim 128 on an H200): pip install 'flexsgl[flash]' for FlexAttention's FLASH backend")
+
+
 @functools.cache
 def _flash_installed() -> bool:
     try:

@@ -191,13 +191,15 @@ def backend_class(spec: BackendSpec, attention: str = "gqa"):
 
 def table(device: torch.device) -> list[dict]:
     """One row per backend: its phases, the models it serves, whether it runs here for them and why not."""
+    from flexsgl.attention.flex_ops import flash_note
+
     rows = []
     for spec in SPECS.values():
         reasons = {a: why_not(spec, device, a) for a in spec.attention}
         runs = [a for a, r in reasons.items() if r is None]
         rows.append({"name": spec.name, "phases": ",".join(spec.phases), "models": ",".join(spec.attention),
                      "runs_here": bool(runs), "why_not": "" if runs else next(iter(reasons.values())),
-                     "about": spec.doc})
+                     "about": spec.doc + (flash_note(sm_version(device)) if spec.name == "flex" else "")})
     rows.append({"name": "auto", "phases": "prefill,decode", "models": "gqa,mla", "runs_here": True, "why_not": "",
                  "about": f"here: {auto_choice(device, 'gqa')} for GQA, {auto_choice(device, 'mla')} for MLA "
                           "(SM90: fa3-prefill,fi-decode, with triton-decode for batches up to 64 where triton is "
