@@ -114,23 +114,31 @@ def test_fused_projections_at_batch_1_and_beyond():
                 assert err < 1e-2, f"{name}, rows={rows}: relative error {err:.2e}"
 
 
-def check_experts(device, e, n, k, slots, prologue, dtype):
-    """expert_gemv against float64: each slot's output from its own expert, scaled when asked."""
+def check_experts(device, e, n, k, slots, prologue, dtype, shared=None):
+    """expert_gemv against float64: each slot's output from its own expert, scaled when asked, and
+    with `shared` = (N2, K2) one more slot from a weight of its own, unscaled."""
     seed = random.randrange(1 << 30)
     g = torch.Generator(device=device).manual_seed(seed)
     p = PROLOGUES[prologue]
     w = (torch.randn(e, n, k, device=device, generator=g) / k ** 0.5).to(dtype)
     experts = torch.randperm(e, device=device, generator=g)[:slots]
-    # SiLU gate: a row per slot; plain: one row every slot reads
-    x = torch.randn(slots if p == gemv.SILU_GATE else 1, 2 * k if p == gemv.SILU_GATE else k, device=device,
-                    generator=g).to(dtype)
+    n2, k2 = shared or (n, k)
+    k2 = k2 if p == gemv.SILU_GATE else k  # plain: every slot reads the one x row
+    w2 = (torch.randn(n2, k2, device=device, generator=g) / k2 ** 0.5).to(dtype) if shared else None
+    rows = slots + bool(shared)
+    # SiLU gate: a row per slot ([gate | up] from the row's start); plain: one row every slot reads
+    width = 2 * max(k, k2) if p == gemv.SILU_GATE else k
+    x = torch.randn(rows if p == gemv.SILU_GATE else 1, width, device=device, generator=g).to(dtype)
     scale = torch.rand(slots, device=device, generator=g) if p == gemv.SILU_GATE else None
-    out = torch.full((slots, n), float("nan"), device=device, dtype=dtype)
-    gemv.launch_experts(x, w, experts, scale, out, prologue=p)
-    for s in range(slots):
-        ref = reference(p, x[s if x.shape[0] > 1 else 0][None], w[experts[s]], None, None, None, 0.0)[0]
-        ref = ref * (scale[s].double() if scale is not None else 1.0)
-        got = out[s].double()
+    out = torch.full((rows, max(n, n2)), float("nan"), device=device, dtype=dtype)
+    gemv.launch_experts(x, w, experts, scale, out, prologue=p, shared=w2)
+    for s in range(rows):
+        routed = s < slots
+        kk = k if routed else k2
+        xs = x[s if x.shape[0] > 1 else 0][None, :2 * kk if p == gemv.SILU_GATE else kk]
+        ref = reference(p, xs, w[experts[s]] if routed else w2, None, None, None, 0.0)[0]
+        ref = ref * (scale[s].double() if scale is not None and routed else 1.0)
+        got = out[s, :ref.shape[0]].double()
         assert not got.isnan().any(), f"slot {s}: unwritten outputs (seed={seed})"
         err = ((got - ref).norm() / ref.norm()).item()
         assert err < (1e-5 if dtype == torch.float32 else 1e-2), f"slot {s}: relative error {err:.2e} (seed={seed})"
@@ -139,13 +147,17 @@ def check_experts(device, e, n, k, slots, prologue, dtype):
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("prologue", ["plain", "silu_gate"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_interpreted_expert_kernel_matches_float64(prologue, dtype):
-    check_experts("cpu", 8, 40, 1000, 3, prologue, dtype)
+@pytest.mark.parametrize("shared", [None, (80, 1500), (24, 600)], ids=["routed", "wider-shared", "narrower-shared"])
+def test_interpreted_expert_kernel_matches_float64(prologue, dtype, shared):
+    check_experts("cpu", 8, 40, 1000, 3, prologue, dtype, shared)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prologue", ["plain", "silu_gate"])
-def test_expert_kernel_matches_float64(prologue):
-    """DeepSeek-V2-Lite's expert shapes: gate_up [2816, 2048], down [2048, 1408], 6 of 64 experts."""
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
+def test_expert_kernel_matches_float64(prologue, shared):
+    """DeepSeek-V2-Lite's expert shapes: gate_up [2816, 2048], down [2048, 1408], 6 of 64 experts;
+    its two shared experts as one slot: gate_up [5632, 2048], down [2048, 2816]."""
     n, k = (2816, 2048) if prologue == "plain" else (2048, 1408)
-    check_experts("cuda", 64, n, k, 6, prologue, torch.bfloat16)
+    n2, k2 = (2 * n, k) if prologue == "plain" else (n, 2 * k)
+    check_experts("cuda", 64, n, k, 6, prologue, torch.bfloat16, (n2, k2) if shared else None)

@@ -48,18 +48,27 @@ def _kernel():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, out_ptr, N, K, stride_wn, eps,
-                    e_ptr, s_ptr, stride_we, stride_xs, stride_os,
+                    e_ptr, s_ptr, stride_we, stride_xs, stride_os, w2_ptr, N2, K2, stride_wn2,
                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                    EXPERTS: tl.constexpr, HAS_SCALE: tl.constexpr):
+                    EXPERTS: tl.constexpr, HAS_SCALE: tl.constexpr, ROUTED: tl.constexpr):
+        slot = 0
         if EXPERTS:  # program_id(1) is a slot: its expert's weight, its x row, its output row
             if PDL:  # which weight to read comes from the kernel before: wait for it first
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             slot = tl.program_id(1)
-            w_ptr += tl.load(e_ptr + slot).to(tl.int64) * stride_we
+            if slot < ROUTED:
+                w_ptr += tl.load(e_ptr + slot).to(tl.int64) * stride_we
+            else:  # the slot after the routed ones: the shared experts, [N2, K2], unscaled
+                w_ptr = w2_ptr
+                N = N2
+                K = K2
+                stride_wn = stride_wn2
             x_ptr += slot * stride_xs
             out_ptr += slot * stride_os
+            if tl.program_id(0) * BLOCK_N >= N:  # the grid spans the wider of the two weights
+                return
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
@@ -97,7 +106,8 @@ def _kernel():
         if HAS_RESIDUAL:
             out += tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if HAS_SCALE:
-            out *= tl.load(s_ptr + slot).to(tl.float32)
+            if slot < ROUTED:
+                out *= tl.load(s_ptr + slot).to(tl.float32)
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     return gemv_kernel
@@ -131,31 +141,35 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     _kernel()[((n + block_n - 1) // block_n,)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else weight,
         norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(0), eps,
-        weight, weight, 0, 0, 0,
+        weight, weight, 0, 0, 0, weight, n, k, 0,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, EXPERTS=False, HAS_SCALE=False,
-        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+        ROUTED=0, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 
 def launch_experts(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, scale: torch.Tensor | None,
-                   out: torch.Tensor, prologue: int = PLAIN) -> torch.Tensor:
+                   out: torch.Tensor, prologue: int = PLAIN, shared: torch.Tensor | None = None) -> torch.Tensor:
     """out[s] = weight[experts[s]] @ f(x[s]) (* scale[s]) for each slot s: one token's routed experts
     in one launch, each expert's weight read once. weight `[E, N, K]`; x `[1, K]` (every slot reads
-    the same row) or `[S, K]` (`[S, 2K]` for SILU_GATE), contiguous; out `[S, N]`. With PDL it waits
-    for the kernel before it first thing: which weight to read comes from that kernel (the router),
-    so only the launch overlaps, not a load."""
+    the same row) or `[S, K]` (`[S, 2K]` for SILU_GATE), contiguous; out `[S, N]`. `shared` `[N2,
+    K2]` (the shared experts' gate/up or down, as one wide expert) adds a slot after the routed ones,
+    unscaled: out is then `[S + 1, max(N, N2)]`, and with SILU_GATE x's last row is its `[2 K2]`.
+    With PDL it waits for the kernel before it first thing: which weight to read comes from that
+    kernel (the router), so only the launch overlaps, not a load."""
     e, n, k = weight.shape
-    slots = experts.numel()
+    n2, k2 = shared.shape if shared is not None else (n, k)
+    routed = experts.numel()
     block_n, block_k, warps, stages = config_for(n, k)
     use_pdl = pdl(x.device)
-    _kernel()[((n + block_n - 1) // block_n, slots)](
+    _kernel()[((max(n, n2) + block_n - 1) // block_n, routed + (shared is not None))](
         x, weight, weight, weight, weight, out, n, k, weight.stride(1), 0.0,
         experts, scale if scale is not None else weight, weight.stride(0), x.stride(0) if x.shape[0] > 1 else 0,
-        out.stride(0),
+        out.stride(0), shared if shared is not None else weight, n2, k2,
+        (shared if shared is not None else weight).stride(-2),
         PROLOGUE=prologue, HAS_BIAS=False, HAS_RESIDUAL=False, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, PDL=use_pdl, EXPERTS=True, HAS_SCALE=scale is not None, num_warps=warps,
-        num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+        EVEN_K=k % block_k == 0 and k2 % block_k == 0, PDL=use_pdl, EXPERTS=True, HAS_SCALE=scale is not None,
+        ROUTED=routed, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 
@@ -175,14 +189,20 @@ def _(x, weight, bias, residual, norm_weight, eps, prologue):
 
 @torch.library.custom_op("flexsgl::expert_gemv", mutates_args=())
 def expert_gemv(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, scale: torch.Tensor | None,
-                prologue: int) -> torch.Tensor:
-    out = torch.empty(experts.numel(), weight.shape[1], dtype=x.dtype, device=x.device)
-    return launch_experts(x.contiguous(), weight, experts.contiguous(), scale, out, prologue=prologue)
+                prologue: int, shared: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty(*_experts_out_shape(weight, experts, shared), dtype=x.dtype, device=x.device)
+    return launch_experts(x.contiguous(), weight, experts.contiguous(), scale, out, prologue=prologue, shared=shared)
 
 
 @expert_gemv.register_fake
-def _(x, weight, experts, scale, prologue):
-    return x.new_empty(experts.numel(), weight.shape[1])
+def _(x, weight, experts, scale, prologue, shared=None):
+    return x.new_empty(*_experts_out_shape(weight, experts, shared))
+
+
+def _experts_out_shape(weight, experts, shared) -> tuple[int, int]:
+    if shared is None:
+        return experts.numel(), weight.shape[1]
+    return experts.numel() + 1, max(weight.shape[1], shared.shape[0])
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -11,8 +11,8 @@ One token on a GPU (decode at batch 1) takes neither: two launches normalise and
 (flexsgl/kernels/moe_route.py), then two launches of the matrix-vector kernel
 (flexsgl/kernels/gemv.py, `expert_gemv`) with a grid row per routed slot, each reading its expert's
 weight once straight from the stacked tensor, the SiLU gate folded into the second and the routing
-weight into its output; the shared experts run through the same matrix-vector kernel. A layer's MoE
-is then seven launches where the unfused path took thirteen.
+weight into its output, and one slot more for the shared experts, read from their own weights as
+one wide expert. A layer's MoE is then five launches where the unfused path took thirteen.
 
 Where grouped_mm does not run (it takes bfloat16 on SM90+ GPUs and under torch.compile, and float32
 only eagerly on the CPU; its strides must be multiples of 16 bytes), each (token, expert) pair
@@ -50,8 +50,6 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k] -> sum over k of weight * expert(x), [T, H]."""
-        if gemv.applies(x, self.down_proj):
-            return self._one_token(x, experts, weights)
         if grouped_mm_runs(x, self.down_proj, self.sm90):
             return self._grouped(x, experts, weights)
         return self._gathered(x, experts, weights)
@@ -68,10 +66,15 @@ class Experts(nn.Module):
         out = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # back to (token, slot) order
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
-    def _one_token(self, x, experts, weights):
-        gate_up = torch.ops.flexsgl.expert_gemv(x, self.gate_up_proj, experts[0], None, gemv.PLAIN)  # [k, 2I]
-        out = torch.ops.flexsgl.expert_gemv(gate_up, self.down_proj, experts[0], weights[0].float(), gemv.SILU_GATE)
-        return out.float().sum(0, keepdim=True).to(x.dtype)
+    def one_token(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, shared: GatedMLP | None,
+                  residual: torch.Tensor) -> torch.Tensor:
+        """residual + the routed experts (as forward) + shared(x), for one token (x [1, H]) where
+        gemv.applies: each launch of the matrix-vector kernel takes the shared MLP as one more slot."""
+        gate_up_w, down_w = (shared.gate_up_proj.weight, shared.down_proj.weight) if shared is not None else (None, None)
+        gate_up = torch.ops.flexsgl.expert_gemv(x, self.gate_up_proj, experts[0], None, gemv.PLAIN, gate_up_w)
+        out = torch.ops.flexsgl.expert_gemv(gate_up, self.down_proj, experts[0], weights[0].float(), gemv.SILU_GATE,
+                                            down_w)  # [k (+ 1), H]
+        return (out.float().sum(0, keepdim=True) + residual.float()).to(x.dtype)
 
     def _gathered(self, x, experts, weights):
         gate_up = torch.einsum("th,tkih->tki", x, self.gate_up_proj[experts])
@@ -121,12 +124,15 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, norm, residual: torch.Tensor) -> torch.Tensor:
         """residual + moe(norm(x))."""
         c = self.cfg
-        if moe_route.applies(x, self.gate.weight, c.topk_method) and gemv.applies(x, self.experts.down_proj):
+        one_token = gemv.applies(x, self.experts.down_proj)
+        if one_token and moe_route.applies(x, self.gate.weight, c.topk_method):
             h, experts, weights = torch.ops.flexsgl.moe_route(x, norm.weight, norm.eps, self.gate.weight, c.top_k,
                                                               c.norm_topk_prob, c.routed_scaling_factor)
         else:
             h = norm(x)
             experts, weights = self.route(h)
+        if one_token:
+            return self.experts.one_token(h, experts, weights, self.shared_experts, residual)
         out = self.experts(h, experts, weights) + residual
         if self.shared_experts is None:
             return out
