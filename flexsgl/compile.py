@@ -41,7 +41,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
-from flexsgl.compile_cache import cache_dir
+from flexsgl.compile_cache import prepare as prepare_cache
 from flexsgl.log import logger
 
 MIN_COMPILED_SIZE = 2
@@ -95,7 +95,7 @@ class CompiledStep:
 def compile_model(model: nn.Module, device: torch.device) -> None:
     """torch.compile each of the model's regions, in place (module docstring)."""
     cpu = device.type == "cpu"
-    cache_dir()  # before the first compile reads it
+    prepare_cache()  # before the first compile reads it
     for region in model.compiled_regions():
         region.compile(dynamic=not cpu, options={"epilogue_fusion": False} if cpu else None)
 

@@ -3,10 +3,14 @@
 All runs start at once in one module fixture, so their interpreter start-ups overlap.
 """
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import pytest
 
@@ -129,6 +133,37 @@ def test_flash_kernel_cache_lives_in_the_compile_cache_unless_set(tmp_path, monk
         monkeypatch.delenv(name, raising=False)
     if preset:
         monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
-    compile_cache.cache_dir()
+    compile_cache.prepare()
     got = tuple(os.environ.get(name) for name in compile_cache.FLASH_ENV)
     assert got == (("0", None) if preset else ("1", str(tmp_path / "inductor" / "flash_attn_cute")))
+
+
+@pytest.mark.parametrize("preset", [False, True])
+def test_compile_cache_keys_carry_the_source_hash_unless_set(tmp_path, monkeypatch, preset):
+    """torch.compile's cache keys are tagged with a hash of flexsgl's source, which changes with any
+    source file, so one version's compiled graphs never serve another; a tag the user set stands."""
+    import torch
+
+    from flexsgl import compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "unset")
+    if preset:
+        monkeypatch.setenv(compile_cache.TAG_ENV, "mine")
+    else:
+        monkeypatch.delenv(compile_cache.TAG_ENV, raising=False)
+    compile_cache.prepare()
+    assert torch.compiler.config.cache_key_tag == ("unset" if preset else f"flexsgl-{compile_cache.source_hash()}")
+    # the hash follows the source: the same files hash the same, a changed one differently
+    before = compile_cache.source_hash()
+    compile_cache.source_hash.cache_clear()
+    assert compile_cache.source_hash() == before
+    edited = tmp_path / "flexsgl"
+    shutil.copytree(Path(compile_cache.__file__).parent, edited, ignore=shutil.ignore_patterns("__pycache__"))
+    (edited / "sampling.py").write_text((edited / "sampling.py").read_text() + "\n# edited\n")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(compile_cache.importlib.util, "find_spec", lambda name: types.SimpleNamespace(
+        submodule_search_locations=[str(edited)]) if name == "flexsgl" else real_find_spec(name))
+    compile_cache.source_hash.cache_clear()
+    assert compile_cache.source_hash() != before
+    compile_cache.source_hash.cache_clear()

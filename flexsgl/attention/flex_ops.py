@@ -37,7 +37,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexsgl.attention.flex_masks import Q_BLOCK, listed_decode_causal
 from flexsgl.compile import settings
-from flexsgl.compile_cache import cache_dir
+from flexsgl.compile_cache import prepare as prepare_cache
 
 MIN_SPLITS, FEW_PROGRAMS = 16, 32
 SMALL_TILE, SMALL_TILE_PROGRAMS, SMALL_TILE_MAX_SPLITS = 32, 1024, 64
@@ -162,7 +162,7 @@ def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, p
 def _compiled(fn, key: tuple):
     """fn compiled for the static shapes of `key`, as a code object of its own: dynamo counts
     recompiles per code object, and past its limit it would run flex eagerly."""
-    cache_dir()  # flexsgl's cache directory, also when the op runs outside the engine (benchmarks)
+    prepare_cache()  # flexsgl's compile cache, also when the op runs outside the engine (benchmarks)
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{abs(hash(key))}")
     return torch.compile(types.FunctionType(code, fn.__globals__), fullgraph=True, dynamic=False)
 
