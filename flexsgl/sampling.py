@@ -10,6 +10,7 @@ argmax(p_i / E_i) with E_i ~ Exp(1), which draws i with probability p_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -93,6 +94,26 @@ def block_stop_tokens(logits: torch.Tensor, m: MinTokens, step: torch.Tensor) ->
     return logits.scatter(1, m.stop_ids, torch.where(block, float("-inf"), kept))
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for x [S, V] (the first index of each row's maximum, as torch's), in two passes:
+    each row's maximum per chunk of about a thousand entries, then the best chunk. torch's argmax
+    reduces a row in one thread block, which left most of the GPU idle at decode batch 1: 25 µs for
+    a [1, 102400] row on an H200, a percent of a DeepSeek-V2-Lite step."""
+    chunk = _argmax_chunk(x.shape[-1])
+    if chunk is None:
+        return x.argmax(dim=-1)
+    best, where = x.unflatten(-1, (-1, chunk)).max(dim=-1)  # [S, V / chunk]: the first maximum in each chunk
+    c = best.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
+    return (c * chunk + where.gather(-1, c)).squeeze(-1)
+
+
+def _argmax_chunk(vocab: int, near: int = 1024, lo: int = 256, hi: int = 4096) -> int | None:
+    """A divisor of vocab in [lo, hi], the nearest below `near` or else above it (None: none, or
+    a row too short to split)."""
+    sizes = chain(range(near, lo - 1, -1), range(near + 1, hi + 1))
+    return next((d for d in sizes if vocab % d == 0 and vocab >= 8 * d), None)
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits [S, V] (any float dtype; sampled in float32) -> token ids [S] int64."""
     if st.penalties is not None or st.min_tokens is not None:
@@ -101,7 +122,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
             logits = apply_penalties(logits, st.penalties)
         if st.min_tokens is not None:
             logits = block_stop_tokens(logits, st.min_tokens, st.step)
-    greedy = logits.argmax(dim=-1)  # upcasting first would change no value, so no argmax either
+    greedy = row_argmax(logits)  # upcasting first would change no value, so no argmax either
     if st.all_greedy:
         return greedy
     logits = logits.float()
@@ -116,11 +137,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         drop |= (probs.cumsum(dim=-1) - probs) > st.top_p[:, None]  # keep the smallest prefix reaching top_p
         drop |= probs < st.min_p[:, None] * probs[:, :1]
         probs = probs.masked_fill(drop, 0.0)
-        choice = (probs / exponential_noise(st.seed, st.step, ids)).argmax(dim=-1)
+        choice = row_argmax(probs / exponential_noise(st.seed, st.step, ids))
         token = ids.gather(1, choice[:, None]).squeeze(1)
     else:
         ids = torch.arange(vocab, device=logits.device)
-        token = (probs / exponential_noise(st.seed, st.step, ids)).argmax(dim=-1)
+        token = row_argmax(probs / exponential_noise(st.seed, st.step, ids))
     return torch.where(st.temperature > 0, token, greedy)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexsgl.sampling import SamplingTensors, exponential_noise, sample
+from flexsgl.sampling import SamplingTensors, exponential_noise, row_argmax, sample
 
 N = 20_000  # draws per distribution check
 V = 8  # small vocab for distribution checks
@@ -209,3 +209,19 @@ def test_uniform_noise_stays_inside_the_open_interval():
     u = uniform_from_bits(extremes)
     assert (u > 0).all() and (u < 1).all()
     assert (-torch.log(u) > 0).all()
+
+
+@pytest.mark.parametrize("vocab", [102400, 151936, 32000, 4099, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_two_pass_argmax_is_torchs(vocab, dtype):
+    """row_argmax against torch.argmax, ties included: bf16 logits tie often, and where a row's
+    maximum occurs more than once both must give its first index (4099 is prime and 300 short:
+    torch's argmax itself)."""
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, vocab, generator=g).to(dtype)
+    top = x.max()
+    for row, places in enumerate([[], [7, vocab - 1], [vocab // 2, vocab // 2 + 1, 3], [vocab - 2]]):
+        x[row, places] = top + 1  # ties at the row's maximum, across chunks and within one
+    x[4, : vocab // 2] = float("-inf")
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1)), f"seed={seed}"
