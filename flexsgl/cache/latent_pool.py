@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from flexsgl.kernels import latent_store  # noqa: F401  (registers torch.ops.flexsgl.latent_store)
 from flexsgl.model.mla_config import MLAConfig
 
 
@@ -36,6 +37,14 @@ class LatentKVPool:
     def store(self, layer: int, latent: torch.Tensor, slots: torch.Tensor) -> None:
         """Write latent `[tokens, kv_lora_rank + rope dims]` into `layer`'s slots, in place."""
         self.store_into(self.layer_cache(layer), latent, slots)
+
+    @staticmethod
+    def norm_rope_store(cache: tuple[torch.Tensor], latent: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        rope, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """kv_a_proj's output `latent` `[tokens, kv_lora_rank + rope dims]` into a layer's `cache` at
+        `slots`: its compressed KV normed (`norm_weight`, `eps`), its shared key rotated at `positions`
+        by `rope` (DeepSeek's interleaved RoPE), in one kernel on CUDA (flexsgl/kernels/latent_store.py)."""
+        torch.ops.flexsgl.latent_store(latent, norm_weight, eps, rope.cos, rope.sin, positions, slots, cache[0])
 
     @staticmethod
     def store_into(cache: tuple[torch.Tensor], latent: torch.Tensor, slots: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ from torch import nn
 
 from flexsgl.kernels import gemv
 from flexsgl.model.config import ModelConfig
-from flexsgl.model.layers import GatedMLP, RMSNorm, rms_norm
+from flexsgl.model.layers import GatedMLP, RMSNorm
 from flexsgl.model.mla_config import yarn_mscale
 from flexsgl.model.moe import MoE
 
@@ -106,10 +106,8 @@ class MLAttention(nn.Module):
         if m.q_lora_rank is not None:
             q = gemv.norm_linear(q, self.q_a_layernorm, self.q_b_proj)
         q_nope, q_pe = q.view(t, self.hq, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        c, k_pe = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        c = rms_norm(c, self.kv_a_layernorm.weight, LATENT_NORM_EPS)
-        self.kv_pool.store_into(self.cache, torch.cat([c, rope.rotate(positions, k_pe[:, None])[:, 0]], dim=-1),
-                           fb.out_slots)
+        self.kv_pool.norm_rope_store(self.cache, latent, self.kv_a_layernorm.weight, LATENT_NORM_EPS, rope, positions,
+                                     fb.out_slots)
         w_kv = self.kv_b_proj.weight.view(self.hq, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w_kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
