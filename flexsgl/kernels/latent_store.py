@@ -24,7 +24,7 @@ import functools
 import torch
 
 from flexsgl.kernels.launch import pdl
-from flexsgl.model.layers import rms_norm
+from flexsgl.model.layers import rms_norm, rotate_pairs
 
 
 @functools.cache
@@ -66,11 +66,7 @@ def norm_rope_latent(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float
     """The PyTorch expressions the kernel fuses: `[T, R + rope]` -> [normed c, rotated k_pe]."""
     rope = 2 * cos.shape[-1]
     c, k_pe = latent.split([latent.shape[-1] - rope, rope], dim=-1)
-    c = rms_norm(c, norm_weight, eps)
-    x1, x2 = k_pe.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[positions], sin[positions]
-    k_pe = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(latent.dtype)
-    return torch.cat([c, k_pe], dim=-1)
+    return torch.cat([rms_norm(c, norm_weight, eps), rotate_pairs(positions, cos, sin, k_pe)], dim=-1)
 
 
 def launch(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

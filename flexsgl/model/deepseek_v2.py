@@ -29,7 +29,8 @@ import re
 import torch
 from torch import nn
 
-from flexsgl.kernels import gemv
+from flexsgl.kernels import gemv, latent_query
+from flexsgl.kernels.latent_query import latent_query_reference
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.layers import GatedMLP, RMSNorm
 from flexsgl.model.mla_config import yarn_mscale
@@ -62,7 +63,8 @@ def yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]
 
 class InterleavedRotary(nn.Module):
     """cos/sin tables `[positions, D/2]` of DeepSeek's RoPE (the attention factor folded in), for
-    the rotation of pairs (x[2i], x[2i+1]). Same constructor as layers.RotaryEmbedding."""
+    the rotation of pairs (x[2i], x[2i+1]) (layers.rotate_pairs). Same constructor as
+    layers.RotaryEmbedding."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -73,12 +75,6 @@ class InterleavedRotary(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos() * factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * factor, persistent=False)
-
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x `[T, heads, D]` rotated at `positions`, in float32 then back to x's dtype."""
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
 
 
 class MLAttention(nn.Module):
@@ -105,13 +101,13 @@ class MLAttention(nn.Module):
         q, latent = gemv.norm_linear(x, norm, self.qkv_a_proj).split([self.q_a_dim, m.latent_dim], dim=-1)
         if m.q_lora_rank is not None:
             q = gemv.norm_linear(q, self.q_a_layernorm, self.q_b_proj)
-        q_nope, q_pe = q.view(t, self.hq, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q = q.view(t, self.hq, -1)  # [T, H, nope + rope]
         self.kv_pool.norm_rope_store(self.cache, latent, self.kv_a_layernorm.weight, LATENT_NORM_EPS, rope, positions,
                                      fb.out_slots)
         w_kv = self.kv_b_proj.weight.view(self.hq, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w_kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
-        out = fb.backend.forward(torch.cat([q_latent, rope.rotate(positions, q_pe)], dim=-1), self.cache, fb)
+        query = torch.ops.flexsgl.latent_query if latent_query.applies(q, w_uk) else latent_query_reference
+        out = fb.backend.forward(query(q, w_uk, rope.cos, rope.sin, positions), self.cache, fb)  # [W_UK^T q_nope, q_pe]
         if gemv.applies(x, w_uv):  # one token: each head's W_UV as a slot of the matrix-vector kernel
             out = torch.ops.flexsgl.expert_gemv(out[0], w_uv, self.heads, None, gemv.PLAIN)  # [H, v]
         else:

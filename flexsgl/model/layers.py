@@ -62,6 +62,15 @@ def rotate(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *xs: t
     return tuple(out)
 
 
+def rotate_pairs(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's RoPE on x `[T, ..., D]`: pair i is (x[2i], x[2i+1]), turned by the tables' angle i
+    (cos/sin `[positions, D/2]`, float32); in float32, then back to x's dtype."""
+    cos, sin = cos[positions], sin[positions]
+    cos, sin = cos.view(cos.shape[0], *[1] * (x.dim() - 2), -1), sin.view(sin.shape[0], *[1] * (x.dim() - 2), -1)
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
 class GatedMLP(nn.Module):
     """The SwiGLU MLP's projections: gate and up fused into one, then down. A decoder layer runs
     them through flexsgl.kernels.gemv, with the norm before and the residual add after folded in."""
