@@ -147,13 +147,15 @@ def test_compile_cache_keys_carry_the_source_hash_unless_set(tmp_path, monkeypat
     from flexsgl import compile_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "unset")
     if preset:
         monkeypatch.setenv(compile_cache.TAG_ENV, "mine")
     else:
         monkeypatch.delenv(compile_cache.TAG_ENV, raising=False)
-    compile_cache.prepare()
-    assert torch.compiler.config.cache_key_tag == ("unset" if preset else f"flexsgl-{compile_cache.source_hash()}")
+    # the config's own patch restores it: pytest 9.2's monkeypatch, undoing a setattr, deleted the entry
+    with torch.compiler.config.patch(cache_key_tag="unset"):
+        compile_cache.prepare()
+        tag = torch.compiler.config.cache_key_tag
+    assert tag == ("unset" if preset else f"flexsgl-{compile_cache.source_hash()}")
     # the hash follows the source: the same files hash the same, a changed one differently
     before = compile_cache.source_hash()
     compile_cache.source_hash.cache_clear()
