@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from flexsgl.kernels import interleaved_rope
 from flexsgl.kernels.launch import pdl
 from flexsgl.model.layers import rotate_pairs
 
@@ -49,16 +50,8 @@ def _kernel():
         out = out_ptr + (t * tl.num_programs(1) + h) * (R + ROPE)
         tl.store(out + cols, tl.sum(w.to(tl.float32) * qn[:, None], axis=0).to(out_ptr.dtype.element_ty),
                  mask=cols < R)
-        if jb == 0:  # this head's rope part: pair i is (q_pe[2i], q_pe[2i + 1])
-            i = tl.arange(0, BLOCK_P)
-            ok = i < ROPE // 2
-            x1 = tl.load(q + NOPE + 2 * i, mask=ok, other=0.0).to(tl.float32)
-            x2 = tl.load(q + NOPE + 2 * i + 1, mask=ok, other=0.0).to(tl.float32)
-            pos = tl.load(pos_ptr + t)
-            cos = tl.load(cos_ptr + pos * (ROPE // 2) + i, mask=ok, other=0.0)
-            sin = tl.load(sin_ptr + pos * (ROPE // 2) + i, mask=ok, other=0.0)
-            tl.store(out + R + 2 * i, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=ok)
-            tl.store(out + R + 2 * i + 1, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=ok)
+        if jb == 0:  # this head's rotated q_pe
+            interleaved_rope.rotate_row(q + NOPE, out + R, cos_ptr, sin_ptr, tl.load(pos_ptr + t), ROPE, BLOCK_P)
 
     return latent_query_kernel
 
@@ -82,7 +75,7 @@ def launch(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     _kernel()[(t, h, -(-r // BLOCK_R))](
         q, q.stride(0), q.stride(1), w_uk, w_uk.stride(0), w_uk.stride(1), cos, sin, positions, out,
         NOPE=nope, ROPE=rope, R=r, BLOCK_N=max(16, 1 << (nope - 1).bit_length()), BLOCK_R=BLOCK_R,
-        BLOCK_P=max(16, 1 << (rope // 2 - 1).bit_length()), PDL=use_pdl, num_warps=4,
+        BLOCK_P=interleaved_rope.block_pairs(rope), PDL=use_pdl, num_warps=4,
         **({"launch_pdl": True} if use_pdl else {}))
     return out
 

@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from flexsgl.kernels import interleaved_rope
 from flexsgl.kernels.launch import pdl
 from flexsgl.model.layers import rms_norm, rotate_pairs
 
@@ -48,15 +49,7 @@ def _kernel():
         r = tl.rsqrt(tl.sum(c * c, axis=0) / R + eps)
         w = tl.load(w_ptr + j, mask=j < R, other=0.0).to(tl.float32)
         tl.store(out + j, (w * (c * r).to(dt).to(tl.float32)).to(dt), mask=j < R)
-        i = tl.arange(0, BLOCK_P)  # pair i: (x[2i], x[2i + 1])
-        ok = i < ROPE // 2
-        x1 = tl.load(row + R + 2 * i, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(row + R + 2 * i + 1, mask=ok, other=0.0).to(tl.float32)
-        pos = tl.load(pos_ptr + t)
-        cos = tl.load(cos_ptr + pos * (ROPE // 2) + i, mask=ok, other=0.0)
-        sin = tl.load(sin_ptr + pos * (ROPE // 2) + i, mask=ok, other=0.0)
-        tl.store(out + R + 2 * i, (x1 * cos - x2 * sin).to(dt), mask=ok)
-        tl.store(out + R + 2 * i + 1, (x2 * cos + x1 * sin).to(dt), mask=ok)
+        interleaved_rope.rotate_row(row + R, out + R, cos_ptr, sin_ptr, tl.load(pos_ptr + t), ROPE, BLOCK_P)
 
     return latent_store_kernel
 
@@ -78,7 +71,7 @@ def launch(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: tor
     use_pdl = pdl(latent.device)
     _kernel()[(t,)](
         latent, latent.stride(0), norm_weight, cos, sin, positions, slots, kv, eps, R=width - rope, ROPE=rope,
-        BLOCK_R=max(16, 1 << (width - rope - 1).bit_length()), BLOCK_P=max(16, 1 << (rope // 2 - 1).bit_length()),
+        BLOCK_R=max(16, 1 << (width - rope - 1).bit_length()), BLOCK_P=interleaved_rope.block_pairs(rope),
         PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}))
 
 
