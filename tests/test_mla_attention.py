@@ -33,27 +33,61 @@ class LatentAsKV:
         self.pool.store(layer, k[:, 0], slots)
 
 
-def run_mla_case(specs, page_size, device, dtype, rtol, atol, backend_cls=FlexMLABackend, forward=None,
-                 compiled=False, hq=4, rank=32, rope=8, seed=None):
-    """A random paged batch of latents in the pool, `backend_cls` on it against float64; returns its output."""
-    seed = random.randrange(1 << 30) if seed is None else seed
+def mla_batch(specs, page_size, device, dtype, backend_cls, compiled, hq, rank, rope, seed, nope=16, v_dim=16,
+              packs_prefill=False):
+    """A random paged batch of latents in a one-layer pool (noise in every other slot, so a slot the
+    mask let through would show), the backend prepared for it: (backend, pool, fb, q, dense, scale).
+    packs_prefill: flex's compiled prefill copies the step's latents into rows (the MHA form's input),
+    else it attends over the pages, as absorbed prefill does in the engine."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
     scale = rng.uniform(0.5, 1.5) / (rank + rope) ** 0.5
-    pool = LatentKVPool(1, pages, page_size, MLAConfig(rank, None, 16, rope, 16, scale), dtype, device)
-    pool.kv[0].normal_()  # noise in every slot, so a slot the mask let through would show
+    pool = LatentKVPool(1, pages, page_size, MLAConfig(rank, None, nope, rope, v_dim, scale), dtype, device)
+    pool.kv[0].normal_()
     fb, q, latent, _, dense = random_paged_batch(LatentAsKV(pool), PageAllocator(pages, shuffle_seed=seed), specs,
                                                  hq, device, dtype, rng)
     backend = backend_cls(pool, num_heads=hq, compiled=compiled)
+    backend.packs_prefill = packs_prefill
     backend.prepare(fb)
     pool.store(0, latent[:, 0].to(device, dtype), fb.out_slots)
+    return backend, pool, fb, q, dense, scale
+
+
+def run_mla_case(specs, page_size, device, dtype, rtol, atol, backend_cls=FlexMLABackend, forward=None,
+                 compiled=False, hq=4, rank=32, rope=8, seed=None):
+    """`backend_cls` on a random batch (mla_batch) against float64 (the absorbed form); returns its output."""
+    seed = random.randrange(1 << 30) if seed is None else seed
+    backend, pool, fb, q, dense, scale = mla_batch(specs, page_size, device, dtype, backend_cls, compiled, hq, rank,
+                                                   rope, seed)
     out = (forward or type(backend).forward)(backend, q.to(device, dtype), pool.layer_cache(0), fb)
     # dense_attention scales by 1/sqrt(D); the query carries the rest of the model's scale.
     ref = dense_attention(q * scale * (rank + rope) ** 0.5, [(k, k[..., :rank]) for k, _ in dense], specs)
     assert out.shape == (q.shape[0], hq, rank)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol, msg=lambda m: f"seed={seed}: {m}")
     return out
+
+
+def run_expanded_case(specs, page_size, device, dtype, rtol, atol, hq=4, rank=32, rope=8, nope=16, v_dim=24):
+    """Compiled flex prefill in the MHA form (FlexMLABackend.forward_expanded) against float64 MHA over
+    each head's K = [c W_UK^T, k_pe] and V = c W_UV^T, expanded from the same latents."""
+    seed = random.randrange(1 << 30)
+    backend, pool, fb, _, dense, scale = mla_batch(specs, page_size, device, dtype, FlexMLABackend, True, hq, rank,
+                                                   rope, seed, nope, v_dim, packs_prefill=True)
+    assert backend.expands_latents(fb), "compiled prefill did not pack its latents into rows"
+    g = torch.Generator().manual_seed(seed)
+    w_kv = (torch.randn(hq, nope + v_dim, rank, generator=g, dtype=torch.float64) / rank ** 0.5).to(dtype).double()
+    q = torch.randn(fb.num_tokens, hq, nope + rope, generator=g, dtype=torch.float64).to(dtype).double()
+    out = torch.compile(FlexMLABackend.forward_expanded, dynamic=False)(
+        backend, q.to(device, dtype), w_kv.to(device, dtype), pool.layer_cache(0), fb)
+    expanded = []
+    for latent, _ in dense:  # [tokens, 1, rank + rope]
+        c, k_pe = latent[:, 0, :rank], latent[:, 0, rank:]
+        kv = torch.einsum("nr,hdr->nhd", c, w_kv)
+        expanded.append((torch.cat([kv[..., :nope], k_pe[:, None].expand(-1, hq, -1)], dim=-1), kv[..., nope:]))
+    ref = dense_attention(q * scale * (nope + rope) ** 0.5, expanded, specs)
+    assert out.shape == (q.shape[0], hq, v_dim)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol, msg=lambda m: f"seed={seed}: {m}")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -67,6 +101,13 @@ def test_compiled_flex_mla_on_cpu_matches_float64(case):
     """Compiled, decode lays each request's heads out as the rows of its query (flex.py's FlexMeta)."""
     run_mla_case(CASES[case], 16, "cpu", torch.float32, rtol=1e-4, atol=1e-5, compiled=True,
                  forward=torch.compile(FlexMLABackend.forward, dynamic=False))
+
+
+@pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend", "mixed"])
+def test_compiled_expanded_prefill_on_cpu_matches_float64(case):
+    """Compiled prefill copies the step's latents, cached prefixes included, into rows and attends in
+    the MHA form (flex_mla.py)."""
+    run_expanded_case(CASES[case], 16, "cpu", torch.float32, rtol=1e-4, atol=1e-5)
 
 
 # ---- GPU: DeepSeek-V2's latent sizes (512 + 64), 16 heads, bf16
@@ -88,6 +129,14 @@ def test_fi_mla_and_flex_match_float64_on_gpu(case, page_size):
     ours = run_mla_case(CASES[case], page_size, "cuda", torch.bfloat16, 1e-2, 1e-2,
                         backend_cls=backend_class(SPECS["fi-mla"], "mla"), **shape)
     torch.testing.assert_close(ours.float(), flex.float(), rtol=2e-2, atol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend"])
+def test_expanded_prefill_matches_float64_on_gpu(case):
+    """DeepSeek-V2's sizes: 512 + 64 latent dims, 128 nope and v dims, 16 heads, pages of 64."""
+    run_expanded_case(CASES[case], 64, "cuda", torch.bfloat16, 1e-2, 1e-2, hq=16, rank=512, rope=64, nope=128,
+                      v_dim=128)
 
 
 @gpu

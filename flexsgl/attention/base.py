@@ -101,6 +101,9 @@ class AttentionBackend(Protocol):
     def graph_step(self, bs: int, fb: ForwardBatch) -> None:
         """Recorded in the graph before the model (fb holds the static buffers, already filled)."""
 
+    def expands_latents(self, fb: ForwardBatch) -> bool:
+        """MLA backends: whether this step's attention takes each head's K/V expanded from the latents
+        (`forward_expanded`, the MHA form) instead of queries absorbed into the latent space (`forward`)."""
 
 
 class KernelBackend:
@@ -112,6 +115,9 @@ class KernelBackend:
 
     def graph_step(self, bs: int, fb: ForwardBatch) -> None:
         """Nothing: a kernel's metadata is planned on the host, in fill_graph."""
+
+    def expands_latents(self, fb: ForwardBatch) -> bool:
+        return False  # an MLA kernel attends over the latents themselves
 
     @staticmethod
     def max_pool_elements(device: torch.device) -> int | None:

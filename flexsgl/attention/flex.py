@@ -102,8 +102,7 @@ class FlexAttentionBackend:
         self.page_pos = torch.zeros(pool.num_pages, dtype=torch.int32, device=pool.device)
         cuda = pool.device.type == "cuda"
         self.kernel_options = self.cuda_kernel_options() if cuda else None
-        self.packed_kernel_options = (packed_prefill_options(self.kv_shape()[1], pool.k[0].dtype)
-                                      if cuda and self.packs_prefill else None)
+        self.packed_kernel_options = self.packed_cuda_kernel_options() if cuda and self.packs_prefill else None
 
     def decode_full_blocks(self, batch: int) -> bool:
         """Whether decode at this batch size lists full KV blocks (see the module docstring)."""
@@ -117,6 +116,10 @@ class FlexAttentionBackend:
     def cuda_kernel_options(self) -> dict:
         """Options of flex's main kernel on CUDA (compiled prefill; the CPU takes none)."""
         return prefill_options(self.kv_shape()[1], self.pool.page_size, self.pool.k[0].dtype)
+
+    def packed_cuda_kernel_options(self) -> dict:
+        """Options of flex's kernel on CUDA for compiled prefill over the step's K/V packed into rows."""
+        return packed_prefill_options(self.kv_shape()[1], self.pool.k[0].dtype)
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:
@@ -283,7 +286,8 @@ class FlexAttentionBackend:
         k, v = cache
         return self.attention(q, k, v, fb)
 
-    def attention(self, q, k, v, fb: ForwardBatch, scale: float | None = None) -> torch.Tensor:
+    def attention(self, q, k, v, fb: ForwardBatch, scale: float | None = None,
+                  options: dict | None = None) -> torch.Tensor:
         """q `[T, Hq, D]` over one layer's pool, k `[slots, Hkv, D]` and v `[slots, Hkv, Dv]`, as the
         step's metadata lays it out; returns `[T, Hq, Dv]`."""
         meta: FlexMeta = fb.attn
@@ -291,7 +295,7 @@ class FlexAttentionBackend:
             bm = meta.block_mask
             return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
                                fb.page_table, *meta.mask_state, self.pool.page_size, scale)
-        return self.attend(q, self.kv_sequence(k, fb), self.kv_sequence(v, fb), meta, scale)
+        return self.attend(q, self.kv_sequence(k, fb), self.kv_sequence(v, fb), meta, scale, options)
 
     def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]`: the
@@ -304,10 +308,11 @@ class FlexAttentionBackend:
         x = x[:fb.num_kv_pages * self.pool.page_size] if kv_slots is None else x[kv_slots]
         return x[None].transpose(1, 2)
 
-    def attend(self, q, k, v, meta: FlexMeta, scale: float | None = None) -> torch.Tensor:
+    def attend(self, q, k, v, meta: FlexMeta, scale: float | None = None, options: dict | None = None) -> torch.Tensor:
         """Attention of q `[T, Hq, D]`, laid out as the step's metadata says, over the pool read as one
         KV sequence, k `[1, Hkv, N, D]` and v `[1, Hkv, N, Dv]`; returns `[T, Hq, Dv]`. Compiled:
-        flex_attention with the step's BlockMask; otherwise SDPA with the mask_mod's dense values."""
+        flex_attention with the step's BlockMask and `options` (default: the backend's for the pages
+        or for packed rows, as meta reads); otherwise SDPA with the mask_mod's dense values."""
         t, hq, d = q.shape
         nb, nq = meta.query_shape
         if meta.heads_as_rows:  # on the CPU, whose flex kernel wants the query in a buffer of its own
@@ -319,7 +324,8 @@ class FlexAttentionBackend:
         else:
             qb = q.new_zeros(nb, nq, hq, d).index_put_(meta.rows, q)
         if self.compiled:
-            options = self.kernel_options if meta.kv_rows is None else self.packed_kernel_options
+            if options is None:
+                options = self.kernel_options if meta.kv_rows is None else self.packed_kernel_options
             out = flex_attention(qb.transpose(1, 2), k, v, block_mask=meta.block_mask, scale=scale,
                                  enable_gqa=hq != k.shape[1], kernel_options=options)
         else:  # every query as one sequence over the one KV sequence: SDPA never copies K/V per request

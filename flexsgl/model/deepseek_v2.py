@@ -32,7 +32,7 @@ from torch import nn
 from flexsgl.kernels import gemv, latent_query
 from flexsgl.kernels.latent_query import latent_query_reference
 from flexsgl.model.config import ModelConfig
-from flexsgl.model.layers import GatedMLP, RMSNorm
+from flexsgl.model.layers import GatedMLP, RMSNorm, rotate_pairs
 from flexsgl.model.mla_config import yarn_mscale
 from flexsgl.model.moe import MoE
 
@@ -105,6 +105,11 @@ class MLAttention(nn.Module):
         self.kv_pool.norm_rope_store(self.cache, latent, self.kv_a_layernorm.weight, LATENT_NORM_EPS, rope, positions,
                                      fb.out_slots)
         w_kv = self.kv_b_proj.weight.view(self.hq, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        if fb.backend.expands_latents(fb):  # the MHA form (flexsgl/attention/flex_mla.py)
+            q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+            q = torch.cat([q_nope, rotate_pairs(positions, rope.cos, rope.sin, q_pe)], dim=-1)
+            out = fb.backend.forward_expanded(q, w_kv, self.cache, fb)  # [T, H, v]
+            return gemv.linear(out.reshape(t, -1), self.o_proj, residual=x)
         w_uk, w_uv = w_kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
         query = torch.ops.flexsgl.latent_query if latent_query.applies(q, w_uk) else latent_query_reference
         out = fb.backend.forward(query(q, w_uk, rope.cos, rope.sin, positions), self.cache, fb)  # [W_UK^T q_nope, q_pe]
