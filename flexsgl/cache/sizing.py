@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flexsgl.attention.flex import PACKED_PREFIX_MAX_TOKENS
 from flexsgl.cache.pool import KVPool
 from flexsgl.config import EngineConfig
 from flexsgl.model.config import ModelConfig
@@ -41,6 +42,10 @@ def kv_cache_pages(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
             widest = max(mcfg.intermediate_size, mcfg.num_heads * mcfg.mla.latent_dim if mcfg.mla else 0)
             act = cfg.max_num_batched_tokens * (2 * widest + 4 * mcfg.hidden_size) * itemsize * 2
             act += cfg.max_running_requests * mcfg.vocab_size * 4 * 4 + (1 << 30)
+            if mcfg.mla:  # flex's prefill expands a step's latents, cached prefixes too, into per-head K and V
+                m = mcfg.mla
+                rows = cfg.max_num_batched_tokens + PACKED_PREFIX_MAX_TOKENS
+                act += rows * mcfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * itemsize * 2
             kv_tokens = int((free * cfg.mem_fraction_static - act) // per_token)
         else:
             kv_tokens = CPU_DEFAULT_KV_TOKENS
