@@ -80,6 +80,11 @@ class AttentionBackend(Protocol):
     def max_pool_elements(device: torch.device) -> int | None:
         """The most elements one layer's K (or V) pool tensor may hold for this backend (None: any)."""
 
+    @staticmethod
+    def prefill_scratch_bytes(mcfg, tokens: int, itemsize: int) -> int:
+        """Bytes a prefill step of up to `tokens` new tokens holds beyond the model's own activations
+        (what the KV sizing leaves free for it)."""
+
     def prepare(self, fb: ForwardBatch) -> None:
         """Build this step's metadata into fb.attn (eager path)."""
 
@@ -122,6 +127,10 @@ class KernelBackend:
     @staticmethod
     def max_pool_elements(device: torch.device) -> int | None:
         return None
+
+    @staticmethod
+    def prefill_scratch_bytes(mcfg, tokens: int, itemsize: int) -> int:
+        return 0
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:

@@ -138,6 +138,10 @@ class FlexAttentionBackend:
         per layer. A pool that flex reads on a GPU stays below 2**31."""
         return 2**31 - 1 if device.type == "cuda" else None
 
+    @staticmethod
+    def prefill_scratch_bytes(mcfg, tokens: int, itemsize: int) -> int:
+        return 0  # the K/V copied into rows: within the KV sizing's margin at the sizes flexsgl serves
+
     def prepare(self, fb: ForwardBatch) -> None:
         fb.attn = self.metadata(fb)
 

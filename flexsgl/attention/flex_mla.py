@@ -31,7 +31,7 @@ import math
 import torch
 
 from flexsgl.attention.base import ForwardBatch
-from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.flex import PACKED_PREFIX_MAX_TOKENS, FlexAttentionBackend
 from flexsgl.attention.flex_ops import packed_prefill_options
 from flexsgl.cache.latent_pool import LatentKVPool
 
@@ -51,6 +51,14 @@ class FlexMLABackend(FlexAttentionBackend):
         # tiles than its defaults keep a query block, a key block and a value block within shared
         # memory; a KV tile still divides a page.
         return {"BLOCK_M": 32, "BLOCK_N": math.gcd(self.pool.page_size, 32), "num_stages": 1}
+
+    @staticmethod
+    def prefill_scratch_bytes(mcfg, tokens: int, itemsize: int) -> int:
+        """The expanded K and V of a step's rows, cached prefixes included (about 10 KB a token at
+        DeepSeek-V2's sizes), and as much again for the products they are made of."""
+        m = mcfg.mla
+        rows = tokens + PACKED_PREFIX_MAX_TOKENS
+        return rows * mcfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * itemsize * 2
 
     def packed_cuda_kernel_options(self) -> dict:
         # Packed prefill attends in the MHA form: the queries' and keys' nope + rope dims.

@@ -122,6 +122,11 @@ class Choice:
         limits = [n for n in limits if n is not None]
         return min(limits) if limits else None
 
+    def prefill_scratch_bytes(self, mcfg, tokens: int, itemsize: int) -> int:
+        """What the prefill backend holds in a step of up to `tokens` new tokens beyond the model's
+        activations, for this model's attention kind."""
+        return backend_class(self.prefill, mcfg.attention).prefill_scratch_bytes(mcfg, tokens, itemsize)
+
 
 def split_small_decode(part: str, override: str) -> tuple[str, int]:
     """'NAME<=N' into (NAME, N), or ValueError in one sentence."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from flexsgl.attention.flex import PACKED_PREFIX_MAX_TOKENS
 from flexsgl.cache.pool import KVPool
 from flexsgl.config import EngineConfig
 from flexsgl.model.config import ModelConfig
@@ -27,10 +26,11 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 def kv_cache_pages(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   max_elements: int | None) -> int:
+                   max_elements: int | None, prefill_scratch=lambda tokens, itemsize: 0) -> int:
     """Pages of the KV pool (the dummy page included) for this engine, model and device: the size
-    asked for, else what the memory left after the weights holds; at most what the attention
-    backends can index (`max_elements` per layer tensor); ValueError if it cannot be had."""
+    asked for, else what the memory left after the weights and a step's activations hold, the
+    prefill backend's scratch among them (`prefill_scratch(tokens, itemsize)`, bytes); at most what
+    the attention backends can index (`max_elements` per layer tensor); ValueError if it cannot be had."""
     ps = cfg.page_size
     itemsize = torch.tensor([], dtype=dtype).element_size()
     per_token = mcfg.kv_bytes_per_token(itemsize)
@@ -42,10 +42,7 @@ def kv_cache_pages(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
             widest = max(mcfg.intermediate_size, mcfg.num_heads * mcfg.mla.latent_dim if mcfg.mla else 0)
             act = cfg.max_num_batched_tokens * (2 * widest + 4 * mcfg.hidden_size) * itemsize * 2
             act += cfg.max_running_requests * mcfg.vocab_size * 4 * 4 + (1 << 30)
-            if mcfg.mla:  # flex's prefill expands a step's latents, cached prefixes too, into per-head K and V
-                m = mcfg.mla
-                rows = cfg.max_num_batched_tokens + PACKED_PREFIX_MAX_TOKENS
-                act += rows * mcfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * itemsize * 2
+            act += prefill_scratch(cfg.max_num_batched_tokens, itemsize)
             kv_tokens = int((free * cfg.mem_fraction_static - act) // per_token)
         else:
             kv_tokens = CPU_DEFAULT_KV_TOKENS

@@ -109,15 +109,18 @@ class MLAttention(nn.Module):
             q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
             q = torch.cat([q_nope, rotate_pairs(positions, rope.cos, rope.sin, q_pe)], dim=-1)
             out = fb.backend.forward_expanded(q, w_kv, self.cache, fb)  # [T, H, v]
-            return gemv.linear(out.reshape(t, -1), self.o_proj, residual=x)
-        w_uk, w_uv = w_kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
+        else:
+            out = self.absorbed(q, w_kv, positions, rope, fb)
+        return gemv.linear(out.reshape(t, -1), self.o_proj, residual=x)
+
+    def absorbed(self, q, w_kv, positions, rope: InterleavedRotary, fb) -> torch.Tensor:
+        """Attention in the absorbed form (module docstring) of q `[T, H, nope + rope]`: `[T, H, v]`."""
+        w_uk, w_uv = w_kv.split([self.mla.qk_nope_head_dim, self.mla.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
         query = torch.ops.flexsgl.latent_query if latent_query.applies(q, w_uk) else latent_query_reference
         out = fb.backend.forward(query(q, w_uk, rope.cos, rope.sin, positions), self.cache, fb)  # [W_UK^T q_nope, q_pe]
-        if gemv.applies(x, w_uv):  # one token: each head's W_UV as a slot of the matrix-vector kernel
-            out = torch.ops.flexsgl.expert_gemv(out[0], w_uv, self.heads, None, gemv.PLAIN)  # [H, v]
-        else:
-            out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
-        return gemv.linear(out.reshape(t, -1), self.o_proj, residual=x)
+        if gemv.applies(q[:, 0], w_uv):  # one token: each head's W_UV as a slot of the matrix-vector kernel
+            return torch.ops.flexsgl.expert_gemv(out[0], w_uv, self.heads, None, gemv.PLAIN)  # [H, v]
+        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
 
 
 class DeepseekV2Layer(nn.Module):
