@@ -197,9 +197,6 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv):
         reason = f"it runs {', '.join(spec.phases)} only"
     cls = backend_class(spec) if reason is None else None
     reason = reason or cls.unsupported(pool.page_size, torch.device("cuda"))
-    limit = cls.max_pool_elements(torch.device("cuda")) if cls else None
-    if limit and pool.k[0].numel() > limit:
-        reason = f"its kernels index at most {limit:,} elements per layer"  # the engine sizes pools below it
     if reason:
         return reason
     backend = cls(pool, num_heads=hq, compiled=True)

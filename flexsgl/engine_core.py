@@ -77,8 +77,7 @@ def build_core(cfg: EngineConfig, group=None, prepared=None) -> EngineCore:
     load_s = time.perf_counter() - t0
     mcfg = model.cfg  # this rank's heads and MLP slice
     try:
-        num_pages = kv_cache_pages(cfg, mcfg, dtype, device, choice.max_pool_elements(device),
-                                   functools.partial(choice.prefill_scratch_bytes, mcfg))
+        num_pages = kv_cache_pages(cfg, mcfg, dtype, device, functools.partial(choice.prefill_scratch_bytes, mcfg))
     except Exception as e:
         error = e
     agree(error)

@@ -44,14 +44,15 @@ def test_flex_on_every_served_shape(d, gqa, dtype):
 
 def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, compiled=False,
                      hq=4, hkv=2, d=16, backend_cls=FlexAttentionBackend, seed=None, full_blocks=True,
-                     packs_prefill=True):
+                     packs_prefill=True, pool_pages=None):
     """Store a random paged batch's K/V in the pool, run `backend_cls` on it (through `forward`, or
     its own when None) and check it against float64 attention; returns its output. The same seed
-    gives the same batch."""
+    gives the same batch. pool_pages: the pool's size (default: the batch's pages and 5 more), over
+    which the batch's pages are shuffled."""
     seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
+    pages = pool_pages or sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
     pool = KVPool(1, pages, page_size, hkv, d, dtype, device)
     # Pre-fill the whole pool with noise, so stale slots would show up if the mask let them through.
     pool.k[0].normal_(), pool.v[0].normal_()

@@ -36,6 +36,7 @@ import transformers
 
 from flexsgl import LLM, SamplingParams
 from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention import flex_ops
 from flexsgl.attention.flex_ops import flash_prefill_runs
 from flexsgl.model.presets import DEFAULT_MODEL, EMBEDDED, PRESETS
 from tests.hf_models import capture_logits, make_checkpoint
@@ -71,6 +72,32 @@ def test_compiled_flex_on_every_served_shape(case, d, gqa):
 def test_compiled_flex_in_full_and_half_precision(case, dtype):
     forward = torch.compile(FlexAttentionBackend.forward, dynamic=False)
     run_backend_case(CASES[case], 64, forward, "cuda", dtype, *TOLERANCE[dtype], compiled=True, hq=8, hkv=2, d=64)
+
+
+@pytest.mark.parametrize("full_blocks", [True, False], ids=["full", "partial"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_flex_decode_reads_a_large_pool_in_shards(monkeypatch, full_blocks, page_size):
+    """A pool past what the flex-decoding kernel indexes is read a shard of pages at a time, the
+    partial outputs merged by their log-sum-exp (flex_ops.py). The limit is lowered to 5 pages here,
+    so the batch's shuffled pages spread over several shards, some holding none of a request's."""
+    hkv, d = 2, 64
+    monkeypatch.setattr(flex_ops, "MAX_KERNEL_ELEMENTS", 5 * page_size * hkv * d + 7)
+    run_backend_case(CASES["decode"], page_size, FlexAttentionBackend.forward, "cuda", torch.bfloat16,
+                     *TOLERANCE[torch.bfloat16], compiled=True, hq=8, hkv=hkv, d=d, full_blocks=full_blocks)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "paged"])
+def test_flex_over_a_pool_past_2_31_elements(packed):
+    """One layer's pool of 2**31 + 2**22 elements (8 KV heads x 128 dims, 4.3 GB each for K and V in bf16),
+    the batch's pages shuffled across it: decode reads it in two shards; prefill's kernels (the step's
+    K/V copied into rows, or the pages read in place) index it with 64 bits."""
+    page_size = 64 if packed else 128
+    pages = (2**31 + 2**22) // (8 * 128 * page_size)
+    for case in ("decode", "prefix-extend"):
+        run_backend_case(CASES[case], page_size, torch.compile(FlexAttentionBackend.forward, dynamic=False), "cuda",
+                         torch.bfloat16, *TOLERANCE[torch.bfloat16], compiled=True, hq=32, hkv=8, d=128,
+                         pool_pages=pages, packs_prefill=packed)
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -162,8 +189,8 @@ SMALL_MODES = {
 @pytest.mark.parametrize("model", ["embedded", "tiny"])
 def test_small_models_through_flex_track_hf(tmp_path, monkeypatch, model, mode):
     """The embedded model (head_dim 64) and the tiny preset's shapes (head_dim 32) through flex,
-    eager and compiled, with and without CUDA graphs; compiled runs size the pool by default, which
-    flex must keep within what its kernels can index."""
+    eager and compiled, with and without CUDA graphs; compiled runs size the pool by default: for
+    these models more than one flex-decoding kernel indexes, so decode reads it in shards."""
     seed = random.randrange(1 << 30)
     if model == "embedded":
         path = str(EMBEDDED[DEFAULT_MODEL])

@@ -77,10 +77,6 @@ class AttentionBackend(Protocol):
         """Why the backend cannot run with pages of this size on this device, or None."""
 
     @staticmethod
-    def max_pool_elements(device: torch.device) -> int | None:
-        """The most elements one layer's K (or V) pool tensor may hold for this backend (None: any)."""
-
-    @staticmethod
     def prefill_scratch_bytes(mcfg, tokens: int, itemsize: int) -> int:
         """Bytes a prefill step of up to `tokens` new tokens holds beyond the model's own activations
         (what the KV sizing leaves free for it)."""
@@ -123,10 +119,6 @@ class KernelBackend:
 
     def expands_latents(self, fb: ForwardBatch) -> bool:
         return False  # an MLA kernel attends over the latents themselves
-
-    @staticmethod
-    def max_pool_elements(device: torch.device) -> int | None:
-        return None
 
     @staticmethod
     def prefill_scratch_bytes(mcfg, tokens: int, itemsize: int) -> int:

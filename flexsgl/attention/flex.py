@@ -130,15 +130,6 @@ class FlexAttentionBackend:
         return None
 
     @staticmethod
-    def max_pool_elements(device: torch.device) -> int | None:
-        """Inductor's flex-decoding template (torch 2.11) fails to compile once the KV tensor needs
-        64-bit indexing ("Ternary expression with dynamic condition has inconsistent types int64 and
-        int32", and past that its block pointers, which take 32-bit offsets only): seen on an H100
-        with the 3.4M-parameter embedded model, whose default pool held 34M tokens, 4.4G elements
-        per layer. A pool that flex reads on a GPU stays below 2**31."""
-        return 2**31 - 1 if device.type == "cuda" else None
-
-    @staticmethod
     def prefill_scratch_bytes(mcfg, tokens: int, itemsize: int) -> int:
         return 0  # the K/V copied into rows: within the KV sizing's margin at the sizes flexsgl serves
 

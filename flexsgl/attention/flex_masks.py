@@ -30,13 +30,14 @@ def paged_causal(page_table: torch.Tensor, last_pos: torch.Tensor, page_pos: tor
     return mask
 
 
-def listed_decode_causal(page_table: torch.Tensor, last_pos: torch.Tensor, page_size: int):
+def listed_decode_causal(page_table: torch.Tensor, last_pos: torch.Tensor, page_size: int, first_slot=0):
     """Decode over a BlockMask whose KV blocks for request b are b's own pages and nothing else
     (flex_ops.py): of those, only the page holding b's query, at position last_pos[b], has slots
     after it. Per KV element it compares two integers, where paged_causal gathers from page_pos
-    and from the page table."""
+    and from the page table. first_slot: the pool slot that kv_idx 0 stands for (an int, or a 0-dim
+    tensor), where the kernel reads a shard of the pool."""
     last_page = page_table.gather(1, (last_pos // page_size)[:, None])[:, 0]
-    last_slot = last_page.long() * page_size + last_pos % page_size
+    last_slot = last_page.long() * page_size + last_pos % page_size - first_slot
 
     def mask(b, h, q_idx, kv_idx, page_size=page_size):
         return (kv_idx // page_size != last_slot[b] // page_size) | (kv_idx <= last_slot[b])

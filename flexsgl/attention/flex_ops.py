@@ -20,6 +20,11 @@ step's K/V packed into rows, flex.py, or pages of 128) runs on FlexAttention's F
 1.7-2.0x). MLA's latent decode (one KV head of 576 dims, an H200
 sweep): latent_decode_options. The KV tile must divide a page.
 
+The flex-decoding kernel indexes its KV tensor with 32-bit offsets (torch 2.11: with 64-bit ones its
+template does not compile), so a pool of more than MAX_KERNEL_ELEMENTS elements per layer is read in
+shards of whole pages: the op runs the kernel once per shard, over the pages each request's block
+lists hold there, and merges the partial outputs by their log-sum-exp.
+
 Prefill stays inside the model's step: the same op pattern for it, compiled with dynamic shapes,
 failed to compile (torch 2.11, "XBLOCK is not defined" in the flex template, with the page size
 made symbolic; with dynamo's automatic dynamic, the embedded model's engine steps still failed).
@@ -33,7 +38,7 @@ import math
 import types
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from flexsgl.attention.flex_masks import Q_BLOCK, listed_decode_causal
 from flexsgl.compile import settings
@@ -42,6 +47,7 @@ from flexsgl.compile_cache import prepare as prepare_cache
 MIN_SPLITS, FEW_PROGRAMS = 16, 32
 SMALL_TILE, SMALL_TILE_PROGRAMS, SMALL_TILE_MAX_SPLITS = 32, 1024, 64
 LARGE_HEAD_DIM, LATENT_SPLITS = 256, 32
+MAX_KERNEL_ELEMENTS = 2**31 - 1  # the largest KV tensor the flex-decoding kernel's 32-bit offsets reach
 
 
 @functools.cache
@@ -147,15 +153,47 @@ def _flash_installed() -> bool:
 
 
 def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos,
-            page_size: int, scale: float | None, options: dict):
+            first_slot, page_size: int, scale: float | None, options: dict, with_lse: bool):
+    """Decode over k and v, which start at pool slot first_slot (an int, or a 0-dim tensor for a
+    shard); with_lse: also each query head's log-sum-exp, `[B, Hq]`."""
     b, hq, d = q.shape
     block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks, kv_indices, full_num_blocks, full_indices, BLOCK_SIZE=(Q_BLOCK, page_size),
-        mask_mod=listed_decode_causal(page_table, last_pos, page_size), seq_lengths=(1, k.shape[0]),
+        mask_mod=listed_decode_causal(page_table, last_pos, page_size, first_slot), seq_lengths=(1, k.shape[0]),
         compute_q_blocks=False)
     out = flex_attention(q.view(b, 1, hq, d).transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
-                         block_mask=block_mask, scale=scale, enable_gqa=hq != k.shape[1], kernel_options=options)
+                         block_mask=block_mask, scale=scale, enable_gqa=hq != k.shape[1], kernel_options=options,
+                         return_aux=AuxRequest(lse=True) if with_lse else None)
+    if with_lse:
+        out, aux = out
+        return out.transpose(1, 2).reshape(b, hq, v.shape[-1]), aux.lse.view(b, hq)
     return out.transpose(1, 2).reshape(b, hq, v.shape[-1])
+
+
+def shard_pages(k: torch.Tensor, v: torch.Tensor, page_size: int) -> int:
+    """The most whole pages of the pool one decode kernel reads (all of them where the pool is small
+    enough): k and v (which may be a view into k) of that many pages stay within MAX_KERNEL_ELEMENTS."""
+    slots = MAX_KERNEL_ELEMENTS // max(k.stride(0), v.stride(0))
+    return min(k.shape[0], slots) // page_size
+
+
+def shard_block_list(num_blocks: torch.Tensor, indices: torch.Tensor, first: int, end: int):
+    """The part of a BlockMask's block list `(num_blocks [B, 1, 1], indices [B, 1, 1, W])` that lies in
+    pages first..end-1, renumbered from first: each row's pages there, in their order, then filler."""
+    cols = torch.arange(indices.shape[-1], device=indices.device)
+    inside = (indices >= first) & (indices < end) & (cols < num_blocks[..., None])
+    order = torch.argsort((~inside).to(torch.int8), dim=-1, stable=True)
+    local = (indices.gather(-1, order) - first).clamp_(0, end - first - 1)
+    return inside.sum(-1, dtype=torch.int32), local.to(torch.int32)
+
+
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Attention over the union of disjoint KV parts from each part's output `[B, H, Dv]` and
+    log-sum-exp `[B, H]` (-inf where a row saw nothing there)."""
+    lse = torch.stack(lses)
+    weight = torch.exp(lse - lse.amax(0).clamp(min=torch.finfo(lse.dtype).min))
+    out = (weight[..., None] * torch.stack(outs).float()).sum(0) / weight.sum(0).clamp(min=1e-30)[..., None]
+    return out.to(outs[0].dtype)
 
 
 @functools.cache
@@ -191,10 +229,30 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks
     four tensors (`[B, 1, 1, ...]`; the full ones may be None), which list request b's pages
     `page_table[b]` and no other; request b's query is at position last_pos[b]; scale None is
     1/sqrt(D). Returns `[B, Hq, Dv]`."""
-    key = ("decode", *q.shape, *k.shape, v.shape[-1], page_table.shape[1], q.dtype, page_size, scale, q.device,
-           full_num_blocks is None)
-    return _run(_decode, key, q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table,
-                last_pos, page_size, scale, decode_options(q.shape[0], k.shape[1], page_size, k.shape[2]))
+    options = decode_options(q.shape[0], k.shape[1], page_size, k.shape[2])
+    per_shard = shard_pages(k, v, page_size)
+    if per_shard * page_size == k.shape[0]:
+        return _run(_decode, _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, False), q, k, v,
+                    kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, 0, page_size,
+                    scale, options, False)
+    outs, lses = [], []
+    pages = k.shape[0] // page_size
+    for first in range(0, pages, per_shard):
+        end = min(first + per_shard, pages)
+        ks, vs = k[first * page_size:end * page_size], v[first * page_size:end * page_size]
+        lists = [None if n is None else shard_block_list(n, i, first, end)
+                 for n, i in ((kv_num_blocks, kv_indices), (full_num_blocks, full_indices))]
+        first_slot = torch.full((), first * page_size, dtype=torch.long, device=q.device)
+        out, lse = _run(_decode, _decode_key(q, ks, vs, page_table, page_size, scale, full_num_blocks, True),
+                        q, ks, vs, *lists[0], *(lists[1] or (None, None)), page_table, last_pos, first_slot,
+                        page_size, scale, options, True)
+        outs.append(out), lses.append(lse)
+    return merge_partials(outs, lses)
+
+
+def _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, sharded: bool) -> tuple:
+    return ("decode", *q.shape, *k.shape, v.shape[-1], page_table.shape[1], q.dtype, page_size, scale, q.device,
+            full_num_blocks is None, sharded)
 
 
 @flex_decode.register_fake

@@ -114,14 +114,6 @@ class Choice:
         label = self.prefill.name if same else f"{self.prefill.name},{self.decode.name}"
         return label + (f",{self.small_decode.name}<={self.small_decode_max}" if self.small_decode else "")
 
-    def max_pool_elements(self, device: torch.device) -> int | None:
-        """The most elements one layer's K (or V) tensor may have for these backends on `device`
-        (None: no limit)."""
-        limits = [backend_class(s).max_pool_elements(device) for s in (self.prefill, self.decode, self.small_decode)
-                  if s is not None]
-        limits = [n for n in limits if n is not None]
-        return min(limits) if limits else None
-
     def prefill_scratch_bytes(self, mcfg, tokens: int, itemsize: int) -> int:
         """What the prefill backend holds in a step of up to `tokens` new tokens beyond the model's
         activations, for this model's attention kind."""

@@ -26,11 +26,11 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 def kv_cache_pages(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   max_elements: int | None, prefill_scratch=lambda tokens, itemsize: 0) -> int:
+                   prefill_scratch=lambda tokens, itemsize: 0) -> int:
     """Pages of the KV pool (the dummy page included) for this engine, model and device: the size
     asked for, else what the memory left after the weights and a step's activations hold, the
-    prefill backend's scratch among them (`prefill_scratch(tokens, itemsize)`, bytes); at most what
-    the attention backends can index (`max_elements` per layer tensor); ValueError if it cannot be had."""
+    prefill backend's scratch among them (`prefill_scratch(tokens, itemsize)`, bytes); ValueError if
+    it cannot be had."""
     ps = cfg.page_size
     itemsize = torch.tensor([], dtype=dtype).element_size()
     per_token = mcfg.kv_bytes_per_token(itemsize)
@@ -46,13 +46,6 @@ def kv_cache_pages(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
             kv_tokens = int((free * cfg.mem_fraction_static - act) // per_token)
         else:
             kv_tokens = CPU_DEFAULT_KV_TOKENS
-    if max_elements is not None:  # the attention backends' own limit (e.g. flex's 32-bit indexing)
-        _, heads, dim = mcfg.kv_layout
-        most = (max_elements // (heads * dim) // ps - 1) * ps
-        if cfg.max_total_tokens is not None and kv_tokens > most:
-            raise ValueError(f"max_total_tokens {kv_tokens} is more than these attention backends can index "
-                             f"({most} tokens of this model per pool); lower it.")
-        kv_tokens = min(kv_tokens, most)
     if kv_tokens < ps:
         raise ValueError(f"The KV cache must hold at least one page ({ps} tokens); it would hold "
                          f"{max(kv_tokens, 0)}.")
