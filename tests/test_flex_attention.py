@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.flex_ops import merge_partials, shard_block_list
 from flexsgl.attention.flex_masks import Q_BLOCK, listed_decode_causal, packed_causal, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_attention, random_paged_batch
@@ -201,3 +202,40 @@ def test_mask_integers_stay_constants_under_dynamic_shapes(make):
     sizes = {s.node.expr for t in inputs if isinstance(t, torch.Tensor) for s in t.shape if isinstance(s, torch.SymInt)}
     loose = [x for x in inputs if isinstance(x, torch.SymInt) and x.node.expr not in sizes]
     assert not loose, f"integers the mask captured became graph inputs: {loose}"
+
+
+def test_shard_block_list_keeps_each_rows_pages_in_the_shard():
+    """A decode kernel over a shard of the pool (flex_ops.py) reads, per request, the listed pages that
+    lie in the shard, renumbered from its first page, and nothing past the row's count."""
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    b, w, pages = 7, 12, 50
+    indices = torch.stack([torch.randperm(pages, generator=gen)[:w] for _ in range(b)]).int()[:, None, None]
+    num = torch.randint(0, w + 1, (b, 1, 1), generator=gen, dtype=torch.int32)
+    for first, end in ((0, 17), (17, 34), (34, 50)):
+        count, local = shard_block_list(num, indices, first, end)
+        for r in range(b):
+            want = [p - first for p in indices[r, 0, 0, :num[r, 0, 0]].tolist() if first <= p < end]
+            assert count[r, 0, 0] == len(want), f"seed={seed}"
+            assert local[r, 0, 0, :len(want)].tolist() == want, f"seed={seed}"
+
+
+def test_merged_partial_attention_equals_attention_over_the_union():
+    """Attention over KV split into disjoint parts, merged by each part's log-sum-exp, is attention
+    over all of it; a part a row sees nothing of (log-sum-exp -inf, output 0) adds nothing."""
+    torch.manual_seed(seed := random.randrange(1 << 30))
+    b, h, n, d = 3, 4, 40, 8
+    q, k, v = (torch.randn(b, h, x, d, dtype=torch.float64) for x in (1, n, n))
+    scores = (q @ k.transpose(-1, -2))[:, :, 0] / d ** 0.5  # [b, h, n]
+    visible = torch.rand(b, 1, n) < 0.6
+    visible[:, :, :5] = True  # every row sees something of the first part
+    visible[0, :, 25:] = False  # row 0 sees nothing of the last part
+    ref = torch.einsum("bhn,bhnd->bhd", torch.softmax(scores.masked_fill(~visible, float("-inf")), -1), v)
+    outs, lses = [], []
+    for part in (slice(0, 12), slice(12, 25), slice(25, n)):
+        s = scores[:, :, part].masked_fill(~visible[:, :, part], float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        outs.append(torch.einsum("bhn,bhnd->bhd", p, v[:, :, part])), lses.append(lse)
+    assert torch.isinf(lses[2][0]).all()
+    torch.testing.assert_close(merge_partials(outs, lses), ref, msg=lambda m: f"seed={seed}: {m}")

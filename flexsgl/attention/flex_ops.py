@@ -153,21 +153,29 @@ def _flash_installed() -> bool:
 
 
 def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos,
-            first_slot, page_size: int, scale: float | None, options: dict, with_lse: bool):
-    """Decode over k and v, which start at pool slot first_slot (an int, or a 0-dim tensor for a
-    shard); with_lse: also each query head's log-sum-exp, `[B, Hq]`."""
+            page_size: int, scale: float | None, options: dict, first_page: torch.Tensor | None):
+    """Decode over k and v. first_page None: they are the whole pool. Else they are a shard of it,
+    its pages from first_page (a 0-dim tensor) on: the block lists are cut to those pages, and the
+    output comes with each query head's log-sum-exp, `[B, Hq]`."""
     b, hq, d = q.shape
+    first_slot = 0
+    if first_page is not None:
+        end_page = first_page + k.shape[0] // page_size
+        kv_num_blocks, kv_indices = shard_block_list(kv_num_blocks, kv_indices, first_page, end_page)
+        if full_num_blocks is not None:
+            full_num_blocks, full_indices = shard_block_list(full_num_blocks, full_indices, first_page, end_page)
+        first_slot = first_page * page_size
     block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks, kv_indices, full_num_blocks, full_indices, BLOCK_SIZE=(Q_BLOCK, page_size),
         mask_mod=listed_decode_causal(page_table, last_pos, page_size, first_slot), seq_lengths=(1, k.shape[0]),
         compute_q_blocks=False)
     out = flex_attention(q.view(b, 1, hq, d).transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
                          block_mask=block_mask, scale=scale, enable_gqa=hq != k.shape[1], kernel_options=options,
-                         return_aux=AuxRequest(lse=True) if with_lse else None)
-    if with_lse:
-        out, aux = out
-        return out.transpose(1, 2).reshape(b, hq, v.shape[-1]), aux.lse.view(b, hq)
-    return out.transpose(1, 2).reshape(b, hq, v.shape[-1])
+                         return_aux=None if first_page is None else AuxRequest(lse=True))
+    if first_page is None:
+        return out.transpose(1, 2).reshape(b, hq, v.shape[-1])
+    out, aux = out
+    return out.transpose(1, 2).reshape(b, hq, v.shape[-1]), aux.lse.view(b, hq)
 
 
 def shard_pages(k: torch.Tensor, v: torch.Tensor, page_size: int) -> int:
@@ -177,14 +185,16 @@ def shard_pages(k: torch.Tensor, v: torch.Tensor, page_size: int) -> int:
     return min(k.shape[0], slots) // page_size
 
 
-def shard_block_list(num_blocks: torch.Tensor, indices: torch.Tensor, first: int, end: int):
+def shard_block_list(num_blocks: torch.Tensor, indices: torch.Tensor, first, end):
     """The part of a BlockMask's block list `(num_blocks [B, 1, 1], indices [B, 1, 1, W])` that lies in
-    pages first..end-1, renumbered from first: each row's pages there, in their order, then filler."""
-    cols = torch.arange(indices.shape[-1], device=indices.device)
+    pages first..end-1, renumbered from first: each row's pages there, in their order, then zeros."""
+    w = indices.shape[-1]
+    cols = torch.arange(w, device=indices.device)
     inside = (indices >= first) & (indices < end) & (cols < num_blocks[..., None])
-    order = torch.argsort((~inside).to(torch.int8), dim=-1, stable=True)
-    local = (indices.gather(-1, order) - first).clamp_(0, end - first - 1)
-    return inside.sum(-1, dtype=torch.int32), local.to(torch.int32)
+    dest = torch.where(inside, torch.cumsum(inside, -1) - 1, w)  # column w: a spare for the pages outside
+    local = torch.zeros(*indices.shape[:-1], w + 1, dtype=torch.int32, device=indices.device)
+    local.scatter_(-1, dest, (indices - first).to(torch.int32))
+    return inside.sum(-1, dtype=torch.int32), local[..., :w]
 
 
 def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
@@ -232,25 +242,22 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks
     options = decode_options(q.shape[0], k.shape[1], page_size, k.shape[2])
     per_shard = shard_pages(k, v, page_size)
     if per_shard * page_size == k.shape[0]:
-        return _run(_decode, _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, False), q, k, v,
-                    kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, 0, page_size,
-                    scale, options, False)
+        return _run(_decode, _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks), q, k, v,
+                    kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_size,
+                    scale, options, None)
+    # The shards are views made outside the compiled function: each is an input of its own, which 32-bit offsets index.
     outs, lses = [], []
-    pages = k.shape[0] // page_size
-    for first in range(0, pages, per_shard):
-        end = min(first + per_shard, pages)
-        ks, vs = k[first * page_size:end * page_size], v[first * page_size:end * page_size]
-        lists = [None if n is None else shard_block_list(n, i, first, end)
-                 for n, i in ((kv_num_blocks, kv_indices), (full_num_blocks, full_indices))]
-        first_slot = torch.full((), first * page_size, dtype=torch.long, device=q.device)
+    for first in range(0, k.shape[0] // page_size, per_shard):
+        ks, vs = (x[first * page_size:(first + per_shard) * page_size] for x in (k, v))
+        first_page = torch.full((), first, dtype=torch.long, device=q.device)  # a tensor: one compile for all shards
         out, lse = _run(_decode, _decode_key(q, ks, vs, page_table, page_size, scale, full_num_blocks, True),
-                        q, ks, vs, *lists[0], *(lists[1] or (None, None)), page_table, last_pos, first_slot,
-                        page_size, scale, options, True)
+                        q, ks, vs, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos,
+                        page_size, scale, options, first_page)
         outs.append(out), lses.append(lse)
-    return merge_partials(outs, lses)
+    return _run(merge_partials, ("merge", len(outs), *outs[0].shape, q.dtype, q.device), outs, lses)
 
 
-def _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, sharded: bool) -> tuple:
+def _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, sharded: bool = False) -> tuple:
     return ("decode", *q.shape, *k.shape, v.shape[-1], page_table.shape[1], q.dtype, page_size, scale, q.device,
             full_num_blocks is None, sharded)
 
