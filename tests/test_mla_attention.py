@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from flexsgl.attention import flex_ops
 from flexsgl.attention.flex_mla import FlexMLABackend
 from flexsgl.attention.registry import SPECS, backend_class, why_not
 from flexsgl.cache.latent_pool import LatentKVPool
@@ -129,6 +130,15 @@ def test_fi_mla_and_flex_match_float64_on_gpu(case, page_size):
     ours = run_mla_case(CASES[case], page_size, "cuda", torch.bfloat16, 1e-2, 1e-2,
                         backend_cls=backend_class(SPECS["fi-mla"], "mla"), **shape)
     torch.testing.assert_close(ours.float(), flex.float(), rtol=2e-2, atol=2e-2)
+
+
+@gpu
+def test_flex_mla_decode_reads_a_large_pool_in_shards(monkeypatch):
+    """The latent pool read a shard of pages at a time (flex_ops.py), its V a view of its K: the
+    limit lowered to 4 pages here, so the batch's shuffled pages spread over several shards."""
+    monkeypatch.setattr(flex_ops, "MAX_KERNEL_ELEMENTS", 4 * 64 * (512 + 64) + 3)
+    run_mla_case(CASES["decode"], 64, "cuda", torch.bfloat16, 1e-2, 1e-2, compiled=True,
+                 forward=torch.compile(FlexMLABackend.forward, dynamic=False), hq=16, rank=512, rope=64)
 
 
 @gpu
