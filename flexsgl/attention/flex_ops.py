@@ -11,8 +11,8 @@ receives (one kernel, about 2 s to compile; Inductor's cache keeps it across pro
 Kernel options (H100 sweep, 32/8 heads, d=128, pages of 64, docs/BENCHMARKS.md). Decode: 4 warps
 and 3 stages (Inductor's default config is up to 2.2x slower at batch 8), and at least 16 KV splits
 while batch x KV heads is at most 32 (Inductor gives batch 4 only 8: 48 µs against 39 at 4k
-tokens); with pages of 16 or 32 tokens, 2 warps and enough splits for about a thousand programs
-(small_tile_splits). Prefill (run inside the compiled decoder layer), up to head_dim 128: 64x64 tiles, 4 warps, 3 stages
+tokens); with pages of 16 or 32 tokens, 2 warps and the splits small_tile_splits picks. Prefill
+(run inside the compiled decoder layer), up to head_dim 128: 64x64 tiles, 4 warps, 3 stages
 (5-9% faster than 128x64 with 8 warps), with TMA loads at head_dim 128, pages of 64, bf16/fp16 on
 SM90 (12-13% faster on an H200). With flash-attn-4 installed, prefill over KV blocks of 128 (the
 step's K/V packed into rows, flex.py, or pages of 128) runs on FlexAttention's FLASH backend instead
@@ -45,7 +45,8 @@ from flexsgl.compile import settings
 from flexsgl.compile_cache import prepare as prepare_cache
 
 MIN_SPLITS, FEW_PROGRAMS = 16, 32
-SMALL_TILE, SMALL_TILE_PROGRAMS, SMALL_TILE_MAX_SPLITS = 32, 1024, 64
+SMALL_TILE, SMALL_TILE_MAX_SPLITS = 32, 64
+SMALL_TILE_FEW_PROGRAMS, SMALL_TILE_MANY_PROGRAMS = 512, 4096
 LARGE_HEAD_DIM, LATENT_SPLITS = 256, 32
 MAX_KERNEL_ELEMENTS = 2**31 - 1  # the largest KV tensor the flex-decoding kernel's 32-bit offsets reach
 
@@ -67,12 +68,18 @@ def decode_options(batch: int, kv_heads: int, page_size: int, head_dim: int) -> 
 
 def small_tile_splits(batch: int, kv_heads: int) -> int:
     """KV splits where a page caps the KV tile at 16 or 32 tokens: each turn of a program's loop reads
-    one small tile and waits on it, so the kernel needs many programs in flight (of 2 warps each). At
-    least two splits per request, and about SMALL_TILE_PROGRAMS programs in all. H200 sweep, pages of
-    16, GQA 4, 4 warps: 8 x 4k 61 -> 50 µs with 16 splits, 32 x 4k 218 -> 149 with 4, 128 x 4k 659 ->
-    559 with 4, 256 x 1k 301 -> 281 with 2; then 2 warps instead of 4, GQA 4 and 8: 5-24% faster
-    on every shape from batch 8 to 256."""
-    return min(SMALL_TILE_MAX_SPLITS, max(2, -(-SMALL_TILE_PROGRAMS // (batch * kv_heads))))
+    one small tile and waits on it, so the kernel needs many programs in flight (of 2 warps each). The
+    time depends mostly on the number of programs, batch x KV heads x splits, and not smoothly: about
+    SMALL_TILE_FEW_PROGRAMS of them (one wave, at least two splits a request) while batch x KV heads is
+    at most that, else about SMALL_TILE_MANY_PROGRAMS. H200 sweep, pages of 16, 8 KV heads, 1k-16k
+    tokens, every output within 0.0013 of float64, time over FlashInfer's: batch 8 at 1k tokens 1.02
+    -> 0.92 with 8 splits instead of 16; batch 96 1.21-1.25 with 2 splits (1,536 programs), 1.00-1.02
+    with 5; batch 128 1.09-1.11 with 2, 1.02-1.03 with 4; 1,536-3,072 programs were 1.06-1.25 wherever
+    tried (docs/BENCHMARKS.md)."""
+    pairs = batch * kv_heads
+    if pairs <= SMALL_TILE_FEW_PROGRAMS:
+        return min(SMALL_TILE_MAX_SPLITS, max(2, -(-SMALL_TILE_FEW_PROGRAMS // pairs)))
+    return max(2, round(SMALL_TILE_MANY_PROGRAMS / pairs))
 
 
 def latent_decode_options(batch: int, page_size: int) -> dict:
