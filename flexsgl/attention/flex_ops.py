@@ -74,8 +74,8 @@ def small_tile_splits(batch: int, kv_heads: int) -> int:
     at most that, else about SMALL_TILE_MANY_PROGRAMS. H200 sweep, pages of 16, 8 KV heads, 1k-16k
     tokens, every output within 0.0013 of float64, time over FlashInfer's: batch 8 at 1k tokens 1.02
     -> 0.92 with 8 splits instead of 16; batch 96 1.21-1.25 with 2 splits (1,536 programs), 1.00-1.02
-    with 5; batch 128 1.09-1.11 with 2, 1.02-1.03 with 4; 1,536-3,072 programs were 1.06-1.25 wherever
-    tried (docs/BENCHMARKS.md)."""
+    with 5; batch 128 at 4k-16k tokens 1.08-1.11 with 2, 1.02-1.03 with 4; at 4k-16k tokens 1,536-3,072
+    programs took 1.08-1.26 wherever tried (docs/BENCHMARKS.md)."""
     pairs = batch * kv_heads
     if pairs <= SMALL_TILE_FEW_PROGRAMS:
         return min(SMALL_TILE_MAX_SPLITS, max(2, -(-SMALL_TILE_FEW_PROGRAMS // pairs)))
