@@ -5,11 +5,12 @@ batches, FlashInfer's decode beside each (CUDA GPU; FlashInfer installed or stag
 
 Every (batch, context, GQA) cell is built as benchmarks/attention_matrix.py builds it (random K/V,
 shuffled pages) and timed the same way (calls captured in one CUDA graph, the median of the
-replays). For each option set the flex_decode op's options are replaced and it compiles afresh;
-`default` is what flexsgl chooses (flexsgl/attention/flex_ops.py, decode_options). Each line gives
-µs, the ratio to fi-decode and the largest error against float64 on sampled rows; --json appends a
-line per cell. Times of a few µs vary from compile to compile by Inductor's autotuned split-combining
-kernels (docs/BENCHMARKS.md, "Splits on 16-token tiles"): compare small cells over several runs.
+replays). For each option set the flex_decode op's options are replaced, and the op compiles a
+function of its own for them; `default` is what flexsgl chooses (flexsgl/attention/flex_ops.py,
+decode_options). Each line gives µs, the ratio to fi-decode and the largest error against float64 on
+sampled rows; --json appends a line per cell. Times of a few µs vary from compile to compile by
+Inductor's autotuned split-combining kernels (docs/BENCHMARKS.md, "Splits on 16-token tiles"):
+compare small cells over several runs.
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ def main() -> None:
             fi = graph_median_s(attend_fn("fi-decode", pool, fb, q, hq, None), INNER["decode"], ROUNDS) * 1e6
             cell = {"page": a.page, "batch": bs, "context": ctx, "gqa": gqa, "fi_us": fi, "flex_us": {}}
             for name, options in [("default", chosen(bs, KV_HEADS, a.page, D)), *sets]:
-                flex_ops.decode_options = lambda *_, o=options: o
-                flex_ops._compiled.cache_clear(), flex_ops._warm.clear(), torch._dynamo.reset()
+                flex_ops.decode_options = lambda *_, o=options: o  # the op compiles a function per option set
                 try:
                     fn = attend_fn("flex", pool, fb, q, hq, None)
                     err = (fn()[rows.cuda()].double() - ref).abs().max().item()

@@ -249,7 +249,7 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks
     options = decode_options(q.shape[0], k.shape[1], page_size, k.shape[2])
     per_shard = shard_pages(k, v, page_size)
     if per_shard * page_size == k.shape[0]:
-        return _run(_decode, _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks), q, k, v,
+        return _run(_decode, _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, options), q, k, v,
                     kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_size,
                     scale, options, None)
     # The shards are views made outside the compiled function: each is an input of its own, which 32-bit offsets index.
@@ -257,16 +257,18 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks
     for first in range(0, k.shape[0] // page_size, per_shard):
         ks, vs = (x[first * page_size:(first + per_shard) * page_size] for x in (k, v))
         first_page = torch.full((), first, dtype=torch.long, device=q.device)  # a tensor: one compile for all shards
-        out, lse = _run(_decode, _decode_key(q, ks, vs, page_table, page_size, scale, full_num_blocks, True),
+        out, lse = _run(_decode, _decode_key(q, ks, vs, page_table, page_size, scale, full_num_blocks, options, True),
                         q, ks, vs, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos,
                         page_size, scale, options, first_page)
         outs.append(out), lses.append(lse)
     return _run(merge_partials, ("merge", len(outs), *outs[0].shape, q.dtype, q.device), outs, lses)
 
 
-def _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, sharded: bool = False) -> tuple:
+def _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, options: dict, sharded: bool = False) -> tuple:
+    """What one compiled decode function serves: the shapes, dtype and device, and the kernel options
+    it was compiled with (other options get a function of their own, not a recompile of this one)."""
     return ("decode", *q.shape, *k.shape, v.shape[-1], page_table.shape[1], q.dtype, page_size, scale, q.device,
-            full_num_blocks is None, sharded)
+            full_num_blocks is None, sharded, *options.items())
 
 
 @flex_decode.register_fake
