@@ -114,50 +114,60 @@ def test_fused_projections_at_batch_1_and_beyond():
                 assert err < 1e-2, f"{name}, rows={rows}: relative error {err:.2e}"
 
 
-def check_experts(device, e, n, k, slots, prologue, dtype, shared=None):
-    """expert_gemv against float64: each slot's output from its own expert, scaled when asked, and
-    with `shared` = (N2, K2) one more slot from a weight of its own, unscaled."""
+def check_experts(device, e, n, k, slots, prologue, dtype, shared=0):
+    """expert_gemv against float64: each routed slot's output from its own expert, scaled when asked,
+    and with `shared` = J the shared MLP's J slices of a routed expert's shape (gate/up `[2 J I, K]`:
+    J gate slices, then J up slices; down `[N, J K]`) as J more slots, unscaled, each checked against
+    its slice of the whole MLP's product."""
     seed = random.randrange(1 << 30)
     g = torch.Generator(device=device).manual_seed(seed)
     p = PROLOGUES[prologue]
     w = (torch.randn(e, n, k, device=device, generator=g) / k ** 0.5).to(dtype)
     experts = torch.randperm(e, device=device, generator=g)[:slots]
-    n2, k2 = shared or (n, k)
-    k2 = k2 if p == gemv.SILU_GATE else k  # plain: every slot reads the one x row
-    w2 = (torch.randn(n2, k2, device=device, generator=g) / k2 ** 0.5).to(dtype) if shared else None
-    rows = slots + bool(shared)
-    # SiLU gate: a row per slot ([gate | up] from the row's start); plain: one row every slot reads
-    width = 2 * max(k, k2) if p == gemv.SILU_GATE else k
-    x = torch.randn(rows if p == gemv.SILU_GATE else 1, width, device=device, generator=g).to(dtype)
-    scale = torch.rand(slots, device=device, generator=g) if p == gemv.SILU_GATE else None
-    out = torch.full((rows, max(n, n2)), float("nan"), device=device, dtype=dtype)
-    gemv.launch_experts(x, w, experts, scale, out, prologue=p, shared=w2)
+    down = p == gemv.SILU_GATE
+    w2 = None
+    if shared:
+        w2_shape = (n, shared * k) if down else (shared * n, k)
+        w2 = (torch.randn(*w2_shape, device=device, generator=g) / w2_shape[1] ** 0.5).to(dtype)
+    rows = slots + shared
+    # SiLU gate: a row per slot ([gate | up]); otherwise one row every slot reads
+    x = torch.randn(rows if down else 1, 2 * k if down else k, device=device, generator=g).to(dtype)
+    norm_weight = (0.5 + torch.rand(k, device=device, generator=g)).to(dtype) if p == gemv.RMS_NORM else None
+    scale = torch.rand(slots, device=device, generator=g) if down else None
+    out = torch.full((rows, n), float("nan"), device=device, dtype=dtype)
+    gemv.launch_experts(x, w, experts, scale, out, prologue=p, shared=w2, norm_weight=norm_weight, eps=1e-6)
+    if shared and not down:  # the whole shared MLP's gate/up; a slice's rows are its gate rows, then its up rows
+        whole = reference(p, x, w2, None, None, norm_weight, 1e-6)[0]
+        half, inter = shared * n // 2, n // 2
     for s in range(rows):
-        routed = s < slots
-        kk = k if routed else k2
-        xs = x[s if x.shape[0] > 1 else 0][None, :2 * kk if p == gemv.SILU_GATE else kk]
-        ref = reference(p, xs, w[experts[s]] if routed else w2, None, None, None, 0.0)[0]
-        ref = ref * (scale[s].double() if scale is not None and routed else 1.0)
-        got = out[s, :ref.shape[0]].double()
+        xs = x[s if down else 0][None]
+        j = s - slots
+        if s < slots:
+            ref = reference(p, xs, w[experts[s]], None, None, norm_weight, 1e-6)[0]
+            ref = ref * (scale[s].double() if scale is not None else 1.0)
+        elif down:
+            ref = reference(p, xs, w2[:, j * k:(j + 1) * k], None, None, None, 0.0)[0]
+        else:
+            ref = torch.cat([whole[j * inter:(j + 1) * inter], whole[half + j * inter:half + (j + 1) * inter]])
+        got = out[s].double()
         assert not got.isnan().any(), f"slot {s}: unwritten outputs (seed={seed})"
         err = ((got - ref).norm() / ref.norm()).item()
         assert err < (1e-5 if dtype == torch.float32 else 1e-2), f"slot {s}: relative error {err:.2e} (seed={seed})"
 
 
 @pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.parametrize("prologue", ["plain", "silu_gate"])
+@pytest.mark.parametrize("prologue", list(PROLOGUES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("shared", [None, (80, 1500), (24, 600)], ids=["routed", "wider-shared", "narrower-shared"])
+@pytest.mark.parametrize("shared", [0, 1, 3], ids=["routed", "one-shared", "three-shared"])
 def test_interpreted_expert_kernel_matches_float64(prologue, dtype, shared):
     check_experts("cpu", 8, 40, 1000, 3, prologue, dtype, shared)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prologue", ["plain", "silu_gate"])
-@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
+@pytest.mark.parametrize("prologue", list(PROLOGUES))
+@pytest.mark.parametrize("shared", [0, 2], ids=["routed", "with-shared"])
 def test_expert_kernel_matches_float64(prologue, shared):
     """DeepSeek-V2-Lite's expert shapes: gate_up [2816, 2048], down [2048, 1408], 6 of 64 experts;
-    its two shared experts as one slot: gate_up [5632, 2048], down [2048, 2816]."""
-    n, k = (2816, 2048) if prologue == "plain" else (2048, 1408)
-    n2, k2 = (2 * n, k) if prologue == "plain" else (n, 2 * k)
-    check_experts("cuda", 64, n, k, 6, prologue, torch.bfloat16, (n2, k2) if shared else None)
+    its two shared experts as two more slots: gate_up [5632, 2048], down [2048, 2816]."""
+    n, k = (2048, 1408) if prologue == "silu_gate" else (2816, 2048)
+    check_experts("cuda", 64, n, k, 6, prologue, torch.bfloat16, shared)

@@ -48,10 +48,10 @@ def _kernel():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, out_ptr, N, K, stride_wn, eps,
-                    e_ptr, s_ptr, stride_we, stride_xs, stride_os, w2_ptr, N2, K2, stride_wn2,
+                    e_ptr, s_ptr, stride_we, stride_xs, stride_os, w2_ptr, stride_wn2, row_step, row_split, col_step,
                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                    EXPERTS: tl.constexpr, HAS_SCALE: tl.constexpr, ROUTED: tl.constexpr):
+                    EXPERTS: tl.constexpr, HAS_SCALE: tl.constexpr, ROUTED: tl.constexpr, SHARED: tl.constexpr):
         slot = 0
         if EXPERTS:  # program_id(1) is a slot: its expert's weight, its x row, its output row
             if PDL:  # which weight to read comes from the kernel before: wait for it first
@@ -60,19 +60,19 @@ def _kernel():
             slot = tl.program_id(1)
             if slot < ROUTED:
                 w_ptr += tl.load(e_ptr + slot).to(tl.int64) * stride_we
-            else:  # the slot after the routed ones: the shared experts, [N2, K2], unscaled
-                w_ptr = w2_ptr
-                N = N2
-                K = K2
+            else:  # a shared expert, unscaled: a routed-shaped slice of the shared MLP (launch_experts)
+                w_ptr = w2_ptr + (slot - ROUTED) * col_step
                 stride_wn = stride_wn2
             x_ptr += slot * stride_xs
             out_ptr += slot * stride_os
-            if tl.program_id(0) * BLOCK_N >= N:  # the grid spans the wider of the two weights
-                return
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        w_rows = rows
+        if EXPERTS:
+            if slot >= ROUTED:  # gate/up: the slice's gate rows, then its up rows
+                w_rows = rows + (slot - ROUTED) * row_step + tl.where(rows >= row_split, row_step * (SHARED - 1), 0)
+        w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         if PDL and not EXPERTS:  # the first weight slice loads while the previous kernel finishes (launch.py)
@@ -124,9 +124,22 @@ def config_for(n: int, k: int) -> tuple[int, int, int, int]:
         return 4, 512, 4, 3  # long rows (down_proj)
     if n >= 16384:
         return 16, 512, 4, 2  # wide, short rows (gate_up_proj)
+    if n > k and k <= 2048:
+        return 4, 512, 4, 3  # DeepSeek-V2-Lite's qkv_a_proj [3648, 2048]: more programs in flight
     if n > k:
         return 16, 512, 4, 3  # qkv_proj
     return 4, 512, 4, 3  # o_proj
+
+
+def expert_config(n: int, k: int, prologue: int) -> tuple[int, int, int, int]:
+    """Tiles of the expert launch, from DeepSeek-V2-Lite's 26 MoE layers chained in one CUDA graph
+    with PDL on an H200 (docs/BENCHMARKS.md, "MLA decode"): down (SILU_GATE) in 32-row tiles of 256
+    columns and 8 warps, gate/up in 16-row tiles of 512, W_UV's heads as config_for."""
+    if prologue == SILU_GATE:
+        return 32, 256, 8, 3
+    if n > k:
+        return 16, 512, 4, 3
+    return config_for(n, k)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -141,35 +154,47 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     _kernel()[((n + block_n - 1) // block_n,)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else weight,
         norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(0), eps,
-        weight, weight, 0, 0, 0, weight, n, k, 0,
+        weight, weight, 0, 0, 0, weight, 0, 0, 0, 0,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, EXPERTS=False, HAS_SCALE=False,
-        ROUTED=0, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+        ROUTED=0, SHARED=0, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 
 def launch_experts(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, scale: torch.Tensor | None,
-                   out: torch.Tensor, prologue: int = PLAIN, shared: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor, prologue: int = PLAIN, shared: torch.Tensor | None = None,
+                   norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """out[s] = weight[experts[s]] @ f(x[s]) (* scale[s]) for each slot s: one token's routed experts
     in one launch, each expert's weight read once. weight `[E, N, K]`; x `[1, K]` (every slot reads
-    the same row) or `[S, K]` (`[S, 2K]` for SILU_GATE), contiguous; out `[S, N]`. `shared` `[N2,
-    K2]` (the shared experts' gate/up or down, as one wide expert) adds a slot after the routed ones,
-    unscaled: out is then `[S + 1, max(N, N2)]`, and with SILU_GATE x's last row is its `[2 K2]`.
-    With PDL it waits for the kernel before it first thing: which weight to read comes from that
-    kernel (the router), so only the launch overlaps, not a load."""
+    the same row; RMS_NORM normalises it with `norm_weight`) or `[S, 2K]` for SILU_GATE, contiguous;
+    out `[S, N]`.
+
+    `shared` is the shared MLP's gate/up `[2 * J * I, K]` (its J gate slices of I rows, then its J up
+    slices; a routed expert's gate/up is `[2 I, K]`) or its down `[N, J * K]`. Its J slices of
+    routed-expert shape become J more slots after the routed ones, unscaled (out `[S + J, N]`): the
+    MLP's output is the sum of theirs, and every program of the launch does the same work."""
     e, n, k = weight.shape
-    n2, k2 = shared.shape if shared is not None else (n, k)
     routed = experts.numel()
-    block_n, block_k, warps, stages = config_for(n, k)
+    row_step = row_split = col_step = 0
+    slices = 0
+    if shared is not None:
+        if shared.shape[1] == k and shared.shape[0] % n == 0:  # gate/up: slice j's rows j*I.. and J*I + j*I..
+            slices, row_step, row_split = shared.shape[0] // n, n // 2, n // 2
+        elif shared.shape[0] == n and shared.shape[1] % k == 0:  # down: slice j's columns j*K..
+            slices, col_step = shared.shape[1] // k, k
+        else:
+            raise ValueError(f"shared weight {tuple(shared.shape)} is no whole number of experts [{n}, {k}]")
+    block_n, block_k, warps, stages = expert_config(n, k, prologue)
     use_pdl = pdl(x.device)
-    _kernel()[((max(n, n2) + block_n - 1) // block_n, routed + (shared is not None))](
-        x, weight, weight, weight, weight, out, n, k, weight.stride(1), 0.0,
+    _kernel()[((n + block_n - 1) // block_n, routed + slices)](
+        x, weight, weight, weight, norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(1), eps,
         experts, scale if scale is not None else weight, weight.stride(0), x.stride(0) if x.shape[0] > 1 else 0,
-        out.stride(0), shared if shared is not None else weight, n2, k2,
-        (shared if shared is not None else weight).stride(-2),
+        out.stride(0), shared if shared is not None else weight, shared.stride(0) if shared is not None else 0,
+        row_step, row_split, col_step,
         PROLOGUE=prologue, HAS_BIAS=False, HAS_RESIDUAL=False, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0 and k2 % block_k == 0, PDL=use_pdl, EXPERTS=True, HAS_SCALE=scale is not None,
-        ROUTED=routed, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+        EVEN_K=k % block_k == 0, PDL=use_pdl, EXPERTS=True, HAS_SCALE=scale is not None,
+        ROUTED=routed, SHARED=max(slices, 1), num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 
@@ -189,20 +214,23 @@ def _(x, weight, bias, residual, norm_weight, eps, prologue):
 
 @torch.library.custom_op("flexsgl::expert_gemv", mutates_args=())
 def expert_gemv(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, scale: torch.Tensor | None,
-                prologue: int, shared: torch.Tensor | None = None) -> torch.Tensor:
+                prologue: int, shared: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                eps: float = 0.0) -> torch.Tensor:
     out = torch.empty(*_experts_out_shape(weight, experts, shared), dtype=x.dtype, device=x.device)
-    return launch_experts(x.contiguous(), weight, experts.contiguous(), scale, out, prologue=prologue, shared=shared)
+    return launch_experts(x.contiguous(), weight, experts.contiguous(), scale, out, prologue=prologue, shared=shared,
+                          norm_weight=norm_weight, eps=eps)
 
 
 @expert_gemv.register_fake
-def _(x, weight, experts, scale, prologue, shared=None):
+def _(x, weight, experts, scale, prologue, shared=None, norm_weight=None, eps=0.0):
     return x.new_empty(*_experts_out_shape(weight, experts, shared))
 
 
 def _experts_out_shape(weight, experts, shared) -> tuple[int, int]:
-    if shared is None:
-        return experts.numel(), weight.shape[1]
-    return experts.numel() + 1, max(weight.shape[1], shared.shape[0])
+    """A row per routed slot and per shared slice (launch_experts)."""
+    _, n, k = weight.shape
+    slices = 0 if shared is None else shared.shape[0] // n if shared.shape[1] == k else shared.shape[1] // k
+    return experts.numel() + slices, n
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

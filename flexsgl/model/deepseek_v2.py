@@ -206,7 +206,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             layer.self_attn.kv_pool, layer.self_attn.cache = pool, pool.layer_cache(i)
             layer.self_attn.heads = torch.arange(layer.self_attn.hq, dtype=torch.int32, device=pool.device)
             if isinstance(layer.mlp, MoE):
-                layer.mlp.experts.place(pool.device)
+                layer.mlp.place(pool.device)
 
     def compiled_regions(self) -> list[nn.Module]:
         """What torch.compile compiles (flexsgl/compile.py): each layer, the dense ones from one code

@@ -7,12 +7,13 @@ products (`torch.nn.functional.grouped_mm`: one GEMM per expert segment in one l
 with no rows reading nothing) compute gate/up and down for every pair; the outputs go back to
 token order by the inverse permutation and are summed with their routing weights.
 
-One token on a GPU (decode at batch 1) takes neither: two launches normalise and route it
+One token on a GPU (decode at batch 1) takes neither: one launch routes it
 (flexsgl/kernels/moe_route.py), then two launches of the matrix-vector kernel
 (flexsgl/kernels/gemv.py, `expert_gemv`) with a grid row per routed slot, each reading its expert's
-weight once straight from the stacked tensor, the SiLU gate folded into the second and the routing
-weight into its output, and one slot more for the shared experts, read from their own weights as
-one wide expert. A layer's MoE is then five launches where the unfused path took thirteen.
+weight once straight from the stacked tensor, the RMSNorm folded into the first, the SiLU gate into
+the second and the routing weight into its output; the shared experts ride in the same launches as
+slots of a routed expert's shape, read from their own weights. A layer's MoE is then four launches
+(with the sum of the slots and the residual) where the unfused path took thirteen.
 
 Where grouped_mm does not run (it takes bfloat16 on SM90+ GPUs and under torch.compile, and float32
 only eagerly on the CPU; its strides must be multiples of 16 bytes), each (token, expert) pair
@@ -67,13 +68,16 @@ class Experts(nn.Module):
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
     def one_token(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, shared: GatedMLP | None,
-                  residual: torch.Tensor) -> torch.Tensor:
-        """residual + the routed experts (as forward) + shared(x), for one token (x [1, H]) where
-        gemv.applies: each launch of the matrix-vector kernel takes the shared MLP as one more slot."""
+                  residual: torch.Tensor, norm=None) -> torch.Tensor:
+        """residual + the routed experts (as forward) + shared(x), for one token (x [1, H], normed by
+        `norm` first where given) where gemv.applies: each launch of the matrix-vector kernel takes
+        the shared MLP as slots of a routed expert's shape (gemv.launch_experts)."""
         gate_up_w, down_w = (shared.gate_up_proj.weight, shared.down_proj.weight) if shared is not None else (None, None)
-        gate_up = torch.ops.flexsgl.expert_gemv(x, self.gate_up_proj, experts[0], None, gemv.PLAIN, gate_up_w)
+        prologue, norm_weight, eps = (gemv.PLAIN, None, 0.0) if norm is None else (gemv.RMS_NORM, norm.weight, norm.eps)
+        gate_up = torch.ops.flexsgl.expert_gemv(x, self.gate_up_proj, experts[0], None, prologue, gate_up_w,
+                                                norm_weight, eps)
         out = torch.ops.flexsgl.expert_gemv(gate_up, self.down_proj, experts[0], weights[0].float(), gemv.SILU_GATE,
-                                            down_w)  # [k (+ 1), H]
+                                            down_w)  # [k (+ shared slices), H]
         return (out.float().sum(0, keepdim=True) + residual.float()).to(x.dtype)
 
     def _gathered(self, x, experts, weights):
@@ -104,6 +108,14 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_routed_experts, hidden, cfg.intermediate_size)
         self.shared_experts = (GatedMLP(hidden, cfg.intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
+        # the fused routing's count of finished programs (flexsgl/kernels/moe_route.py), zero between launches
+        self.register_buffer("route_count", torch.zeros(1, dtype=torch.int32), persistent=False)
+
+    def place(self, device: torch.device) -> None:
+        """Before the first step: note what the device is, and zero the routing's count (a model built on
+        the meta device and then allocated holds garbage there)."""
+        self.experts.place(device)
+        self.route_count = torch.zeros(1, dtype=torch.int32, device=device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k experts of each token and their weights (float32), as DeepSeek-V2 routes."""
@@ -126,11 +138,11 @@ class MoE(nn.Module):
         c = self.cfg
         one_token = gemv.applies(x, self.experts.down_proj)
         if one_token and moe_route.applies(x, self.gate.weight, c.topk_method):
-            h, experts, weights = torch.ops.flexsgl.moe_route(x, norm.weight, norm.eps, self.gate.weight, c.top_k,
-                                                              c.norm_topk_prob, c.routed_scaling_factor)
-        else:
-            h = norm(x)
-            experts, weights = self.route(h)
+            experts, weights = torch.ops.flexsgl.moe_route(x, norm.weight, norm.eps, self.gate.weight, c.top_k,
+                                                           c.norm_topk_prob, c.routed_scaling_factor, self.route_count)
+            return self.experts.one_token(x, experts, weights, self.shared_experts, residual, norm)
+        h = norm(x)
+        experts, weights = self.route(h)
         if one_token:
             return self.experts.one_token(h, experts, weights, self.shared_experts, residual)
         out = self.experts(h, experts, weights) + residual
