@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flexsgl.kernels import latent_store  # noqa: F401  (registers torch.ops.flexsgl.latent_store)
+from flexsgl.kernels import latent_query, latent_store  # noqa: F401  (register their torch.ops.flexsgl ops)
 from flexsgl.model.mla_config import MLAConfig
 
 
@@ -45,6 +45,15 @@ class LatentKVPool:
         `slots`: its compressed KV normed (`norm_weight`, `eps`), its shared key rotated at `positions`
         by `rope` (DeepSeek's interleaved RoPE), in one kernel on CUDA (flexsgl/kernels/latent_store.py)."""
         torch.ops.flexsgl.latent_store(latent, norm_weight, eps, rope.cos, rope.sin, positions, slots, cache[0])
+
+    @staticmethod
+    def norm_rope_store_with_query(cache: tuple[torch.Tensor], latent: torch.Tensor, norm_weight: torch.Tensor,
+                                   eps: float, rope, positions: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
+                                   w_uk: torch.Tensor) -> torch.Tensor:
+        """`norm_rope_store` of one token, and in the same launch its latent query `[1, H, r + rope]`
+        from q `[1, H, nope + rope]` and W_UK `[H, nope, r]` (flexsgl/kernels/latent_query.py)."""
+        return torch.ops.flexsgl.latent_query_store(q, w_uk, rope.cos, rope.sin, positions, latent, norm_weight, eps,
+                                                    slots, cache[0])
 
     @staticmethod
     def store_into(cache: tuple[torch.Tensor], latent: torch.Tensor, slots: torch.Tensor) -> None:

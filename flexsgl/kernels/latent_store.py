@@ -28,10 +28,42 @@ from flexsgl.kernels.launch import pdl
 from flexsgl.model.layers import rms_norm, rotate_pairs
 
 
+def __getattr__(name: str):
+    if name == "store_row":
+        return _helper()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @functools.cache
-def _kernel():
+def _helper():
+    """`store_row`, the store of one token, which latent_query.py's kernel runs too (as
+    interleaved_rope.py's helper is built and called)."""
+    global tl  # a module global, where the interpreter looks for it
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def store_row(row, out, w_ptr, cos_ptr, sin_ptr, pos, eps, R: tl.constexpr, ROPE: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+        """out[0:R] = RMSNorm(row[0:R]) (weight w_ptr), out[R:R + ROPE] = row[R:] turned by `pos`."""
+        dt = out.dtype.element_ty
+        j = tl.arange(0, BLOCK_R)
+        c = tl.load(row + j, mask=j < R, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(c * c, axis=0) / R + eps)
+        w = tl.load(w_ptr + j, mask=j < R, other=0.0).to(tl.float32)
+        tl.store(out + j, (w * (c * r).to(dt).to(tl.float32)).to(dt), mask=j < R)
+        interleaved_rope.rotate_row(row + R, out + R, cos_ptr, sin_ptr, pos, ROPE, BLOCK_P)
+
+    return store_row
+
+
+@functools.cache
+def _kernel():
+    global latent_store  # this module, as the kernel's global: its helper is built on first use
+    import triton
+    import triton.language as tl
+
+    from flexsgl.kernels import latent_store
 
     @triton.jit
     def latent_store_kernel(x_ptr, stride_t, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kv_ptr, eps,
@@ -41,15 +73,9 @@ def _kernel():
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
-        row = x_ptr + t * stride_t
-        dt = kv_ptr.dtype.element_ty
         out = kv_ptr + tl.load(slot_ptr + t).to(tl.int64) * (R + ROPE)
-        j = tl.arange(0, BLOCK_R)
-        c = tl.load(row + j, mask=j < R, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(c * c, axis=0) / R + eps)
-        w = tl.load(w_ptr + j, mask=j < R, other=0.0).to(tl.float32)
-        tl.store(out + j, (w * (c * r).to(dt).to(tl.float32)).to(dt), mask=j < R)
-        interleaved_rope.rotate_row(row + R, out + R, cos_ptr, sin_ptr, tl.load(pos_ptr + t), ROPE, BLOCK_P)
+        latent_store.store_row(x_ptr + t * stride_t, out, w_ptr, cos_ptr, sin_ptr, tl.load(pos_ptr + t), eps,
+                               R, ROPE, BLOCK_R, BLOCK_P)
 
     return latent_store_kernel
 

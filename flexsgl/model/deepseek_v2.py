@@ -102,22 +102,32 @@ class MLAttention(nn.Module):
         if m.q_lora_rank is not None:
             q = gemv.norm_linear(q, self.q_a_layernorm, self.q_b_proj)
         q = q.view(t, self.hq, -1)  # [T, H, nope + rope]
-        self.kv_pool.norm_rope_store(self.cache, latent, self.kv_a_layernorm.weight, LATENT_NORM_EPS, rope, positions,
-                                     fb.out_slots)
         w_kv = self.kv_b_proj.weight.view(self.hq, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         if fb.backend.expands_latents(fb):  # the MHA form (flexsgl/attention/flex_mla.py)
+            self.store(latent, positions, rope, fb)
             q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
             q = torch.cat([q_nope, rotate_pairs(positions, rope.cos, rope.sin, q_pe)], dim=-1)
             out = fb.backend.forward_expanded(q, w_kv, self.cache, fb)  # [T, H, v]
         else:
-            out = self.absorbed(q, w_kv, positions, rope, fb)
+            out = self.absorbed(q, latent, w_kv, positions, rope, fb)
         return gemv.linear(out.reshape(t, -1), self.o_proj, residual=x)
 
-    def absorbed(self, q, w_kv, positions, rope: InterleavedRotary, fb) -> torch.Tensor:
-        """Attention in the absorbed form (module docstring) of q `[T, H, nope + rope]`: `[T, H, v]`."""
+    def store(self, latent, positions, rope: InterleavedRotary, fb) -> None:
+        """The step's latents, normed and rotated, into their slots of the pool."""
+        self.kv_pool.norm_rope_store(self.cache, latent, self.kv_a_layernorm.weight, LATENT_NORM_EPS, rope, positions,
+                                     fb.out_slots)
+
+    def absorbed(self, q, latent, w_kv, positions, rope: InterleavedRotary, fb) -> torch.Tensor:
+        """The latents' store, then attention in the absorbed form (module docstring) of q
+        `[T, H, nope + rope]`: `[T, H, v]`."""
         w_uk, w_uv = w_kv.split([self.mla.qk_nope_head_dim, self.mla.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
-        query = torch.ops.flexsgl.latent_query if latent_query.applies(q, w_uk) else latent_query_reference
-        out = fb.backend.forward(query(q, w_uk, rope.cos, rope.sin, positions), self.cache, fb)  # [W_UK^T q_nope, q_pe]
+        if latent_query.applies(q, w_uk):  # one token: the store rides in the query's launch
+            query = self.kv_pool.norm_rope_store_with_query(self.cache, latent, self.kv_a_layernorm.weight,
+                                                            LATENT_NORM_EPS, rope, positions, fb.out_slots, q, w_uk)
+        else:
+            self.store(latent, positions, rope, fb)
+            query = latent_query_reference(q, w_uk, rope.cos, rope.sin, positions)
+        out = fb.backend.forward(query, self.cache, fb)  # [W_UK^T q_nope, q_pe]
         if gemv.applies(q[:, 0], w_uv):  # one token: each head's W_UV as a slot of the matrix-vector kernel
             return torch.ops.flexsgl.expert_gemv(out[0], w_uv, self.heads, None, gemv.PLAIN)  # [H, v]
         return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
