@@ -13,8 +13,8 @@ rounded once, the rotation in float32 and cast. Each token rereads W_UK, so only
 takes the kernel (`applies`); batches keep the batched product.
 
 `latent_query_store` also stores the token's latent (latent_store.py) from one more program of the
-same launch: the two read only the query projection's output, and a launch of its own cost the
-store about 2 µs a layer (docs/BENCHMARKS.md, "MLA decode").
+same launch: the two read only the query projection's output, so the store needs no launch of its
+own (docs/BENCHMARKS.md, "MLA decode").
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ program multiplies ROWS of the router's rows with the input, normed in float32 o
 matrix-vector kernel (flexsgl/kernels/gemv.py) does, and writes their logits; the last program to
 finish (an atomic count, which it sets back to zero) takes softmax and top-k of all of them. A
 single program doing everything read the router's 256 KB at 13 GB/s (20 µs); a second launch for
-the top-k cost about 3 µs a layer more than this one (docs/BENCHMARKS.md, "MLA decode").
+the top-k made DeepSeek-V2-Lite's batch-1 MoE layers 15 µs a step slower (docs/BENCHMARKS.md,
+"MLA decode").
 
 The experts read the input and normalise it themselves (expert_gemv's RMS_NORM prologue). The top-k
 is TOP_K rounds of taking the largest probability left; a tie goes to the lower expert index. Only
