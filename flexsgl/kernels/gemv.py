@@ -173,17 +173,9 @@ def launch_experts(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor,
     slices; a routed expert's gate/up is `[2 I, K]`) or its down `[N, J * K]`. Its J slices of
     routed-expert shape become J more slots after the routed ones, unscaled (out `[S + J, N]`): the
     MLP's output is the sum of theirs, and every program of the launch does the same work."""
-    e, n, k = weight.shape
+    _, n, k = weight.shape
     routed = experts.numel()
-    row_step = row_split = col_step = 0
-    slices = 0
-    if shared is not None:
-        if shared.shape[1] == k and shared.shape[0] % n == 0:  # gate/up: slice j's rows j*I.. and J*I + j*I..
-            slices, row_step, row_split = shared.shape[0] // n, n // 2, n // 2
-        elif shared.shape[0] == n and shared.shape[1] % k == 0:  # down: slice j's columns j*K..
-            slices, col_step = shared.shape[1] // k, k
-        else:
-            raise ValueError(f"shared weight {tuple(shared.shape)} is no whole number of experts [{n}, {k}]")
+    slices, row_step, row_split, col_step = _shared_slices(weight, shared)
     block_n, block_k, warps, stages = expert_config(n, k, prologue)
     use_pdl = pdl(x.device)
     _kernel()[((n + block_n - 1) // block_n, routed + slices)](
@@ -196,6 +188,19 @@ def launch_experts(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor,
         ROUTED=routed, SHARED=max(slices, 1), num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if use_pdl else {}))
     return out
+
+
+def _shared_slices(weight: torch.Tensor, shared: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """(J, row_step, row_split, col_step): how many routed-shaped slices `shared` holds for the
+    stacked experts `weight` `[E, N, K]`, and where slice j's weight lies (launch_experts)."""
+    _, n, k = weight.shape
+    if shared is None:
+        return 0, 0, 0, 0
+    if shared.shape[1] == k and shared.shape[0] % n == 0:  # gate/up: slice j's rows j*I.. and J*I + j*I..
+        return shared.shape[0] // n, n // 2, n // 2, 0
+    if shared.shape[0] == n and shared.shape[1] % k == 0:  # down: slice j's columns j*K..
+        return shared.shape[1] // k, 0, 0, k
+    raise ValueError(f"shared weight {tuple(shared.shape)} is no whole number of experts [{n}, {k}]")
 
 
 @torch.library.custom_op("flexsgl::gemv", mutates_args=())
@@ -228,9 +233,7 @@ def _(x, weight, experts, scale, prologue, shared=None, norm_weight=None, eps=0.
 
 def _experts_out_shape(weight, experts, shared) -> tuple[int, int]:
     """A row per routed slot and per shared slice (launch_experts)."""
-    _, n, k = weight.shape
-    slices = 0 if shared is None else shared.shape[0] // n if shared.shape[1] == k else shared.shape[1] // k
-    return experts.numel() + slices, n
+    return experts.numel() + _shared_slices(weight, shared)[0], weight.shape[1]
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -35,7 +35,6 @@ def _kernel():
     import triton
     import triton.language as tl
 
-
     @triton.jit
     def latent_query_kernel(q_ptr, stride_qt, stride_qh, w_ptr, stride_wh, stride_wn, cos_ptr, sin_ptr, pos_ptr,
                             out_ptr, HEADS, x_ptr, g_ptr, eps, slot_ptr, kv_ptr, NOPE: tl.constexpr,
