@@ -16,7 +16,8 @@ schedule + launch + process); with a large `wait` the device does. Steps whose l
 than --slow seconds (compiles happen there) are listed with their shape; TORCH_LOGS=recompiles says
 why they compiled. With --profile-steps N, a third pass runs under torch.profiler from its K-th step
 of MODE (--profile-at MODE:K) for N steps of MODE, and its kernels are printed by device time and
-by host time, with device time per step (kernels summed) against wall time per step.
+by host time, with device time per step (kernels summed) against wall time per step, and each
+kernel's share of the critical path (with PDL, kernels overlap and their durations overstate them).
 
     python tools/profile_step.py --model qwen3-0.6b --profile-steps 10     # throughput; decode near batch 228
     python tools/profile_step.py --model qwen3-0.6b --profile-steps 1 --profile-at prefill:3
@@ -171,9 +172,28 @@ def print_profile(llm, done, rows: int) -> None:
     print(f"{llm.backends.label}: device time {kernels / 1e3 / n:.3f} ms per step (kernels summed), "
           f"wall {1e3 * wall:.3f} ms per step under the profiler")
     if pdl(llm.device):
-        print("flexsgl's kernels launch with PDL (flexsgl/kernels/launch.py): each starts while the one before "
-              "runs, so their durations include that wait and the sum overstates device time; "
-              "FLEXSGL_PDL=0 gives a per-kernel breakdown")
+        print("kernels launch with PDL (flexsgl/kernels/launch.py): each starts while the one before runs, so "
+              "their durations include that wait and the sum overstates device time; the critical path below "
+              "does not")
+    print_critical_path(prof, n, rows)
+
+
+def print_critical_path(prof, n: int, rows: int) -> None:
+    """Each kernel's share of the device's wall time: its end less the latest end before it (in start
+    order), summed by name. The shares add up to the profiled span, overlap counted once; a gap
+    (the device idle, waiting for the host) goes to the kernel after it."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    share, calls, last = defaultdict(float), defaultdict(int), None
+    for e in kernels:
+        end = e.time_range.end
+        share[e.name] += end - (e.time_range.start if last is None else min(last, end))
+        calls[e.name] += 1
+        last = end if last is None else max(last, end)
+    print(f"\ncritical path of {n} steps (us per step; calls per step):")
+    for name, us in sorted(share.items(), key=lambda kv: -kv[1])[:rows]:
+        print(f"{us / n:>10.1f} {calls[name] / n:>7.1f}  {name[:100]}")
+    print(f"{sum(share.values()) / n:>10.1f}          in all")
 
 
 def main() -> None:
