@@ -42,7 +42,6 @@ import time
 from typing import Callable
 
 import torch
-import torch._inductor.config
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
@@ -68,6 +67,8 @@ def decode_buckets(compiles_per_shape: bool, max_running: int) -> list[int]:
 def settings():
     """The torch settings compiled steps trace and run under. Set and restored by hand: the configs'
     own patch() took ~0.6 ms a call on the development CPU, on every prefill step."""
+    import torch._inductor.config  # here, not at import: importing it sets TORCHINDUCTOR_CACHE_DIR (compile_cache)
+
     dynamo, inductor = torch._dynamo.config, torch._inductor.config.triton
     saved = dynamo.recompile_limit, fx_config.use_duck_shape, inductor.enable_pdl
     dynamo.recompile_limit, fx_config.use_duck_shape = max(saved[0], RECOMPILE_LIMIT), False
