@@ -96,7 +96,7 @@ def launch(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         latent, norm_weight, eps, slots, kv,
         NOPE=nope, ROPE=rope, R=r, BLOCK_N=max(16, 1 << (nope - 1).bit_length()), BLOCK_R=BLOCK_R,
         BLOCK_P=interleaved_rope.block_pairs(rope), PDL=use_pdl, STORE=store is not None,
-        BLOCK_S=max(16, 1 << (r - 1).bit_length()), num_warps=4, **({"launch_pdl": True} if use_pdl else {}))
+        BLOCK_S=latent_store.block_latent(r), num_warps=4, **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 

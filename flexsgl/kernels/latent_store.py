@@ -57,6 +57,11 @@ def _helper():
     return store_row
 
 
+def block_latent(r: int) -> int:
+    """store_row's BLOCK_R for a latent of `r` normed dims: r rounded up to a power of two, at least 16."""
+    return max(16, 1 << (r - 1).bit_length())
+
+
 @functools.cache
 def _kernel():
     global latent_store  # this module, as the kernel's global: its helper is built on first use
@@ -97,7 +102,7 @@ def launch(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: tor
     use_pdl = pdl(latent.device)
     _kernel()[(t,)](
         latent, latent.stride(0), norm_weight, cos, sin, positions, slots, kv, eps, R=width - rope, ROPE=rope,
-        BLOCK_R=max(16, 1 << (width - rope - 1).bit_length()), BLOCK_P=interleaved_rope.block_pairs(rope),
+        BLOCK_R=block_latent(width - rope), BLOCK_P=interleaved_rope.block_pairs(rope),
         PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}))
 
 
