@@ -114,41 +114,18 @@ def test_fused_projections_at_batch_1_and_beyond():
                 assert err < 1e-2, f"{name}, rows={rows}: relative error {err:.2e}"
 
 
-def check_experts(device, e, n, k, slots, prologue, dtype, shared=0):
-    """expert_gemv against float64: each routed slot's output from its own expert, scaled when asked,
-    and with `shared` = J the shared MLP's J slices of a routed expert's shape (gate/up `[2 J I, K]`:
-    J gate slices, then J up slices; down `[N, J K]`) as J more slots, unscaled, each checked against
-    its slice of the whole MLP's product."""
+def check_stacked(device, e, n, k, slots, dtype):
+    """stacked_gemv against float64: slot s's output row from its own weight of the stack, chosen by
+    a shuffled index, and its own x row."""
     seed = random.randrange(1 << 30)
     g = torch.Generator(device=device).manual_seed(seed)
-    p = PROLOGUES[prologue]
     w = (torch.randn(e, n, k, device=device, generator=g) / k ** 0.5).to(dtype)
-    experts = torch.randperm(e, device=device, generator=g)[:slots]
-    down = p == gemv.SILU_GATE
-    w2 = None
-    if shared:
-        w2_shape = (n, shared * k) if down else (shared * n, k)
-        w2 = (torch.randn(*w2_shape, device=device, generator=g) / w2_shape[1] ** 0.5).to(dtype)
-    rows = slots + shared
-    # SiLU gate: a row per slot ([gate | up]); otherwise one row every slot reads
-    x = torch.randn(rows if down else 1, 2 * k if down else k, device=device, generator=g).to(dtype)
-    norm_weight = (0.5 + torch.rand(k, device=device, generator=g)).to(dtype) if p == gemv.RMS_NORM else None
-    scale = torch.rand(slots, device=device, generator=g) if down else None
-    out = torch.full((rows, n), float("nan"), device=device, dtype=dtype)
-    gemv.launch_experts(x, w, experts, scale, out, prologue=p, shared=w2, norm_weight=norm_weight, eps=1e-6)
-    if shared and not down:  # the whole shared MLP's gate/up; a slice's rows are its gate rows, then its up rows
-        whole = reference(p, x, w2, None, None, norm_weight, 1e-6)[0]
-        half, inter = shared * n // 2, n // 2
-    for s in range(rows):
-        xs = x[s if down else 0][None]
-        j = s - slots
-        if s < slots:
-            ref = reference(p, xs, w[experts[s]], None, None, norm_weight, 1e-6)[0]
-            ref = ref * (scale[s].double() if scale is not None else 1.0)
-        elif down:
-            ref = reference(p, xs, w2[:, j * k:(j + 1) * k], None, None, None, 0.0)[0]
-        else:
-            ref = torch.cat([whole[j * inter:(j + 1) * inter], whole[half + j * inter:half + (j + 1) * inter]])
+    index = torch.randperm(e, device=device, generator=g)[:slots]
+    x = torch.randn(slots, k, device=device, generator=g).to(dtype)
+    out = torch.full((slots, n), float("nan"), device=device, dtype=dtype)
+    gemv.launch_stacked(x, w, index, out)
+    for s in range(slots):
+        ref = x[s].double() @ w[index[s]].double().T
         got = out[s].double()
         assert not got.isnan().any(), f"slot {s}: unwritten outputs (seed={seed})"
         err = ((got - ref).norm() / ref.norm()).item()
@@ -156,18 +133,12 @@ def check_experts(device, e, n, k, slots, prologue, dtype, shared=0):
 
 
 @pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.parametrize("prologue", list(PROLOGUES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("shared", [0, 1, 3], ids=["routed", "one-shared", "three-shared"])
-def test_interpreted_expert_kernel_matches_float64(prologue, dtype, shared):
-    check_experts("cpu", 8, 40, 1000, 3, prologue, dtype, shared)
+def test_interpreted_stacked_kernel_matches_float64(dtype):
+    check_stacked("cpu", 8, 40, 1000, 3, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prologue", list(PROLOGUES))
-@pytest.mark.parametrize("shared", [0, 2], ids=["routed", "with-shared"])
-def test_expert_kernel_matches_float64(prologue, shared):
-    """DeepSeek-V2-Lite's expert shapes: gate_up [2816, 2048], down [2048, 1408], 6 of 64 experts;
-    its two shared experts as two more slots: gate_up [5632, 2048], down [2048, 2816]."""
-    n, k = (2048, 1408) if prologue == "silu_gate" else (2816, 2048)
-    check_experts("cuda", 64, n, k, 6, prologue, torch.bfloat16, shared)
+def test_stacked_kernel_matches_float64():
+    """MLA's W_UV at DeepSeek-V2-Lite's sizes: 16 heads' [128, 512] slices, a slot per head."""
+    check_stacked("cuda", 16, 128, 512, 16, torch.bfloat16)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flexsgl.model.moe as moe_module
-from flexsgl.kernels import gemv, moe_route
+from flexsgl.kernels import gemv, moe_layer
 from flexsgl.model.layers import RMSNorm
 from flexsgl.model.mla_config import MoEConfig
 from flexsgl.model.moe import MoE
@@ -81,81 +81,100 @@ def test_grouped_moe_in_bf16_on_gpu(tokens):
     check_bf16_moe(tokens, torch.device("cuda"), lambda m: torch.compile(m, dynamic=False))
 
 
-@pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.parametrize("shared", [0, 2])
-def test_one_token_through_the_decode_kernels(monkeypatch, shared):
-    """One token's MoE layer as a GPU runs it at decode batch 1 (the fused routing kernel, expert_gemv:
-    a launch for gate/up, one for down with the SiLU gate and the routing weights; the shared experts
-    through the matrix-vector kernel), here through Triton's interpreter in float32."""
+def one_token_moe(device, dtype, hidden, experts, inter, top_k, shared, method="greedy", norm_topk=True):
+    """A MoE layer, its norm and one token whose top_k-th expert is decisively ahead of the next
+    (draws repeated until it is), for the one-launch layer; and the seed."""
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
-    cfg = MoEConfig(n_routed_experts=8, n_shared_experts=shared, top_k=3, intermediate_size=16, first_k_dense_replace=0,
-                    routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=True)
-    m = MoE(HIDDEN, cfg)
+    cfg = MoEConfig(n_routed_experts=experts, n_shared_experts=shared, top_k=top_k, intermediate_size=inter,
+                    first_k_dense_replace=0, routed_scaling_factor=1.7, topk_method=method, n_group=4, topk_group=2,
+                    norm_topk_prob=norm_topk)
+    m, norm = MoE(hidden, cfg), RMSNorm(hidden, 1e-6)
     for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    norm = RMSNorm(HIDDEN, 1e-6)
+        torch.nn.init.normal_(p, std=hidden ** -0.5)
+    torch.nn.init.normal_(m.gate.weight, std=2 * hidden ** -0.5)  # logits of about unit size: no expert's weight vanishes
     norm.weight.data.uniform_(0.5, 1.5)
-    one_row = lambda x, *_: x.dim() == 2 and x.shape[0] == 1  # noqa: E731
-    monkeypatch.setattr(moe_route, "applies", one_row)
-    monkeypatch.setattr(gemv, "applies", one_row)
-    launched = []
-    monkeypatch.setattr(moe_route, "launch", lambda *a, f=moe_route.launch: launched.append(1) or f(*a))
-    x = torch.randn(1, HIDDEN)
-    with torch.no_grad():
-        ours = m(x, norm, residual=x)
-    assert launched, "the fused routing kernel did not run"
-    torch.testing.assert_close(ours.double(), reference(m, x, norm), rtol=1e-5, atol=1e-5,
-                               msg=lambda msg: f"seed={seed}: {msg}")
-
-
-def check_fused_routing(device, dtype, experts, hidden, top_k, norm_topk):
-    """moe_route on one token: its experts and weights against float64 routing of the input normed in
-    float64 (the router's product reads it unrounded), launched twice on one count, which each launch
-    must leave at zero; draws are repeated until the k-th choice is decisive."""
-    seed = random.randrange(1 << 30)
-    g = torch.Generator(device=device).manual_seed(seed)
-    norm = (0.5 + torch.rand(hidden, device=device, generator=g)).to(dtype)
-    gate = (0.3 * torch.randn(experts, hidden, device=device, generator=g)).to(dtype)
+    m, norm = m.to(device, dtype), norm.to(device, dtype)
+    m.place(torch.device(device))
     for _ in range(50):
-        x = torch.randn(1, hidden, device=device, generator=g).to(dtype)
-        x64 = x.double()
-        h64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.double()
-        scores = (h64 @ gate.double().T).softmax(-1)
-        top = scores.sort(-1, descending=True).values
+        x = torch.randn(1, hidden, device=device).to(dtype)
+        top = router_scores(m, norm, x).sort(-1, descending=True).values
         if ((top[:, top_k - 1] - top[:, top_k]) > 1e-3 * top[:, 0]).all():
-            break
-    else:
-        pytest.fail(f"seed={seed}: no draw with decisive routing")
-    count = torch.zeros(1, dtype=torch.int32, device=device)
-    first = moe_route.launch(x, norm, 1e-6, gate, top_k, norm_topk, 1.7, count)
-    assert count.item() == 0, f"seed={seed}: the count was left at {count.item()}"
-    ours_experts, ours_weights = moe_route.launch(x, norm, 1e-6, gate, top_k, norm_topk, 1.7, count)
-    assert count.item() == 0, f"seed={seed}: the count was left at {count.item()}"
-    assert torch.equal(first[0], ours_experts), f"seed={seed}: a second launch routed differently"
-    assert ours_experts.dtype == torch.int32 and ours_weights.dtype == torch.float32
-    weights, chosen = scores.topk(top_k, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True) if norm_topk else weights * 1.7
-    order = ours_experts.long().argsort(-1)
-    assert torch.equal(ours_experts.long().gather(-1, order), chosen.sort(-1).values), f"seed={seed}: experts"
-    ref_weights = weights.gather(-1, chosen.argsort(-1))
-    torch.testing.assert_close(ours_weights.double().gather(-1, order), ref_weights, rtol=1e-5, atol=1e-6,
+            return m, norm, x, seed
+    pytest.fail(f"seed={seed}: no draw with decisive routing")
+
+
+def router_scores(m: MoE, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """float64 softmax of the router's logits of x normed in float64 (the kernel does not round the
+    normed input to x's dtype before the router's product)."""
+    x64 = x.double()
+    h = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+    return (h @ m.gate.weight.double().T).softmax(-1)
+
+
+def check_one_token_layer(device, dtype, hidden, experts, inter, top_k, shared, norm_topk, tol):
+    """flexsgl/kernels/moe_layer.py against the float64 loop: the routing it chose (experts and
+    weights), and y = residual + the layer, launched twice on one set of counters, which each launch
+    must leave at zero; then with the routing given instead of computed."""
+    m, norm, x, seed = one_token_moe(device, dtype, hidden, experts, inter, top_k, shared, norm_topk=norm_topk)
+    residual = torch.randn_like(x)
+    sh = m.shared_experts
+    weights = (m.experts.gate_up_proj.data, m.experts.down_proj.data,
+               sh.gate_up_proj.weight.data if sh is not None else None, sh.down_proj.weight.data if sh is not None else None)
+    c = m.cfg
+    ref = reference(m, x, norm) - x.double() + residual.double()
+    ref_w, ref_e = router_scores(m, norm, x)[0].topk(top_k)
+    ref_w = ref_w / ref_w.sum() if norm_topk else ref_w * c.routed_scaling_factor
+    runs = []
+    for _ in range(2):
+        runs.append(moe_layer.launch(x, residual, norm.weight, 1e-6, *weights, m.counters, m.gate.weight, top_k,
+                                     norm_topk, c.routed_scaling_factor))
+        assert not m.counters.any(), f"seed={seed}: counters left at {m.counters.tolist()}"
+    (y, chosen, chosen_w), again = runs
+    assert torch.equal(y, again[0]), f"seed={seed}: a second launch gave another output"
+    order = chosen.long().argsort()
+    assert torch.equal(chosen.long()[order], ref_e.sort().values), f"seed={seed}: experts {chosen.tolist()}"
+    torch.testing.assert_close(chosen_w.double()[order], ref_w[ref_e.argsort()], rtol=1e-5, atol=1e-6,
                                msg=lambda msg: f"seed={seed}: routing weights: {msg}")
+    given = moe_layer.launch(x, residual, norm.weight, 1e-6, *weights, m.counters, experts=ref_e.to(torch.int32),
+                             weights=ref_w.float())[0]
+    assert not m.counters.any(), f"seed={seed}: counters left at {m.counters.tolist()}"
+    for name, out in (("routed inside", y), ("routing given", given)):
+        err = ((out.double() - ref).norm() / (ref - residual.double()).norm()).item()
+        assert err < tol, f"seed={seed}, {name}: relative error {err:.2e}"
 
 
 @pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.parametrize("experts,hidden,top_k,norm_topk", [(8, 40, 3, True), (12, 300, 4, False)])
-def test_fused_routing_matches_float64(experts, hidden, top_k, norm_topk):
-    """The routing kernel through Triton's interpreter in float32, with expert counts a power of two
-    and not, and a hidden size its tiles do not divide."""
-    check_fused_routing("cpu", torch.float32, experts, hidden, top_k, norm_topk)
+@pytest.mark.parametrize("shared,norm_topk", [(0, True), (1, False), (2, True)])
+@pytest.mark.parametrize("hidden,inter", [(64, 16), (40, 24)], ids=["even", "odd-tiles"])
+def test_interpreted_one_token_layer_matches_float64(shared, norm_topk, hidden, inter):
+    """Through Triton's interpreter in float32, with no, one and two shared experts, and sizes the
+    tiles divide and do not."""
+    check_one_token_layer("cpu", torch.float32, hidden, 8, inter, 3, shared, norm_topk, 1e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm_topk", [True, False])
-def test_fused_routing_in_bf16_on_gpu(norm_topk):
-    """DeepSeek-V2-Lite's router: 64 experts, hidden 2048, top 6, bfloat16 input and weights."""
-    check_fused_routing("cuda", torch.bfloat16, 64, 2048, 6, norm_topk)
+def test_one_token_layer_in_bf16_on_gpu(norm_topk):
+    """DeepSeek-V2-Lite's MoE layer: 64 experts of [2816, 2048] and [2048, 1408], top 6, two shared
+    experts, bfloat16."""
+    check_one_token_layer("cuda", torch.bfloat16, 2048, 64, 1408, 6, 2, norm_topk, 1e-2)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_one_token_through_the_module(monkeypatch, method):
+    """MoE.forward at one token takes the one-launch layer, with greedy routing inside it and
+    group-limited routing computed before it, and matches the float64 loop."""
+    m, norm, x, seed = one_token_moe("cpu", torch.float32, 32, 8, 16, 3, 2, method=method)
+    monkeypatch.setattr(gemv, "applies", lambda x, *_: x.dim() == 2 and x.shape[0] == 1)
+    launched = []
+    monkeypatch.setattr(moe_layer, "launch", lambda *a, f=moe_layer.launch, **kw: launched.append(kw) or f(*a, **kw))
+    with torch.no_grad():
+        ours = m(x, norm, residual=x)
+    assert len(launched) == 1, "the one-token layer did not run"
+    torch.testing.assert_close(ours.double(), reference(m, x, norm), rtol=1e-5, atol=1e-5,
+                               msg=lambda msg: f"seed={seed}: {msg}")
 
 
 @pytest.mark.parametrize("tokens", [1, 300])

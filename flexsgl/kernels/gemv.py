@@ -5,8 +5,8 @@ matrix-vector kernel that runs them at decode batch 1 on CUDA.
     linear(x, proj, residual)             residual + proj(x)
     silu_linear(gate_up, proj, residual)  residual + proj(silu(gate) * up)
 
-and, for one token's routed experts (flexsgl/model/moe.py), `expert_gemv`: the same kernel with a
-grid row per expert slot, which reads the slot's expert from a stacked `[E, N, K]` weight.
+and `stacked_gemv`: the same kernel with a grid row per slot s, out[s] = weight[index[s]] @ x[s] for
+a stacked `[E, N, K]` weight (MLA's W_UV at batch 1, a slot per head).
 
 Everywhere but batch 1 on CUDA they are those PyTorch expressions. At batch 1 each is one kernel:
 the projection reads its whole weight to do two flops per element, so its time is the weight's
@@ -48,34 +48,22 @@ def _kernel():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, out_ptr, N, K, stride_wn, eps,
-                    e_ptr, s_ptr, stride_we, stride_xs, stride_os, w2_ptr, stride_wn2, row_step, row_split, col_step,
+                    e_ptr, stride_we, stride_xs, stride_os,
                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                    EXPERTS: tl.constexpr, HAS_SCALE: tl.constexpr, ROUTED: tl.constexpr, SHARED: tl.constexpr):
-        slot = 0
-        if EXPERTS:  # program_id(1) is a slot: its expert's weight, its x row, its output row
-            if PDL:  # which weight to read comes from the kernel before: wait for it first
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
+                    STACKED: tl.constexpr):
+        if STACKED:  # program_id(1) is a slot: its weight of the stack, its x row, its output row
             slot = tl.program_id(1)
-            if slot < ROUTED:
-                w_ptr += tl.load(e_ptr + slot).to(tl.int64) * stride_we
-            else:  # a shared expert, unscaled: a routed-shaped slice of the shared MLP (launch_experts)
-                w_ptr = w2_ptr + (slot - ROUTED) * col_step
-                stride_wn = stride_wn2
+            w_ptr += tl.load(e_ptr + slot).to(tl.int64) * stride_we
             x_ptr += slot * stride_xs
             out_ptr += slot * stride_os
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
-        w_rows = rows
-        if EXPERTS:
-            if slot >= ROUTED:  # gate/up: the slice's gate rows, then its up rows
-                w_rows = rows + (slot - ROUTED) * row_step + tl.where(rows >= row_split, row_step * (SHARED - 1), 0)
-        w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if PDL and not EXPERTS:  # the first weight slice loads while the previous kernel finishes (launch.py)
+        if PDL:  # the first weight slice loads while the previous kernel finishes (launch.py)
             w_first = tl.load(w_ptrs, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
                               eviction_policy="evict_first")
             tl.extra.cuda.gdc_wait()
@@ -83,7 +71,7 @@ def _kernel():
         for k in range(0, K, BLOCK_K):
             k_ok = k + cols < K
             w_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & k_ok[None, :]
-            if PDL and not EXPERTS:
+            if PDL:
                 if k == 0:
                     w = w_first
                 else:
@@ -105,9 +93,6 @@ def _kernel():
             out += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             out += tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            if slot < ROUTED:
-                out *= tl.load(s_ptr + slot).to(tl.float32)
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     return gemv_kernel
@@ -131,17 +116,6 @@ def config_for(n: int, k: int) -> tuple[int, int, int, int]:
     return 4, 512, 4, 3  # o_proj
 
 
-def expert_config(n: int, k: int, prologue: int) -> tuple[int, int, int, int]:
-    """Tiles of the expert launch, from DeepSeek-V2-Lite's 26 MoE layers chained in one CUDA graph
-    with PDL on an H200 (docs/BENCHMARKS.md, "MLA decode"): down (SILU_GATE) in 32-row tiles of 256
-    columns and 8 warps, gate/up in 16-row tiles of 512, W_UV's heads as config_for."""
-    if prologue == SILU_GATE:
-        return 32, 256, 8, 3
-    if n > k:
-        return 16, 512, 4, 3
-    return config_for(n, k)
-
-
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
            config: tuple[int, int, int, int] | None = None, residual: torch.Tensor | None = None,
            norm_weight: torch.Tensor | None = None, eps: float = 0.0, prologue: int = PLAIN,
@@ -154,53 +128,25 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     _kernel()[((n + block_n - 1) // block_n,)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else weight,
         norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(0), eps,
-        weight, weight, 0, 0, 0, weight, 0, 0, 0, 0,
+        weight, 0, 0, 0,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, EXPERTS=False, HAS_SCALE=False,
-        ROUTED=0, SHARED=0, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, STACKED=False, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 
-def launch_experts(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, scale: torch.Tensor | None,
-                   out: torch.Tensor, prologue: int = PLAIN, shared: torch.Tensor | None = None,
-                   norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """out[s] = weight[experts[s]] @ f(x[s]) (* scale[s]) for each slot s: one token's routed experts
-    in one launch, each expert's weight read once. weight `[E, N, K]`; x `[1, K]` (every slot reads
-    the same row; RMS_NORM normalises it with `norm_weight`) or `[S, 2K]` for SILU_GATE, contiguous;
-    out `[S, N]`.
-
-    `shared` is the shared MLP's gate/up `[2 * J * I, K]` (its J gate slices of I rows, then its J up
-    slices; a routed expert's gate/up is `[2 I, K]`) or its down `[N, J * K]`. Its J slices of
-    routed-expert shape become J more slots after the routed ones, unscaled (out `[S + J, N]`): the
-    MLP's output is the sum of theirs, and every program of the launch does the same work."""
+def launch_stacked(x: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[s] = weight[index[s]] @ x[s] for each slot s, in one launch: weight `[E, N, K]`, x `[S, K]`
+    contiguous, index int `[S]`, out `[S, N]`. Its weight slices load before the wait on the kernel before
+    (launch.py), so `index` must not be that kernel's output (W_UV's is a constant buffer)."""
     _, n, k = weight.shape
-    routed = experts.numel()
-    slices, row_step, row_split, col_step = _shared_slices(weight, shared)
-    block_n, block_k, warps, stages = expert_config(n, k, prologue)
+    block_n, block_k, warps, stages = config_for(n, k)
     use_pdl = pdl(x.device)
-    _kernel()[((n + block_n - 1) // block_n, routed + slices)](
-        x, weight, weight, weight, norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(1), eps,
-        experts, scale if scale is not None else weight, weight.stride(0), x.stride(0) if x.shape[0] > 1 else 0,
-        out.stride(0), shared if shared is not None else weight, shared.stride(0) if shared is not None else 0,
-        row_step, row_split, col_step,
-        PROLOGUE=prologue, HAS_BIAS=False, HAS_RESIDUAL=False, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, PDL=use_pdl, EXPERTS=True, HAS_SCALE=scale is not None,
-        ROUTED=routed, SHARED=max(slices, 1), num_warps=warps, num_stages=stages,
+    _kernel()[((n + block_n - 1) // block_n, index.numel())](
+        x, weight, weight, weight, weight, out, n, k, weight.stride(1), 0.0, index, weight.stride(0), x.stride(0),
+        out.stride(0), PROLOGUE=PLAIN, HAS_BIAS=False, HAS_RESIDUAL=False, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, PDL=use_pdl, STACKED=True, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if use_pdl else {}))
     return out
-
-
-def _shared_slices(weight: torch.Tensor, shared: torch.Tensor | None) -> tuple[int, int, int, int]:
-    """(J, row_step, row_split, col_step): how many routed-shaped slices `shared` holds for the
-    stacked experts `weight` `[E, N, K]`, and where slice j's weight lies (launch_experts)."""
-    _, n, k = weight.shape
-    if shared is None:
-        return 0, 0, 0, 0
-    if shared.shape[1] == k and shared.shape[0] % n == 0:  # gate/up: slice j's rows j*I.. and J*I + j*I..
-        return shared.shape[0] // n, n // 2, n // 2, 0
-    if shared.shape[0] == n and shared.shape[1] % k == 0:  # down: slice j's columns j*K..
-        return shared.shape[1] // k, 0, 0, k
-    raise ValueError(f"shared weight {tuple(shared.shape)} is no whole number of experts [{n}, {k}]")
 
 
 @torch.library.custom_op("flexsgl::gemv", mutates_args=())
@@ -217,23 +163,15 @@ def _(x, weight, bias, residual, norm_weight, eps, prologue):
     return x.new_empty(1, weight.shape[0])
 
 
-@torch.library.custom_op("flexsgl::expert_gemv", mutates_args=())
-def expert_gemv(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, scale: torch.Tensor | None,
-                prologue: int, shared: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                eps: float = 0.0) -> torch.Tensor:
-    out = torch.empty(*_experts_out_shape(weight, experts, shared), dtype=x.dtype, device=x.device)
-    return launch_experts(x.contiguous(), weight, experts.contiguous(), scale, out, prologue=prologue, shared=shared,
-                          norm_weight=norm_weight, eps=eps)
+@torch.library.custom_op("flexsgl::stacked_gemv", mutates_args=())
+def stacked_gemv(x: torch.Tensor, weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(index.numel(), weight.shape[1], dtype=x.dtype, device=x.device)
+    return launch_stacked(x.contiguous(), weight, index, out)
 
 
-@expert_gemv.register_fake
-def _(x, weight, experts, scale, prologue, shared=None, norm_weight=None, eps=0.0):
-    return x.new_empty(*_experts_out_shape(weight, experts, shared))
-
-
-def _experts_out_shape(weight, experts, shared) -> tuple[int, int]:
-    """A row per routed slot and per shared slice (launch_experts)."""
-    return experts.numel() + _shared_slices(weight, shared)[0], weight.shape[1]
+@stacked_gemv.register_fake
+def _(x, weight, index):
+    return x.new_empty(index.numel(), weight.shape[1])
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

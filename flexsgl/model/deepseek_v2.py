@@ -129,7 +129,7 @@ class MLAttention(nn.Module):
             query = latent_query_reference(q, w_uk, rope.cos, rope.sin, positions)
         out = fb.backend.forward(query, self.cache, fb)  # [W_UK^T q_nope, q_pe]
         if gemv.applies(q[:, 0], w_uv):  # one token: each head's W_UV as a slot of the matrix-vector kernel
-            return torch.ops.flexsgl.expert_gemv(out[0], w_uv, self.heads, None, gemv.PLAIN)  # [H, v]
+            return torch.ops.flexsgl.stacked_gemv(out[0], w_uv, self.heads)  # [H, v]
         return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
 
 

@@ -7,13 +7,10 @@ products (`torch.nn.functional.grouped_mm`: one GEMM per expert segment in one l
 with no rows reading nothing) compute gate/up and down for every pair; the outputs go back to
 token order by the inverse permutation and are summed with their routing weights.
 
-One token on a GPU (decode at batch 1) takes neither: one launch routes it
-(flexsgl/kernels/moe_route.py), then two launches of the matrix-vector kernel
-(flexsgl/kernels/gemv.py, `expert_gemv`) with a grid row per routed slot, each reading its expert's
-weight once straight from the stacked tensor, the RMSNorm folded into the first, the SiLU gate into
-the second and the routing weight into its output; the shared experts ride in the same launches as
-slots of a routed expert's shape, read from their own weights. A layer's MoE is then four launches
-(with the sum of the slots and the residual) where the unfused path took thirteen.
+One token on a GPU (decode at batch 1) takes neither: its whole MoE layer, routing, every routed and
+shared expert and the sum with the residual, is one launch (flexsgl/kernels/moe_layer.py), each
+chosen expert's weights read once straight from the stacked tensors, where the unfused path takes
+thirteen.
 
 Where grouped_mm does not run (it takes bfloat16 on SM90+ GPUs and under torch.compile, and float32
 only eagerly on the CPU; its strides must be multiples of 16 bytes), each (token, expert) pair
@@ -30,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexsgl.kernels import gemv, moe_route
+from flexsgl.kernels import gemv, moe_layer
 from flexsgl.model.layers import GatedMLP
 from flexsgl.model.mla_config import MoEConfig
 
@@ -67,19 +64,6 @@ class Experts(nn.Module):
         out = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # back to (token, slot) order
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
-    def one_token(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, shared: GatedMLP | None,
-                  residual: torch.Tensor, norm=None) -> torch.Tensor:
-        """residual + the routed experts (as forward) + shared(x), for one token (x [1, H], normed by
-        `norm` first where given) where gemv.applies: each launch of the matrix-vector kernel takes
-        the shared MLP as slots of a routed expert's shape (gemv.launch_experts)."""
-        gate_up_w, down_w = (shared.gate_up_proj.weight, shared.down_proj.weight) if shared is not None else (None, None)
-        prologue, norm_weight, eps = (gemv.PLAIN, None, 0.0) if norm is None else (gemv.RMS_NORM, norm.weight, norm.eps)
-        gate_up = torch.ops.flexsgl.expert_gemv(x, self.gate_up_proj, experts[0], None, prologue, gate_up_w,
-                                                norm_weight, eps)
-        out = torch.ops.flexsgl.expert_gemv(gate_up, self.down_proj, experts[0], weights[0].float(), gemv.SILU_GATE,
-                                            down_w)  # [k (+ shared slices), H]
-        return (out.float().sum(0, keepdim=True) + residual.float()).to(x.dtype)
-
     def _gathered(self, x, experts, weights):
         gate_up = torch.einsum("th,tkih->tki", x, self.gate_up_proj[experts])
         gate, up = gate_up.chunk(2, dim=-1)
@@ -108,14 +92,16 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_routed_experts, hidden, cfg.intermediate_size)
         self.shared_experts = (GatedMLP(hidden, cfg.intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
-        # the fused routing's count of finished programs (flexsgl/kernels/moe_route.py), zero between launches
-        self.register_buffer("route_count", torch.zeros(1, dtype=torch.int32), persistent=False)
+        # the one-token launch's counters (flexsgl/kernels/moe_layer.py), zero between launches
+        slots = cfg.top_k + cfg.n_shared_experts
+        self.register_buffer("counters", torch.zeros(moe_layer.counters_size(hidden, slots), dtype=torch.int32),
+                             persistent=False)
 
     def place(self, device: torch.device) -> None:
-        """Before the first step: note what the device is, and zero the routing's count (a model built on
-        the meta device and then allocated holds garbage there)."""
+        """Before the first step: note what the device is, and zero the counters (a model built on the
+        meta device and then allocated holds garbage there)."""
         self.experts.place(device)
-        self.route_count = torch.zeros(1, dtype=torch.int32, device=device)
+        self.counters = torch.zeros_like(self.counters, device=device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k experts of each token and their weights (float32), as DeepSeek-V2 routes."""
@@ -135,18 +121,26 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, norm, residual: torch.Tensor) -> torch.Tensor:
         """residual + moe(norm(x))."""
-        c = self.cfg
-        one_token = gemv.applies(x, self.experts.down_proj)
-        if one_token and moe_route.applies(x, self.gate.weight, c.topk_method):
-            experts, weights = torch.ops.flexsgl.moe_route(x, norm.weight, norm.eps, self.gate.weight, c.top_k,
-                                                           c.norm_topk_prob, c.routed_scaling_factor, self.route_count)
-            return self.experts.one_token(x, experts, weights, self.shared_experts, residual, norm)
+        if gemv.applies(x, self.experts.down_proj):
+            return self.one_token(x, norm, residual)
         h = norm(x)
         experts, weights = self.route(h)
-        if one_token:
-            return self.experts.one_token(h, experts, weights, self.shared_experts, residual)
         out = self.experts(h, experts, weights) + residual
         if self.shared_experts is None:
             return out
         return gemv.silu_linear(gemv.linear(h, self.shared_experts.gate_up_proj, None), self.shared_experts.down_proj,
                                 residual=out)
+
+    def one_token(self, x: torch.Tensor, norm, residual: torch.Tensor) -> torch.Tensor:
+        """forward for one token on a GPU, in one launch (flexsgl/kernels/moe_layer.py); greedy routing
+        runs inside it, group-limited routing before it."""
+        c, shared = self.cfg, self.shared_experts
+        router, experts, weights = self.gate.weight, None, None
+        if c.topk_method != "greedy":
+            router = None
+            experts, weights = self.route(norm(x))
+        return torch.ops.flexsgl.moe_layer(
+            x, residual, norm.weight, norm.eps, self.experts.gate_up_proj, self.experts.down_proj,
+            shared.gate_up_proj.weight if shared is not None else None,
+            shared.down_proj.weight if shared is not None else None, self.counters, router, c.top_k,
+            c.norm_topk_prob, c.routed_scaling_factor, experts, weights)

@@ -1,0 +1,282 @@
+"""One token's DeepSeek MoE layer (decode at batch 1) in one launch: routing, every slot's gate/up,
+SiLU and down, and the sum of the slots with the residual.
+
+    y = residual + sum over routed slots s of weight_s * expert_s(norm(x)) + shared(norm(x))
+
+Launched as the four steps it is (routing, gate/up, down, the sum), each short kernel waits for the
+one before to drain and then ramps its loads up again: on an H200, DeepSeek-V2-Lite's 26 MoE layers
+chained from one CUDA graph took 1,248 µs that way and 1,057 µs as one launch (docs/BENCHMARKS.md,
+"MLA decode"). Here the steps are tasks of one grid, and a task waits only for the tasks whose
+output it reads, through counters in global memory:
+
+- route (one program per router row): its float32 logit of the RMS-normed input; the last to finish
+  (an atomic count) takes softmax, greedy top-k and the weights' normalisation, as `MoE.route`
+  (flexsgl/model/moe.py), and raises the `routed` flag.
+- gate/up (BLOCK_A rows of one slot's [2I, H] weight): the shared experts' slots need no routing
+  and come first, so they run while the routing finishes; a routed slot waits for the flag. Each
+  task counts itself into its slot's `ready` count when its rows are written.
+- down (BLOCK_B rows of one slot's [H, I] weight): loads its first weight tile (a routed slot's once
+  the flag is up), then waits until its slot's `ready` count is full, so a slot's down starts while
+  other slots' gate/up still run. The
+  routing weight scales its output (float32, into a slot row of scratch); the last of a row
+  block's slots to finish (an atomic count) adds the block's slots and the residual into y.
+
+The shared MLP (`[2 J I, H]` gate/up, `[H, J I]` down) runs as J slots of a routed expert's shape,
+read from its own weights and unscaled, so every task of a phase does the same work. With `experts`
+and `weights` given (DeepSeek's group-limited routing, computed in PyTorch) the route tasks are left
+out.
+
+Tasks are numbered by a ticket each program takes from an atomic counter as it starts, route tasks
+first, then gate/up, then down. A task only ever waits for tasks of lower tickets, which programs
+already running hold, so the grid makes progress however few of its programs fit on the GPU at once
+(the order blockIdx would give is not promised). Every counter is set back to zero by the last
+task that reads it, so a launch leaves its counters as it found them: all zero.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flexsgl.kernels.launch import pdl
+
+# (BLOCK_A, BLOCK_K_A, BLOCK_B, BLOCK_K_B, warps, stages): the best of 26 tile sets for DeepSeek-V2-Lite's
+# 26 MoE layers chained in one CUDA graph on an H200 (docs/BENCHMARKS.md, "MLA decode")
+CONFIG = (16, 256, 16, 256, 8, 4)
+
+
+def counters_size(hidden: int, slots: int) -> int:
+    """int32 counters a layer of `hidden` with `slots` expert slots (routed + shared) needs: the ticket,
+    the route tasks' count, the routed flag, the finished down tasks; per slot its ready and read
+    counts; per row block of down its slots done."""
+    return 4 + 2 * slots + -(-hidden // CONFIG[2])
+
+
+@functools.cache
+def _kernel():
+    global tl, route_task, wait_until_routed, gate_up_task, down_task  # module globals, where Triton looks for them
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def route_task(t, x_ptr, g_ptr, eps, gate_ptr, logits_ptr, count_ptr, experts_ptr, weights_ptr, routed_ptr,
+                   scaling, H: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        cols = tl.arange(0, BLOCK_H)
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for k in range(0, H, BLOCK_H):
+            k_ok = k + cols < H
+            x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
+            squares += x * x
+            x *= tl.load(g_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
+            acc += tl.load(gate_ptr + t * H + k + cols, mask=k_ok, other=0.0).to(tl.float32) * x
+        logit = tl.sum(acc, axis=0) * tl.rsqrt(tl.sum(squares, axis=0) / H + eps)
+        tl.store(logits_ptr + t, logit)
+        tl.debug_barrier()  # every thread's store before the count (the release covers them)
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == E - 1:  # the last: every logit is written
+            rows = tl.arange(0, BLOCK_E)
+            logits = tl.load(logits_ptr + rows, mask=rows < E, other=float("-inf"), cache_modifier=".cg")
+            p = tl.exp(logits - tl.max(logits, axis=0))
+            p = p / tl.sum(p, axis=0)
+            slots = tl.arange(0, BLOCK_K)
+            chosen = tl.zeros((BLOCK_K,), dtype=tl.int32)
+            chosen_p = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            left = tl.where(rows < E, p, -1.0)
+            for i in tl.static_range(TOP_K):  # the largest left; a tie goes to the lower expert
+                best_p = tl.max(left, axis=0)
+                best = tl.min(tl.where(left == best_p, rows, BLOCK_E), axis=0)
+                chosen = tl.where(slots == i, best, chosen)
+                chosen_p = tl.where(slots == i, best_p, chosen_p)
+                left = tl.where(rows == best, -1.0, left)
+            if NORM_TOPK:
+                chosen_p = chosen_p / (tl.sum(chosen_p, axis=0) + 1e-20)
+            else:
+                chosen_p = chosen_p * scaling
+            tl.store(experts_ptr + slots, chosen, mask=slots < TOP_K)
+            tl.store(weights_ptr + slots, chosen_p, mask=slots < TOP_K)
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed")
+            tl.debug_barrier()
+            tl.atomic_xchg(routed_ptr, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def wait_until_routed(routed_ptr):
+        """Spin until the route tasks raised the flag; then the chosen experts and weights are readable."""
+        while tl.atomic_add(routed_ptr, 0, sem="acquire", scope="gpu") == 0:
+            pass
+        tl.debug_barrier()
+
+    @triton.jit
+    def gate_up_task(a, x_ptr, g_ptr, eps, experts_ptr, w_ptr, stride_we, stride_wn, shared_ptr, stride_sn,
+                     acts_ptr, ready_ptr, routed_ptr, H: tl.constexpr, I: tl.constexpr, ROUTED: tl.constexpr,
+                     J: tl.constexpr, ROUTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        TILES: tl.constexpr = (2 * I + BLOCK_N - 1) // BLOCK_N
+        s = (a // TILES + ROUTED) % (ROUTED + J)  # the shared slots first: they wait for nothing
+        rows = (a % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < 2 * I
+        cols = tl.arange(0, BLOCK_K)
+        if s < ROUTED:
+            if ROUTE:
+                wait_until_routed(routed_ptr)
+            e = tl.load(experts_ptr + s, cache_modifier=".cg").to(tl.int64)
+            w_ptrs = w_ptr + e * stride_we + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        else:  # shared slice j: the MLP's gate rows j*I.., then its up rows J*I + j*I..
+            w_rows = rows + (s - ROUTED) * I + tl.where(rows >= I, (J - 1) * I, 0)
+            w_ptrs = shared_ptr + w_rows[:, None].to(tl.int64) * stride_sn + cols[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, H, BLOCK_K):
+            k_ok = k + cols < H
+            w = tl.load(w_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
+            squares += x * x
+            x *= tl.load(g_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+        out = tl.sum(acc, axis=1) * tl.rsqrt(tl.sum(squares, axis=0) / H + eps)
+        tl.store(acts_ptr + s * (2 * I) + rows, out.to(acts_ptr.dtype.element_ty), mask=row_ok)
+        tl.debug_barrier()
+        tl.atomic_add(ready_ptr + s, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def down_task(d, experts_ptr, weights_ptr, w_ptr, stride_we, stride_wn, shared_ptr, stride_sn, acts_ptr,
+                  slots_ptr, res_ptr, y_ptr, ready_ptr, read_ptr, rows_done_ptr, routed_ptr,
+                  H: tl.constexpr, I: tl.constexpr, ROUTED: tl.constexpr, SLOTS: tl.constexpr,
+                  TILES_A: tl.constexpr, ROUTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        TILES: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
+        s = (d // TILES + ROUTED) % SLOTS  # the shared slots first, as their gate/up
+        r = d % TILES
+        rows = r * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < H
+        cols = tl.arange(0, BLOCK_K)
+        if s < ROUTED:
+            if ROUTE:  # this slot's gate/up tasks started first, but may still be waiting for the routing too
+                wait_until_routed(routed_ptr)
+            e = tl.load(experts_ptr + s, cache_modifier=".cg").to(tl.int64)
+            w_ptrs = w_ptr + e * stride_we + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        else:  # shared slice j: the MLP's columns j*I..
+            w_ptrs = shared_ptr + rows[:, None].to(tl.int64) * stride_sn + (s - ROUTED) * I + cols[None, :]
+        w_first = tl.load(w_ptrs, mask=row_ok[:, None] & (cols < I)[None, :], other=0.0, eviction_policy="evict_first")
+        while tl.atomic_add(ready_ptr + s, 0, sem="acquire", scope="gpu") < TILES_A:
+            pass
+        tl.debug_barrier()
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a_ptr = acts_ptr + s * (2 * I)
+        for k in range(0, I, BLOCK_K):
+            k_ok = k + cols < I
+            if k == 0:
+                w = w_first
+            else:
+                w = tl.load(w_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            gate = tl.load(a_ptr + k + cols, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            up = tl.load(a_ptr + I + k + cols, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            acc += w.to(tl.float32) * (gate / (1.0 + tl.exp(-gate)) * up)[None, :]
+        out = tl.sum(acc, axis=1)
+        if s < ROUTED:
+            out *= tl.load(weights_ptr + s, cache_modifier=".cg").to(tl.float32)
+        tl.debug_barrier()  # every thread's reads of the slot's activations before the count
+        if tl.atomic_add(read_ptr + s, 1, sem="relaxed") == TILES - 1:  # the slot's last reader
+            tl.atomic_xchg(ready_ptr + s, 0, sem="relaxed")
+            tl.atomic_xchg(read_ptr + s, 0, sem="relaxed")
+        tl.store(slots_ptr + s * H + rows, out, mask=row_ok)
+        tl.debug_barrier()
+        if tl.atomic_add(rows_done_ptr + r, 1, sem="acq_rel", scope="gpu") == SLOTS - 1:  # the block's last slot
+            total = tl.load(res_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            for q in range(SLOTS):
+                total += tl.load(slots_ptr + q * H + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rows, total.to(y_ptr.dtype.element_ty), mask=row_ok)
+            tl.atomic_xchg(rows_done_ptr + r, 0, sem="relaxed")
+
+    @triton.jit
+    def moe_layer_kernel(x_ptr, g_ptr, eps, res_ptr, y_ptr, gate_ptr, logits_ptr, experts_ptr, weights_ptr, scaling,
+                         gu_ptr, gu_se, gu_sn, sgu_ptr, sgu_sn, dn_ptr, dn_se, dn_sn, sdn_ptr, sdn_sn,
+                         acts_ptr, slots_ptr, counters_ptr,
+                         H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, ROUTED: tl.constexpr, J: tl.constexpr,
+                         ROUTE: tl.constexpr, NORM_TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
+                         BLOCK_A: tl.constexpr, BLOCK_K_A: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_K_B: tl.constexpr, PDL: tl.constexpr):
+        SLOTS: tl.constexpr = ROUTED + J
+        TILES_A: tl.constexpr = (2 * I + BLOCK_A - 1) // BLOCK_A
+        TILES_B: tl.constexpr = (H + BLOCK_B - 1) // BLOCK_B
+        ROUTE_TASKS: tl.constexpr = E if ROUTE else 0
+        TASKS: tl.constexpr = ROUTE_TASKS + SLOTS * (TILES_A + TILES_B)
+        t = tl.atomic_add(counters_ptr + 0, 1, sem="relaxed")
+        if t == TASKS - 1:  # every ticket is handed out
+            tl.atomic_xchg(counters_ptr + 0, 0, sem="relaxed")
+        if PDL:  # x and the residual come from the kernel before (launch.py)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        ready_ptr = counters_ptr + 4
+        if t < ROUTE_TASKS:
+            route_task(t, x_ptr, g_ptr, eps, gate_ptr, logits_ptr, counters_ptr + 1, experts_ptr, weights_ptr,
+                       counters_ptr + 2, scaling, H, E, ROUTED, NORM_TOPK, BLOCK_H, BLOCK_E, BLOCK_TOP)
+        elif t < ROUTE_TASKS + SLOTS * TILES_A:
+            gate_up_task(t - ROUTE_TASKS, x_ptr, g_ptr, eps, experts_ptr, gu_ptr, gu_se, gu_sn, sgu_ptr, sgu_sn,
+                         acts_ptr, ready_ptr, counters_ptr + 2, H, I, ROUTED, J, ROUTE, BLOCK_A, BLOCK_K_A)
+        else:
+            down_task(t - ROUTE_TASKS - SLOTS * TILES_A, experts_ptr, weights_ptr, dn_ptr, dn_se, dn_sn, sdn_ptr,
+                      sdn_sn, acts_ptr, slots_ptr, res_ptr, y_ptr, ready_ptr, ready_ptr + SLOTS,
+                      ready_ptr + 2 * SLOTS, counters_ptr + 2, H, I, ROUTED, SLOTS, TILES_A, ROUTE, BLOCK_B, BLOCK_K_B)
+            if ROUTE:
+                if tl.atomic_add(counters_ptr + 3, 1, sem="relaxed") == SLOTS * TILES_B - 1:  # the last task
+                    tl.atomic_xchg(counters_ptr + 2, 0, sem="relaxed")
+                    tl.atomic_xchg(counters_ptr + 3, 0, sem="relaxed")
+
+    return moe_layer_kernel
+
+
+def launch(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
+           down: torch.Tensor, shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None,
+           counters: torch.Tensor, router: torch.Tensor | None = None, top_k: int = 0, norm_topk: bool = False,
+           scaling: float = 1.0, experts: torch.Tensor | None = None, weights: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [1, H], experts int32 [top_k], weights float32 [top_k]) for one token: x and residual `[1, H]`
+    contiguous, the RMSNorm's weight, the stacked experts `gate_up [E, 2I, H]`, `down [E, H, I]`, the
+    shared MLP's `[2 J I, H]` and `[H, J I]` (or None), and int32 `counters` of `counters_size`
+    zeros. Routes with `router [E, H]` (greedy top-k), or takes `experts` and `weights` as given."""
+    import triton
+
+    n_experts, two_i, hidden = gate_up.shape
+    route = router is not None
+    if route:
+        experts = torch.empty(top_k, dtype=torch.int32, device=x.device)
+        weights = torch.empty(top_k, dtype=torch.float32, device=x.device)
+    routed = experts.numel()
+    j = 0 if shared_gate_up is None else shared_gate_up.shape[0] // two_i
+    block_a, block_k_a, block_b, block_k_b, warps, stages = CONFIG
+    tasks = (n_experts if route else 0) + (routed + j) * (triton.cdiv(two_i, block_a) + triton.cdiv(hidden, block_b))
+    acts = torch.empty(routed + j, two_i, dtype=x.dtype, device=x.device)
+    slots = torch.empty(routed + j, hidden, dtype=torch.float32, device=x.device)
+    logits = torch.empty(n_experts, dtype=torch.float32, device=x.device)
+    y = torch.empty_like(residual)
+    sgu = shared_gate_up if j else gate_up[0]
+    sdn = shared_down if j else down[0]
+    use_pdl = pdl(x.device)
+    _kernel()[(tasks,)](
+        x, norm_weight, eps, residual, y, router if route else gate_up, logits, experts, weights, scaling,
+        gate_up, gate_up.stride(0), gate_up.stride(1), sgu, sgu.stride(0), down, down.stride(0), down.stride(1),
+        sdn, sdn.stride(0), acts, slots, counters,
+        H=hidden, I=two_i // 2, E=n_experts, ROUTED=routed, J=j, ROUTE=route, NORM_TOPK=norm_topk and routed > 1,
+        BLOCK_H=min(triton.next_power_of_2(hidden), 2048), BLOCK_E=triton.next_power_of_2(n_experts),
+        BLOCK_TOP=triton.next_power_of_2(max(routed, 1)), BLOCK_A=block_a, BLOCK_K_A=min(block_k_a, triton.next_power_of_2(hidden)),
+        BLOCK_B=block_b, BLOCK_K_B=min(block_k_b, triton.next_power_of_2(two_i // 2)), PDL=use_pdl,
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+    return y, experts, weights
+
+
+@torch.library.custom_op("flexsgl::moe_layer", mutates_args=("counters",))
+def moe_layer(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
+              down: torch.Tensor, shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None,
+              counters: torch.Tensor, router: torch.Tensor | None, top_k: int, norm_topk: bool, scaling: float,
+              experts: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
+    if experts is not None:
+        experts, weights = experts.reshape(-1).contiguous(), weights.reshape(-1).float().contiguous()
+    return launch(x.contiguous(), residual.contiguous(), norm_weight, eps, gate_up, down, shared_gate_up, shared_down,
+                  counters, router, top_k, norm_topk, scaling, experts, weights)[0]
+
+
+@moe_layer.register_fake
+def _(x, residual, norm_weight, eps, gate_up, down, shared_gate_up, shared_down, counters, router, top_k, norm_topk,
+      scaling, experts, weights):
+    return torch.empty_like(residual)
