@@ -17,9 +17,9 @@ output it reads, through counters in global memory:
   task counts itself into its slot's `ready` count when its rows are written.
 - down (BLOCK_B rows of one slot's [H, I] weight): loads its first weight tile (a routed slot's once
   the flag is up), then waits until its slot's `ready` count is full, so a slot's down starts while
-  other slots' gate/up still run. The
-  routing weight scales its output (float32, into a slot row of scratch); the last of a row
-  block's slots to finish (an atomic count) adds the block's slots and the residual into y.
+  other slots' gate/up still run. The routing weight scales its output (float32, into a slot row
+  of scratch); the last of a row block's slots to finish (an atomic count) adds the block's slots
+  and the residual into y.
 
 The shared MLP (`[2 J I, H]` gate/up, `[H, J I]` down) runs as J slots of a routed expert's shape,
 read from its own weights and unscaled, so every task of a phase does the same work. With `experts`
