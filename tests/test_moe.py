@@ -92,7 +92,7 @@ def one_token_moe(device, dtype, hidden, experts, inter, top_k, shared, method="
     m, norm = MoE(hidden, cfg), RMSNorm(hidden, 1e-6)
     for p in m.parameters():
         torch.nn.init.normal_(p, std=hidden ** -0.5)
-    torch.nn.init.normal_(m.gate.weight, std=2 * hidden ** -0.5)  # logits of about unit size: no expert's weight vanishes
+    torch.nn.init.normal_(m.gate.weight, std=2 * hidden ** -0.5)  # logits of unit size: no routing weight vanishes
     norm.weight.data.uniform_(0.5, 1.5)
     m, norm = m.to(device, dtype), norm.to(device, dtype)
     m.place(torch.device(device))
@@ -119,8 +119,8 @@ def check_one_token_layer(device, dtype, hidden, experts, inter, top_k, shared, 
     m, norm, x, seed = one_token_moe(device, dtype, hidden, experts, inter, top_k, shared, norm_topk=norm_topk)
     residual = torch.randn_like(x)
     sh = m.shared_experts
-    weights = (m.experts.gate_up_proj.data, m.experts.down_proj.data,
-               sh.gate_up_proj.weight.data if sh is not None else None, sh.down_proj.weight.data if sh is not None else None)
+    shared = (sh.gate_up_proj.weight.data, sh.down_proj.weight.data) if sh is not None else (None, None)
+    weights = (m.experts.gate_up_proj.data, m.experts.down_proj.data, *shared)
     c = m.cfg
     ref = reference(m, x, norm) - x.double() + residual.double()
     ref_w, ref_e = router_scores(m, norm, x)[0].topk(top_k)

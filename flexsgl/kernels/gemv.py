@@ -130,7 +130,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(0), eps,
         weight, 0, 0, 0,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, STACKED=False, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, STACKED=False, num_warps=warps,
+        num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 

@@ -259,7 +259,8 @@ def launch(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, e
         sdn, sdn.stride(0), acts, slots, counters,
         H=hidden, I=two_i // 2, E=n_experts, ROUTED=routed, J=j, ROUTE=route, NORM_TOPK=norm_topk and routed > 1,
         BLOCK_H=min(triton.next_power_of_2(hidden), 2048), BLOCK_E=triton.next_power_of_2(n_experts),
-        BLOCK_TOP=triton.next_power_of_2(max(routed, 1)), BLOCK_A=block_a, BLOCK_K_A=min(block_k_a, triton.next_power_of_2(hidden)),
+        BLOCK_TOP=triton.next_power_of_2(max(routed, 1)), BLOCK_A=block_a,
+        BLOCK_K_A=min(block_k_a, triton.next_power_of_2(hidden)),
         BLOCK_B=block_b, BLOCK_K_B=min(block_k_b, triton.next_power_of_2(two_i // 2)), PDL=use_pdl,
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return y, experts, weights
