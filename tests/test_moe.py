@@ -131,6 +131,7 @@ def check_one_token_layer(device, dtype, hidden, experts, inter, top_k, shared, 
                                      norm_topk, c.routed_scaling_factor))
         assert not m.counters.any(), f"seed={seed}: counters left at {m.counters.tolist()}"
     (y, chosen, chosen_w), again = runs
+    assert chosen.dtype == torch.int32 and chosen_w.dtype == torch.float32
     assert torch.equal(y, again[0]), f"seed={seed}: a second launch gave another output"
     order = chosen.long().argsort()
     assert torch.equal(chosen.long()[order], ref_e.sort().values), f"seed={seed}: experts {chosen.tolist()}"
@@ -151,6 +152,13 @@ def test_interpreted_one_token_layer_matches_float64(shared, norm_topk, hidden, 
     """Through Triton's interpreter in float32, with no, one and two shared experts, and sizes the
     tiles divide and do not."""
     check_one_token_layer("cpu", torch.float32, hidden, 8, inter, 3, shared, norm_topk, 1e-5)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_interpreted_routing_over_uneven_experts_and_a_long_hidden():
+    """12 experts (not a power of two), top 4, and a hidden size past one router block (2,048) that
+    no tile divides."""
+    check_one_token_layer("cpu", torch.float32, 2100, 12, 8, 4, 1, False, 1e-5)
 
 
 @pytest.mark.gpu
