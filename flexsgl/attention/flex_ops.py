@@ -18,7 +18,11 @@ SM90 (12-13% faster on an H200). With flash-attn-4 installed, prefill over KV bl
 step's K/V packed into rows, flex.py, or pages of 128) runs on FlexAttention's FLASH backend instead
 (H200, ragged prefill over packed rows: 0.96-1.5x FA3's time, where the Triton kernel takes
 1.7-2.0x). MLA's latent decode (one KV head of 576 dims, an H200
-sweep): latent_decode_options. The KV tile must divide a page.
+sweep): latent_decode_options; its split-combining reduction kernels take the config Inductor's
+heuristic picks, not the fastest of their candidates timed one by one on first use, which picked
+differently from compile to compile: one pick made DeepSeek-V2-Lite's batch-1 TPOT on an H200
+2.21 ms against 1.93-1.96 with the others (docs/BENCHMARKS.md, "MLA decode"). The KV tile must
+divide a page.
 
 The flex-decoding kernel indexes its KV tensor with 32-bit offsets (torch 2.11: with 64-bit ones its
 template does not compile), so a pool of more than MAX_KERNEL_ELEMENTS elements per layer is read in
@@ -49,6 +53,10 @@ SMALL_TILE, SMALL_TILE_MAX_SPLITS = 32, 64
 SMALL_TILE_FEW_PROGRAMS, SMALL_TILE_MANY_PROGRAMS = 512, 4096
 LARGE_HEAD_DIM, LATENT_SPLITS = 256, 32
 MAX_KERNEL_ELEMENTS = 2**31 - 1  # the largest KV tensor the flex-decoding kernel's 32-bit offsets reach
+# Inductor settings for the latent decode's compile: its reduction kernels take the config Inductor's
+# heuristic picks (a setting of torch 2.11-2.13) rather than the fastest of their candidates timed
+# on first use (module docstring)
+LATENT_INDUCTOR_OPTIONS = (("test_configs.force_filter_reduction_configs", True),)
 
 
 @functools.cache
@@ -214,20 +222,22 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
 
 
 @functools.cache
-def _compiled(fn, key: tuple):
+def _compiled(fn, key: tuple, inductor_options: tuple = ()):
     """fn compiled for the static shapes of `key`, as a code object of its own: dynamo counts
-    recompiles per code object, and past its limit it would run flex eagerly."""
+    recompiles per code object, and past its limit it would run flex eagerly. inductor_options:
+    (name, value) pairs of Inductor settings for this compile alone."""
     prepare_cache()  # flexsgl's compile cache, also when the op runs outside the engine (benchmarks)
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{abs(hash(key))}")
-    return torch.compile(types.FunctionType(code, fn.__globals__), fullgraph=True, dynamic=False)
+    return torch.compile(types.FunctionType(code, fn.__globals__), fullgraph=True, dynamic=False,
+                         options=dict(inductor_options) or None)
 
 
 _warm: set[tuple] = set()
 
 
-def _run(fn, key: tuple, *args):
+def _run(fn, key: tuple, *args, inductor_options: tuple = ()):
     """fn compiled for `key`; its first call compiles, under flexsgl's compile settings."""
-    compiled = _compiled(fn, key)
+    compiled = _compiled(fn, key, inductor_options)
     if key in _warm:
         return compiled(*args)
     with settings():
@@ -247,11 +257,12 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks
     `page_table[b]` and no other; request b's query is at position last_pos[b]; scale None is
     1/sqrt(D). Returns `[B, Hq, Dv]`."""
     options = decode_options(q.shape[0], k.shape[1], page_size, k.shape[2])
+    inductor_options = LATENT_INDUCTOR_OPTIONS if k.shape[2] > LARGE_HEAD_DIM else ()
     per_shard = shard_pages(k, v, page_size)
     if per_shard * page_size == k.shape[0]:
         return _run(_decode, _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, options), q, k, v,
                     kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_size,
-                    scale, options, None)
+                    scale, options, None, inductor_options=inductor_options)
     # The shards are views made outside the compiled function: each is an input of its own, which 32-bit offsets index.
     outs, lses = [], []
     for first in range(0, k.shape[0] // page_size, per_shard):
@@ -259,7 +270,7 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks
         first_page = torch.full((), first, dtype=torch.long, device=q.device)  # a tensor: one compile for all shards
         out, lse = _run(_decode, _decode_key(q, ks, vs, page_table, page_size, scale, full_num_blocks, options, True),
                         q, ks, vs, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos,
-                        page_size, scale, options, first_page)
+                        page_size, scale, options, first_page, inductor_options=inductor_options)
         outs.append(out), lses.append(lse)
     return _run(merge_partials, ("merge", len(outs), *outs[0].shape, q.dtype, q.device), outs, lses)
 
