@@ -134,7 +134,7 @@ def test_fi_mla_and_flex_match_float64_on_gpu(case, page_size):
 
 @gpu
 def test_latent_decode_compiles_its_reductions_with_the_heuristic_config(monkeypatch):
-    """The latent decode's compile (flex_ops.LATENT_INDUCTOR_OPTIONS) reaches its generated kernels,
+    """The latent decode's compile setting (flex_ops.HEURISTIC_REDUCTIONS) reaches its generated kernels,
     whose launchers then take Inductor's heuristic config instead of timing candidates; compiled
     afresh here (no cache), its output against float64."""
     from torch._inductor.utils import run_and_get_code
@@ -146,7 +146,7 @@ def test_latent_decode_compiles_its_reductions_with_the_heuristic_config(monkeyp
             run_mla_case, CASES["decode"], 64, "cuda", torch.bfloat16, 1e-2, 1e-2, compiled=True,
             forward=torch.compile(FlexMLABackend.forward, dynamic=False), hq=16, rank=512, rope=64)
     flex_ops._compiled.cache_clear()
-    assert any("'force_filter_reduction_configs': True" in c for c in code), "no kernel took the setting"
+    assert any(f"'{flex_ops.HEURISTIC_REDUCTIONS}': True" in c for c in code), "no kernel took the setting"
 
 
 @gpu

@@ -53,10 +53,9 @@ SMALL_TILE, SMALL_TILE_MAX_SPLITS = 32, 64
 SMALL_TILE_FEW_PROGRAMS, SMALL_TILE_MANY_PROGRAMS = 512, 4096
 LARGE_HEAD_DIM, LATENT_SPLITS = 256, 32
 MAX_KERNEL_ELEMENTS = 2**31 - 1  # the largest KV tensor the flex-decoding kernel's 32-bit offsets reach
-# Inductor settings for the latent decode's compile: its reduction kernels take the config Inductor's
-# heuristic picks (a setting of torch 2.11-2.13) rather than the fastest of their candidates timed
-# on first use (module docstring)
-LATENT_INDUCTOR_OPTIONS = (("test_configs.force_filter_reduction_configs", True),)
+# Inductor's setting (torch 2.11-2.13) under which a reduction kernel takes the config its heuristic
+# picks rather than the fastest of its candidates timed on first use (module docstring)
+HEURISTIC_REDUCTIONS = "force_filter_reduction_configs"
 
 
 @functools.cache
@@ -222,22 +221,27 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
 
 
 @functools.cache
-def _compiled(fn, key: tuple, inductor_options: tuple = ()):
+def _compiled(fn, key: tuple, heuristic_reductions: bool = False):
     """fn compiled for the static shapes of `key`, as a code object of its own: dynamo counts
-    recompiles per code object, and past its limit it would run flex eagerly. inductor_options:
-    (name, value) pairs of Inductor settings for this compile alone."""
+    recompiles per code object, and past its limit it would run flex eagerly. heuristic_reductions:
+    this compile's reduction kernels take Inductor's heuristic config (HEURISTIC_REDUCTIONS), where
+    torch has the setting."""
     prepare_cache()  # flexsgl's compile cache, also when the op runs outside the engine (benchmarks)
+    import torch._inductor.config  # after prepare_cache (compile.settings says why)
+
+    options = None
+    if heuristic_reductions and hasattr(torch._inductor.config.test_configs, HEURISTIC_REDUCTIONS):
+        options = {f"test_configs.{HEURISTIC_REDUCTIONS}": True}
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{abs(hash(key))}")
-    return torch.compile(types.FunctionType(code, fn.__globals__), fullgraph=True, dynamic=False,
-                         options=dict(inductor_options) or None)
+    return torch.compile(types.FunctionType(code, fn.__globals__), fullgraph=True, dynamic=False, options=options)
 
 
 _warm: set[tuple] = set()
 
 
-def _run(fn, key: tuple, *args, inductor_options: tuple = ()):
+def _run(fn, key: tuple, *args, heuristic_reductions: bool = False):
     """fn compiled for `key`; its first call compiles, under flexsgl's compile settings."""
-    compiled = _compiled(fn, key, inductor_options)
+    compiled = _compiled(fn, key, heuristic_reductions)
     if key in _warm:
         return compiled(*args)
     with settings():
@@ -257,12 +261,12 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks
     `page_table[b]` and no other; request b's query is at position last_pos[b]; scale None is
     1/sqrt(D). Returns `[B, Hq, Dv]`."""
     options = decode_options(q.shape[0], k.shape[1], page_size, k.shape[2])
-    inductor_options = LATENT_INDUCTOR_OPTIONS if k.shape[2] > LARGE_HEAD_DIM else ()
+    latent = k.shape[2] > LARGE_HEAD_DIM
     per_shard = shard_pages(k, v, page_size)
     if per_shard * page_size == k.shape[0]:
         return _run(_decode, _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, options), q, k, v,
                     kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_size,
-                    scale, options, None, inductor_options=inductor_options)
+                    scale, options, None, heuristic_reductions=latent)
     # The shards are views made outside the compiled function: each is an input of its own, which 32-bit offsets index.
     outs, lses = [], []
     for first in range(0, k.shape[0] // page_size, per_shard):
@@ -270,7 +274,7 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks
         first_page = torch.full((), first, dtype=torch.long, device=q.device)  # a tensor: one compile for all shards
         out, lse = _run(_decode, _decode_key(q, ks, vs, page_table, page_size, scale, full_num_blocks, options, True),
                         q, ks, vs, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos,
-                        page_size, scale, options, first_page, inductor_options=inductor_options)
+                        page_size, scale, options, first_page, heuristic_reductions=latent)
         outs.append(out), lses.append(lse)
     return _run(merge_partials, ("merge", len(outs), *outs[0].shape, q.dtype, q.device), outs, lses)
 
