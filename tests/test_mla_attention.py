@@ -3,7 +3,8 @@
 MLA in the absorbed form is attention with one shared KV head whose key is the latent vector and
 whose value is its first kv_lora_rank dims, at the model's softmax scale; the float64 reference is
 tests/attention_reference.py's dense attention on exactly that. GPU tests (`-m gpu`): flex and
-fi-mla on the same batches in bf16, and the bf16 engine with each against HF transformers.
+fi-mla on the same batches in bf16, and the bf16 engine with each (and with triton-mla, whose kernel
+tests/test_triton_mla.py checks) against HF transformers.
 """
 
 import functools
@@ -169,7 +170,7 @@ def test_expanded_prefill_matches_float64_on_gpu(case):
 
 @gpu
 @pytest.mark.parametrize("one_at_a_time", [False, True], ids=["together", "batch1"])
-@pytest.mark.parametrize("override", ["flex", "fi-mla"])
+@pytest.mark.parametrize("override", ["flex", "fi-mla", "triton-mla"])
 def test_bf16_mla_engine_tracks_hf(tmp_path, monkeypatch, override, one_at_a_time):
     """The compiled bf16 engine with decode from CUDA graphs, on a tiny DeepSeek-V2 with the real
     latent sizes, against transformers in float32 and bf16 (tests/test_gpu.py's bounds); the prompts

@@ -104,6 +104,19 @@ def test_trtllm_mla_is_refused_off_blackwell_and_on_gqa_models(fake_gpu):
     assert labels("trtllm-mla", GPU, attention="mla", page_size=64, head_dim=576) == ("flex", "trtllm-mla")
 
 
+def test_triton_mla_serves_mla_decode_only(fake_gpu):
+    fake_gpu(90)
+    assert labels("triton-mla", GPU, attention="mla", page_size=64, head_dim=576) == ("flex", "triton-mla")
+    assert labels("fi-mla,fi-mla,triton-mla<=8", GPU, attention="mla", page_size=64, head_dim=576) == ("fi-mla", "fi-mla")
+    with pytest.raises(ValueError, match="^Override 'triton-mla' cannot run here: it serves MLA models, and this "
+                                         "model is GQA.$"):
+        resolve_override("triton-mla", GPU)
+    with pytest.raises(ValueError, match="power-of-two size from 16 tokens, and the page size is 48"):
+        resolve_override("triton-mla", GPU, attention="mla", page_size=48)
+    with pytest.raises(ValueError, match="Override 'triton-mla' does not run prefill"):
+        resolve_override("triton-mla,flex", GPU, attention="mla")
+
+
 @pytest.mark.parametrize("name", ["fa3", "fa3-prefill", "fi", "fi-decode", "triton-decode"])
 def test_gqa_kernels_are_refused_for_mla_models(fake_gpu, name):
     fake_gpu(90)

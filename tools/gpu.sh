@@ -28,8 +28,9 @@
 #                  model and override, e.g. "--model deepseek-v2-lite --override fi-mla --max-total-tokens 65536";
 #                  FLEXSGL_PDL=0 for a per-kernel breakdown)
 #   gemv           tools/gemv_bench.py --chain-sweep: an 8B's projections from one graph, tiles per projection
-#   mla            the MLA GPU tests (flex MLA and fi-mla against float64 and HF, grouped bf16 MoE), then
-#                  bench latency of the deepseek-v2-lite dummy at batch 1 and 64, fi-mla and flex (~480 s)
+#   mla            the MLA GPU tests (flex MLA, fi-mla and triton-mla against float64 and HF, grouped bf16 MoE),
+#                  then bench latency of the deepseek-v2-lite dummy at batch 1 and 64, fi-mla, flex and
+#                  triton-mla (~560 s)
 #   serve          bench serve, Qwen3-0.6B dummy, the throughput workload's requests at 8, 32 and inf requests/s
 #                  on one server per backend, auto and flex (~450 s on a cold cache); compare its inf column with
 #                  `OVERRIDES="--override auto --override flex" tools/gpu.sh throughput`. Needs fastapi and
@@ -118,10 +119,12 @@ for s in "${steps[@]}"; do
     profile) timeout "$LIMIT" python tools/profile_step.py ${PROFILE_ARGS:---model qwen3-8b} --workload latency \
                --profile-steps 20 --profile-at decode:8 --rows 30 ;;
     gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ;;
-    mla) timeout 260 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_mla_attention.py tests/test_moe.py
+    mla) timeout 320 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_mla_attention.py tests/test_moe.py \
+           tests/test_triton_mla.py
          for b in 1 64; do
-           timeout 160 "${BENCH[@]}" --workload latency --model deepseek-v2-lite --batch-size "$b" --input-len 512 \
+           timeout 130 "${BENCH[@]}" --workload latency --model deepseek-v2-lite --batch-size "$b" --input-len 512 \
              --output-len 64 --repeats 1 --cuda-graph-bs "$b" --max-total-tokens 65536 --override fi-mla --override flex \
+             --override triton-mla \
              --json "$OUT/mla-latency-b$b.json"
          done ;;
     serve) timeout "$LIMIT" "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate 8,32,inf --override auto \

@@ -54,6 +54,10 @@ SPECS = {s.name: s for s in (
     BackendSpec("fi-mla", "flexsgl.overrides.flashinfer_mla:FlashInferMLABackend", ("prefill", "decode"),
                 (80, 86, 89, 90, 100, 120), "flashinfer", attention=("mla",), head_dims=(576,), dtypes=HALF,
                 doc="FlashInfer BatchMLAPagedAttentionWrapper over the latent pool (MLA models)"),
+    BackendSpec("triton-mla", "flexsgl.overrides.triton_mla:TritonMLADecodeBackend", ("decode",),
+                (80, 86, 89, 90, 100, 120), "triton", attention=("mla",), dtypes=HALF,
+                doc="flexsgl's split-KV MLA decode kernel (Triton) over the latent pool, one launch per layer "
+                    "(MLA models; prefill: flex or another)"),
     BackendSpec("trtllm-mla", "flexsgl.overrides.trtllm_mla:TrtllmMLABackend", ("decode",), (100,), "flashinfer",
                 attention=("mla",), head_dims=(576, 320), dtypes=HALF,
                 doc="FlashInfer TRT-LLM MLA decode (Blackwell, MLA models; untested on hardware)"),
