@@ -46,6 +46,9 @@ class DecodeBySize:
     def forward(self, q, cache, fb: ForwardBatch):
         return self.owner(fb.batch_size).forward(q, cache, fb)
 
+    def expands_latents(self, fb: ForwardBatch) -> bool:
+        return self.owner(fb.batch_size).expands_latents(fb)
+
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         self.small.init_graph_state(min(max_bs, self.max_small), max_pages)
         self.large.init_graph_state(max_bs, max_pages)
