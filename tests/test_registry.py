@@ -130,6 +130,8 @@ def test_gqa_kernels_are_refused_for_mla_models(fake_gpu, name):
 def test_auto_for_mla_models(fake_gpu, sm, expected):
     fake_gpu(sm)
     assert labels("auto", GPU, attention="mla", head_dim=576, dtype="bfloat16", page_size=64) == expected
+    small = resolve_override("auto", GPU, attention="mla", head_dim=576, dtype="bfloat16", page_size=64).small_decode
+    assert (small.name if small else None) == ("triton-mla" if sm == 90 else None)  # batches up to 8 on SM90
     # Latent sizes the kernels are not built for, or no flashinfer: flex
     assert labels("auto", GPU, attention="mla", head_dim=80, dtype="bfloat16", page_size=64) == ("flex", "flex")
     fake_gpu(sm, packages=("sgl_kernel", "triton"))

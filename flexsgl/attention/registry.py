@@ -68,7 +68,7 @@ AUTO = {(90, "gqa"): "fa3-prefill,fi-decode", (100, "gqa"): "fi",
         (80, "mla"): "fi-mla", (90, "mla"): "fi-mla", (100, "mla"): "fi-mla,trtllm-mla"}
 # Where a decode backend beats `auto`'s at small batches: it takes decode batches up to the size given
 # (`PREFILL,DECODE,SMALL_DECODE<=N`), when it can run. Measured on an H200: docs/BENCHMARKS.md.
-AUTO_SMALL_DECODE = {(90, "gqa"): "triton-decode<=64"}
+AUTO_SMALL_DECODE = {(90, "gqa"): "triton-decode<=64", (90, "mla"): "triton-mla<=8"}
 
 
 def sm_version(device: torch.device) -> int | None:
@@ -175,7 +175,9 @@ def auto_choice(device: torch.device, attention: str = "gqa", head_dim: int | No
     if not runs(names):
         return "flex"
     small = AUTO_SMALL_DECODE.get(key)
-    return f"{names},{small}" if small and runs(small) else names
+    if not (small and runs(small)):
+        return names
+    return f"{names},{small}" if "," in names else f"{names},{names},{small}"  # one name serves both phases
 
 
 def check_override(override: str, device: torch.device | str, attention: str = "gqa") -> str:
@@ -204,6 +206,6 @@ def table(device: torch.device) -> list[dict]:
     rows.append({"name": "auto", "phases": "prefill,decode", "models": "gqa,mla", "runs_here": True, "why_not": "",
                  "about": f"here: {auto_choice(device, 'gqa')} for GQA, {auto_choice(device, 'mla')} for MLA "
                           "(SM90: fa3-prefill,fi-decode, with triton-decode for batches up to 64 where triton is "
-                          "installed, and fi-mla for MLA; SM100: fi, and fi-mla,trtllm-mla for MLA; otherwise, or "
+                          "installed, and fi-mla for MLA, with triton-mla for batches up to 8; SM100: fi, and fi-mla,trtllm-mla for MLA; otherwise, or "
                           "when those cannot run: flex)"})
     return rows
