@@ -170,7 +170,8 @@ def test_expanded_prefill_matches_float64_on_gpu(case):
 
 @gpu
 @pytest.mark.parametrize("one_at_a_time", [False, True], ids=["together", "batch1"])
-@pytest.mark.parametrize("override", ["flex", "fi-mla", "triton-mla", "fi-mla,fi-mla,triton-mla<=2"])  # graphs 1, 2: triton
+# fi-mla,fi-mla,triton-mla<=2: the graphs of batch 1 and 2 on triton-mla, that of 8 on fi-mla
+@pytest.mark.parametrize("override", ["flex", "fi-mla", "triton-mla", "fi-mla,fi-mla,triton-mla<=2"])
 def test_bf16_mla_engine_tracks_hf(tmp_path, monkeypatch, override, one_at_a_time):
     """The compiled bf16 engine with decode from CUDA graphs, on a tiny DeepSeek-V2 with the real
     latent sizes, against transformers in float32 and bf16 (tests/test_gpu.py's bounds); the prompts

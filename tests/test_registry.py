@@ -107,7 +107,8 @@ def test_trtllm_mla_is_refused_off_blackwell_and_on_gqa_models(fake_gpu):
 def test_triton_mla_serves_mla_decode_only(fake_gpu):
     fake_gpu(90)
     assert labels("triton-mla", GPU, attention="mla", page_size=64, head_dim=576) == ("flex", "triton-mla")
-    assert labels("fi-mla,fi-mla,triton-mla<=8", GPU, attention="mla", page_size=64, head_dim=576) == ("fi-mla", "fi-mla")
+    three = resolve_override("fi-mla,fi-mla,triton-mla<=8", GPU, attention="mla", page_size=64, head_dim=576)
+    assert (three.decode.name, three.small_decode.name, three.small_decode_max) == ("fi-mla", "triton-mla", 8)
     with pytest.raises(ValueError, match="^Override 'triton-mla' cannot run here: it serves MLA models, and this "
                                          "model is GQA.$"):
         resolve_override("triton-mla", GPU)

@@ -206,6 +206,6 @@ def table(device: torch.device) -> list[dict]:
     rows.append({"name": "auto", "phases": "prefill,decode", "models": "gqa,mla", "runs_here": True, "why_not": "",
                  "about": f"here: {auto_choice(device, 'gqa')} for GQA, {auto_choice(device, 'mla')} for MLA "
                           "(SM90: fa3-prefill,fi-decode, with triton-decode for batches up to 64 where triton is "
-                          "installed, and fi-mla for MLA, with triton-mla for batches up to 8; SM100: fi, and fi-mla,trtllm-mla for MLA; otherwise, or "
-                          "when those cannot run: flex)"})
+                          "installed, and fi-mla for MLA, with triton-mla for batches up to 8; SM100: fi, and "
+                          "fi-mla,trtllm-mla for MLA; otherwise, or when those cannot run: flex)"})
     return rows
