@@ -166,15 +166,18 @@ def _(q, k_cache, v_cache, page_table, seq_lens, counter, page_size):
     return torch.empty_like(q)
 
 
-class TritonDecodeBackend(KernelBackend):
-    """`triton-decode`: the split-KV kernel above for decode; prefill is left to another backend."""
+class SplitKVDecodeBackend(KernelBackend):
+    """A decode-only backend over one split-KV kernel that merges its splits in the same launch
+    (this one and triton_mla.py's): int32 counters the kernel leaves at zero, sized per batch, and
+    no graph hooks to fill, as the kernel reads the graph manager's page table and lengths."""
 
-    name = "triton-decode"
-
-    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
+    def __init__(self, pool, num_heads: int, compiled: bool = False):
         self.pool, self.hq = pool, num_heads
-        self.hkv = pool.k[0].shape[1]
-        self.counter = torch.zeros(0, dtype=torch.int32, device=pool.device)
+        self.counters = torch.zeros(0, dtype=torch.int32, device=pool.device)
+
+    def counters_size(self, batch: int) -> int:
+        """int32 counters a launch for `batch` requests uses."""
+        raise NotImplementedError
 
     @staticmethod
     def unsupported(page_size: int, device: torch.device) -> str | None:
@@ -183,19 +186,14 @@ class TritonDecodeBackend(KernelBackend):
         return None
 
     def reserve(self, batch: int) -> None:
-        """Size the merge counters for `batch` requests (outside graph capture: this allocates)."""
-        if self.counter.numel() < batch * self.hkv:
-            self.counter = torch.zeros(batch * self.hkv, dtype=torch.int32, device=self.counter.device)
+        """Size the counters for `batch` requests (outside graph capture: this allocates)."""
+        if self.counters.numel() < self.counters_size(batch):
+            self.counters = torch.zeros(self.counters_size(batch), dtype=torch.int32, device=self.counters.device)
 
     def prepare(self, fb: ForwardBatch) -> None:
         if fb.mode != "decode":
             raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
         self.reserve(fb.batch_size)
-
-    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
-        k, v = cache
-        return torch.ops.flexsgl.split_kv_decode(q, k, v, fb.page_table,
-                                                 fb.seq_lens, self.counter, self.pool.page_size)
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         self.reserve(max_bs)
@@ -205,3 +203,21 @@ class TritonDecodeBackend(KernelBackend):
 
     def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
         """Nothing to write, for the same reason."""
+
+
+class TritonDecodeBackend(SplitKVDecodeBackend):
+    """`triton-decode`: the split-KV kernel above for decode; prefill is left to another backend."""
+
+    name = "triton-decode"
+
+    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
+        super().__init__(pool, num_heads, compiled)
+        self.hkv = pool.k[0].shape[1]
+
+    def counters_size(self, batch: int) -> int:
+        return batch * self.hkv  # a merge counter per (request, KV head)
+
+    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+        k, v = cache
+        return torch.ops.flexsgl.split_kv_decode(q, k, v, fb.page_table,
+                                                 fb.seq_lens, self.counters, self.pool.page_size)

@@ -44,9 +44,9 @@ import functools
 
 import torch
 
-from flexsgl.attention.base import ForwardBatch, KernelBackend
-from flexsgl.cache.latent_pool import LatentKVPool
+from flexsgl.attention.base import ForwardBatch
 from flexsgl.kernels.launch import pdl
+from flexsgl.overrides.triton_decode import SplitKVDecodeBackend, _num_sms
 
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 2
@@ -96,9 +96,8 @@ def _kernel():
                              PDL: tl.constexpr):
         chunks = tl.cdiv(R, MERGE_COLS)
         attention_tasks = B * num_splits
-        tasks = attention_tasks + (B * H * chunks if num_splits > 1 else 0)
         t = tl.atomic_add(counters_ptr, 1, sem="relaxed")  # the ticket
-        if t == tasks - 1:
+        if t == tl.num_programs(0) - 1:
             tl.atomic_xchg(counters_ptr, 0, sem="relaxed")
         done_ptr = counters_ptr + 1
         merged_ptr = counters_ptr + 1 + B
@@ -179,11 +178,6 @@ def _kernel():
     return latent_decode_kernel
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def num_splits(batch: int, device: torch.device) -> int:
     """Splits per request: enough attention tasks for PROGRAMS_PER_SM per SM, at most MAX_SPLITS."""
     return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * _num_sms(device) // batch)))
@@ -231,42 +225,16 @@ def _(q, kv, page_table, seq_lens, counters, page_size, kv_lora_rank, scale):
     return q.new_empty(*q.shape[:2], kv_lora_rank)
 
 
-class TritonMLADecodeBackend(KernelBackend):
+class TritonMLADecodeBackend(SplitKVDecodeBackend):
     """`triton-mla`: the kernel above for MLA decode; prefill is left to another backend."""
 
     name = "triton-mla"
 
-    def __init__(self, pool: LatentKVPool, num_heads: int, compiled: bool = False):
-        self.pool, self.hq = pool, num_heads
-        self.counters = torch.zeros(0, dtype=torch.int32, device=pool.device)
-
-    @staticmethod
-    def unsupported(page_size: int, device: torch.device) -> str | None:
-        if page_size < 16 or page_size & (page_size - 1):
-            return f"its kernel reads pages of a power-of-two size from 16 tokens, and the page size is {page_size}"
-        return None
-
-    def reserve(self, batch: int) -> None:
-        """Size the counters for `batch` requests (outside graph capture: this allocates)."""
-        if self.counters.numel() < counters_size(batch):
-            self.counters = torch.zeros(counters_size(batch), dtype=torch.int32, device=self.counters.device)
-
-    def prepare(self, fb: ForwardBatch) -> None:
-        if fb.mode != "decode":
-            raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
-        self.reserve(fb.batch_size)
+    def counters_size(self, batch: int) -> int:
+        return counters_size(batch)
 
     def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
         (kv,) = cache
         pool = self.pool
         return torch.ops.flexsgl.latent_decode(q, kv, fb.page_table, fb.seq_lens, self.counters, pool.page_size,
                                                pool.kv_lora_rank, pool.softmax_scale)
-
-    def init_graph_state(self, max_bs: int, max_pages: int) -> None:
-        self.reserve(max_bs)
-
-    def bind_graph(self, bs: int, fb: ForwardBatch) -> None:
-        """Nothing to bind: the kernel reads the manager's page table and lengths."""
-
-    def fill_graph(self, bs: int, fb: ForwardBatch) -> None:
-        """Nothing to write, for the same reason."""

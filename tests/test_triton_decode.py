@@ -28,7 +28,7 @@ def test_split_kv_decode_matches_float64(batch, ctx, hq, hkv, page_size, dtype):
     specs = [(max(0, int(ctx * rng.uniform(0.3, 1.5)) - 1), 1) for _ in range(batch)]
     first, backend = run_triton_decode(specs, page_size, "cuda", dtype, rtol=1e-2, atol=1e-2, hq=hq, hkv=hkv, d=128,
                                        seed=seed)
-    assert backend.counter.count_nonzero().item() == 0, f"merge counters not reset (seed={seed})"
+    assert backend.counters.count_nonzero().item() == 0, f"merge counters not reset (seed={seed})"
     again = run_backend_case(specs, page_size, None, "cuda", dtype, rtol=1e-2, atol=1e-2, hq=hq, hkv=hkv, d=128,
                              backend_cls=TritonDecodeBackend, seed=seed)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
@@ -46,7 +46,7 @@ def test_split_kv_decode_interpreted_matches_float64(monkeypatch, splits, page_s
     seed = random.randrange(1 << 30)
     _, backend = run_triton_decode(CASES["decode"] + [(300, 1)], page_size, "cpu", dtype, hq=hq, hkv=hkv, d=16,
                                    seed=seed, **tol)
-    assert backend.counter.count_nonzero().item() == 0, f"merge counters not reset (seed={seed})"
+    assert backend.counters.count_nonzero().item() == 0, f"merge counters not reset (seed={seed})"
 
 
 def run_triton_decode(specs, page_size, device, dtype, **case):

@@ -65,7 +65,6 @@ def test_latent_decode_interpreted_matches_float64(monkeypatch, splits, page_siz
 def test_latent_decode_refuses_prefill():
     from flexsgl.cache.latent_pool import LatentKVPool
     from flexsgl.model.mla_config import MLAConfig
-    from tests.attention_reference import random_paged_batch  # noqa: F401  (the same batches as above)
 
     pool = LatentKVPool(1, 4, 16, MLAConfig(32, None, 16, 8, 16, 0.1), torch.float32, "cpu")
     backend = TritonMLADecodeBackend(pool, 4)
