@@ -12,9 +12,11 @@ output it reads, through counters in global memory:
 - route (one program per router row): its float32 logit of the RMS-normed input; the last to finish
   (an atomic count) takes softmax, greedy top-k and the weights' normalisation, as `MoE.route`
   (flexsgl/model/moe.py), and raises the `routed` flag.
-- gate/up (BLOCK_A rows of one slot's [2I, H] weight): the shared experts' slots need no routing
-  and come first, so they run while the routing finishes; a routed slot waits for the flag. Each
-  task counts itself into its slot's `ready` count when its rows are written.
+- gate/up (BLOCK_A rows of one slot's [2I, H] weight: the gate rows of BLOCK_A / 2 intermediate
+  units and their up rows): writes those units' SiLU(gate) * up (float32), so each slot's
+  activation is computed once, not by each of its down tasks. The shared experts' slots need no
+  routing and come first, so they run while the routing finishes; a routed slot waits for the flag.
+  Each task counts itself into its slot's `ready` count when its units are written.
 - down (BLOCK_B rows of one slot's [H, I] weight): loads its first weight tile (a routed slot's once
   the flag is up), then waits until its slot's `ready` count is full, so a slot's down starts while
   other slots' gate/up still run. The routing weight scales its output (float32, into a slot row
@@ -111,10 +113,14 @@ def _kernel():
     def gate_up_task(a, x_ptr, g_ptr, eps, experts_ptr, w_ptr, stride_we, stride_wn, shared_ptr, stride_sn,
                      acts_ptr, ready_ptr, routed_ptr, H: tl.constexpr, I: tl.constexpr, ROUTED: tl.constexpr,
                      J: tl.constexpr, ROUTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        TILES: tl.constexpr = (2 * I + BLOCK_N - 1) // BLOCK_N
+        HALF: tl.constexpr = BLOCK_N // 2
+        TILES: tl.constexpr = (I + HALF - 1) // HALF
         s = (a // TILES + ROUTED) % (ROUTED + J)  # the shared slots first: they wait for nothing
-        rows = (a % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < 2 * I
+        tile = a % TILES
+        r = tl.arange(0, BLOCK_N)
+        i = tile * HALF + r % HALF  # the tile's intermediate units: their gate rows, then their up rows
+        row_ok = i < I
+        rows = i + tl.where(r >= HALF, I, 0)
         cols = tl.arange(0, BLOCK_K)
         if s < ROUTED:
             if ROUTE:
@@ -133,8 +139,12 @@ def _kernel():
             squares += x * x
             x *= tl.load(g_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
-        out = tl.sum(acc, axis=1) * tl.rsqrt(tl.sum(squares, axis=0) / H + eps)
-        tl.store(acts_ptr + s * (2 * I) + rows, out.to(acts_ptr.dtype.element_ty), mask=row_ok)
+        out = tl.reshape(tl.sum(acc, axis=1) * tl.rsqrt(tl.sum(squares, axis=0) / H + eps), (2, HALF))
+        half = tl.arange(0, 2)[:, None]
+        gate = tl.sum(tl.where(half == 0, out, 0.0), axis=0)
+        up = tl.sum(tl.where(half == 1, out, 0.0), axis=0)
+        units = tile * HALF + tl.arange(0, HALF)
+        tl.store(acts_ptr + s * I + units, gate / (1.0 + tl.exp(-gate)) * up, mask=units < I)
         tl.debug_barrier()
         tl.atomic_add(ready_ptr + s, 1, sem="release", scope="gpu")
 
@@ -161,16 +171,15 @@ def _kernel():
             pass
         tl.debug_barrier()
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        a_ptr = acts_ptr + s * (2 * I)
+        a_ptr = acts_ptr + s * I
         for k in range(0, I, BLOCK_K):
             k_ok = k + cols < I
             if k == 0:
                 w = w_first
             else:
                 w = tl.load(w_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            gate = tl.load(a_ptr + k + cols, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            up = tl.load(a_ptr + I + k + cols, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            acc += w.to(tl.float32) * (gate / (1.0 + tl.exp(-gate)) * up)[None, :]
+            act = tl.load(a_ptr + k + cols, mask=k_ok, other=0.0, cache_modifier=".cg")
+            acc += w.to(tl.float32) * act[None, :]
         out = tl.sum(acc, axis=1)
         if s < ROUTED:
             out *= tl.load(weights_ptr + s, cache_modifier=".cg").to(tl.float32)
@@ -197,7 +206,7 @@ def _kernel():
                          BLOCK_A: tl.constexpr, BLOCK_K_A: tl.constexpr, BLOCK_B: tl.constexpr,
                          BLOCK_K_B: tl.constexpr, PDL: tl.constexpr):
         SLOTS: tl.constexpr = ROUTED + J
-        TILES_A: tl.constexpr = (2 * I + BLOCK_A - 1) // BLOCK_A
+        TILES_A: tl.constexpr = (I + BLOCK_A // 2 - 1) // (BLOCK_A // 2)
         TILES_B: tl.constexpr = (H + BLOCK_B - 1) // BLOCK_B
         ROUTE_TASKS: tl.constexpr = E if ROUTE else 0
         TASKS: tl.constexpr = ROUTE_TASKS + SLOTS * (TILES_A + TILES_B)
@@ -245,8 +254,8 @@ def launch(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, e
     routed = experts.numel()
     j = 0 if shared_gate_up is None else shared_gate_up.shape[0] // two_i
     block_a, block_k_a, block_b, block_k_b, warps, stages = CONFIG
-    tasks = (n_experts if route else 0) + (routed + j) * (triton.cdiv(two_i, block_a) + triton.cdiv(hidden, block_b))
-    acts = torch.empty(routed + j, two_i, dtype=x.dtype, device=x.device)
+    tasks = (n_experts if route else 0) + (routed + j) * (triton.cdiv(two_i // 2, block_a // 2) + triton.cdiv(hidden, block_b))
+    acts = torch.empty(routed + j, two_i // 2, dtype=torch.float32, device=x.device)
     slots = torch.empty(routed + j, hidden, dtype=torch.float32, device=x.device)
     logits = torch.empty(n_experts, dtype=torch.float32, device=x.device)
     y = torch.empty_like(residual)
