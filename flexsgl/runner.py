@@ -1,8 +1,11 @@
 """Runs one scheduled batch: builds the ForwardBatch, runs the (compiled) model, samples on the device.
 
-A step copies its host metadata to the device in three packed transfers (from pinned memory on
-CUDA) and copies the sampled tokens back asynchronously; nothing in it waits for the device. The
-host reads a step's tokens only after it has launched the next one (see scheduler.py).
+A step copies its host metadata to the device in a few packed transfers (from pinned memory on
+CUDA; a decode step replayed from a CUDA graph goes straight into the graph's buffers, graphs.py)
+and copies the sampled tokens back asynchronously; nothing in it waits for the device. The host
+reads a step's tokens only after it has launched the next one (see scheduler.py). Decode feeds
+each request the token it sampled last, which stays on the device in `token_buf` (a slot per
+running request, and a last one that padding rows read and write).
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ class ModelRunner:
         self.wait = None  # how rank 0 waits for a step's tokens (under tensor parallelism: watching the ranks)
         self.compiled = compile
         self.max_len = max_len
-        self.token_buf = torch.zeros(max_running, dtype=torch.long, device=device)  # last token per slot
+        self.token_buf = torch.zeros(max_running + 1, dtype=torch.long, device=device)  # last token per slot
+        self.pad_slot = max_running  # padding rows' slot in token_buf
         self.token_counts = TokenCounts(max_running, model.cfg.vocab_size, device)  # for penalties
         # Compiled steps keep shapes few: decode batches padded to buckets, page tables full width.
         self.table_width = KVPool.num_pages_for(max_len, pool.page_size) if compile else None
@@ -118,7 +122,7 @@ class ModelRunner:
                              f"got {sizes[-1]}.")
         self.table_width = self.table_width or KVPool.num_pages_for(self.max_len, self.pool.page_size)
         self.graphs = GraphManager(self._decode, backend, self.device, sizes, self.table_width,
-                                   self.pool.num_pages, self.pool.page_size, emulate=emulate)
+                                   self.pool.num_pages, self.pool.page_size, self.token_buf, emulate=emulate)
         compiled_before, t0 = self.compile_s, time.perf_counter()
         with torch.inference_mode():
             self.graphs.capture()
@@ -157,14 +161,17 @@ class ModelRunner:
         self._forward_sample(None, *self.upload(plan))
 
     def _forward_sample(self, batch, fb: ForwardBatch, st, write_slots, n_sampled) -> StepOutput | None:
-        if fb.mode == "decode" and self.graphs is not None and fb.batch_size in self.graphs.batches:
-            logits = self.graphs.replay(fb)
+        greedy = None  # each row's argmax, where a CUDA graph took it (and wrote it into token_buf)
+        if self._graphed(fb.mode, fb.batch_size):
+            logits, greedy = self.graphs.replay(fb)
+            greedy = greedy[:n_sampled]
         else:
             fb.backend = self.backends.for_batch(fb)
             fb.backend.prepare(fb)
             logits = (self._decode if fb.mode == "decode" else self._prefill)(fb)
-        tokens = sample(logits[:n_sampled], st)
-        self.token_buf.index_copy_(0, write_slots, tokens)
+        tokens = sample(logits[:n_sampled], st, argmax=greedy)
+        if tokens is not greedy:  # sampled here: the graph's argmax in token_buf is not the token
+            self.token_buf.index_copy_(0, write_slots, tokens)
         self.token_counts.record(write_slots, tokens)
         if batch is None:  # a worker: rank 0 alone reads tokens back
             return None
@@ -220,13 +227,20 @@ class ModelRunner:
         return StepPlan(
             mode=batch.mode, tables=tables, width=width, seq_lens=seq_lens, q_lens=q_lens, offsets=offsets,
             ids=ids, positions=positions, slots=slots, logits_index=logits_index,
-            decode_slots=[r.slot for r in reqs] + [0] * pad, write_slots=[r.slot for r in sampled],
+            decode_slots=[r.slot for r in reqs] + [self.pad_slot] * pad, write_slots=[r.slot for r in sampled],
             sampling_i64=sampling_i64, sampling_f32=sampling_f32, flags=sampling_batch.host_flags(sampled),
             num_kv_pages=self.pool.num_pages if self.table_width else max(chain.from_iterable(tables)) + 1)
 
     def upload(self, plan: StepPlan):
         """The device side of a plan: its packed uploads and the batch and sampling tensors over them."""
         tables, width, decode = plan.tables, plan.width, plan.mode == "decode"
+        if self._graphed(plan.mode, len(tables)):  # into the graph's own buffers
+            fb = self.graphs.load(len(tables), plan.positions, plan.slots, plan.decode_slots, plan.seq_lens, tables)
+            i64 = self._upload(torch.int64, **plan.sampling_i64)
+            f32 = self._upload(torch.float32, **plan.sampling_f32)
+            write_slots = self.graphs.token_slots[fb.batch_size][:plan.flags.rows]  # decode: every request samples
+            st = sampling_batch.make_tensors(plan.flags, i64, f32, self.token_counts, write_slots)
+            return fb, st, write_slots, plan.flags.rows
         table = list(chain.from_iterable(t + [DUMMY_PAGE] * (width - len(t)) for t in tables))
         i32 = self._upload(torch.int32, page_table=table, seq_lens=plan.seq_lens, q_lens=plan.q_lens,
                            q_offsets=plan.offsets)
@@ -246,13 +260,17 @@ class ModelRunner:
         st = sampling_batch.make_tensors(plan.flags, i64, f32, self.token_counts, i64["write_slots"])
         return fb, st, i64["write_slots"], plan.flags.rows
 
+    def _graphed(self, mode: str, bs: int) -> bool:
+        """Whether a step runs as a CUDA graph's replay."""
+        return mode == "decode" and self.graphs is not None and bs in self.graphs.batches
+
     def _narrow_table_ok(self, decode: bool, bs: int) -> bool:
         """Whether this step may upload its page table only as wide as its longest request (at batch
         256 the full width is ~160k entries per step): yes where a graph copies it into its static
         table, or where a kernel override reads the table inside a dynamically compiled step.
         Compiled flex keeps the full width: its BlockMask shapes follow the table's, and a width
         that changed every step has not been checked on the GPU for recompiles."""
-        if decode and self.graphs is not None and bs in self.graphs.batches:
+        if self._graphed("decode" if decode else "prefill", bs):
             return True
         backend = self.backends.decode if decode else self.backends.prefill
         return self.device.type == "cuda" and not backend.compiles_per_shape
@@ -260,6 +278,8 @@ class ModelRunner:
     def _upload(self, dtype: torch.dtype, **parts) -> dict[str, torch.Tensor]:
         """One host -> device copy for all `parts` (each a list of numbers or of numpy arrays), from
         pinned memory on CUDA; returns views by name."""
+        if not parts:
+            return {}
         pieces = {name: v if v and isinstance(v[0], np.ndarray) else [v] for name, v in parts.items()}
         sizes = [sum(len(p) for p in ps) for ps in pieces.values()]
         host = torch.empty(sum(sizes), dtype=dtype, pin_memory=self.device.type == "cuda")

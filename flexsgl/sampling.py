@@ -42,12 +42,12 @@ class MinTokens:
 class SamplingTensors:
     """Per-row sampling parameters on the device, plus host flags that pick the cheapest path."""
 
-    temperature: torch.Tensor  # [S] float32, 0 = greedy
-    top_k: torch.Tensor  # [S] int64, 0 = off
-    top_p: torch.Tensor  # [S] float32
-    min_p: torch.Tensor  # [S] float32
-    seed: torch.Tensor  # [S] int64
-    step: torch.Tensor  # [S] int64, index of the output token being sampled
+    temperature: torch.Tensor | None  # [S] float32, 0 = greedy; these six are None where every row is greedy
+    top_k: torch.Tensor | None  # [S] int64, 0 = off
+    top_p: torch.Tensor | None  # [S] float32
+    min_p: torch.Tensor | None  # [S] float32
+    seed: torch.Tensor | None  # [S] int64
+    step: torch.Tensor | None  # [S] int64, index of the output token being sampled
     all_greedy: bool
     any_filter: bool  # some row uses top-k, top-p or min-p
     penalties: Penalties | None = None  # some row is penalized
@@ -117,15 +117,18 @@ def _argmax_chunk(vocab: int, near: int = 1024, lo: int = 256, hi: int = 4096) -
     return next((d for d in sizes if vocab % d == 0 and vocab >= 8 * d), None)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """logits [S, V] (any float dtype; sampled in float32) -> token ids [S] int64."""
+def sample(logits: torch.Tensor, st: SamplingTensors, argmax: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [S, V] (any float dtype; sampled in float32) -> token ids [S] int64. argmax: the
+    logits' row_argmax if already taken (a CUDA graph takes it); where every row is greedy and
+    nothing changes the logits, it is the result itself."""
     if st.penalties is not None or st.min_tokens is not None:
+        argmax = None  # of other logits
         logits = logits.float()
         if st.penalties is not None:
             logits = apply_penalties(logits, st.penalties)
         if st.min_tokens is not None:
             logits = block_stop_tokens(logits, st.min_tokens, st.step)
-    greedy = row_argmax(logits)  # upcasting first would change no value, so no argmax either
+    greedy = row_argmax(logits) if argmax is None else argmax  # upcasting first would change no value
     if st.all_greedy:
         return greedy
     logits = logits.float()

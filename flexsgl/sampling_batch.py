@@ -2,7 +2,8 @@
 uploads, then the SamplingTensors made from the uploaded views.
 
 The optional parts (penalties, min_tokens, log-probabilities) cost nothing in a step where no
-request uses them: their lists are empty and their tensors are not built.
+request uses them: their lists are empty and their tensors are not built. Nor do the sampling
+parameters themselves where every row is greedy and nothing changes its logits: the argmax needs none.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from flexsgl.token_counts import TokenCounts
 def host_parts(sampled: list[Request], prefill: bool) -> tuple[dict, dict]:
     """(int64 parts, float32 parts) of the sampled requests' parameters, for ModelRunner._upload."""
     sp = [r.sampling for r in sampled]
+    if all(p.greedy and not p.penalized and p.min_tokens == 0 for p in sp):
+        return {}, {}
     i64 = {"top_k": [p.top_k for p in sp], "seed": [r.rng_seed for r in sampled],
            "step": [r.num_scheduled_outputs - 1 for r in sampled]}
     f32 = {"temperature": [p.temperature for p in sp], "top_p": [p.top_p for p in sp], "min_p": [p.min_p for p in sp]}
@@ -77,8 +80,8 @@ def make_tensors(flags: HostFlags, i64: dict, f32: dict, counts: TokenCounts,
         min_tokens = MinTokens(min_tokens=i64["min_tokens"], stop_ids=i64["stop_ids"].view(flags.rows, -1),
                                has_stops=i64["has_stops"].bool())
     return SamplingTensors(
-        temperature=f32["temperature"], top_k=i64["top_k"], top_p=f32["top_p"], min_p=f32["min_p"],
-        seed=i64["seed"], step=i64["step"], all_greedy=flags.all_greedy, any_filter=flags.any_filter,
+        temperature=f32.get("temperature"), top_k=i64.get("top_k"), top_p=f32.get("top_p"), min_p=f32.get("min_p"),
+        seed=i64.get("seed"), step=i64.get("step"), all_greedy=flags.all_greedy, any_filter=flags.any_filter,
         penalties=penalties, min_tokens=min_tokens, logprobs=flags.logprobs,
     )
 

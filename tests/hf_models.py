@@ -42,10 +42,10 @@ def capture_logits(llm, monkeypatch) -> dict[int, list[torch.Tensor]]:
         step_reqs.append([r.request_id for r, s in zip(batch.requests, batch.samples) if s])
         return real_run(batch)
 
-    def sample(logits, st):
+    def sample(logits, st, argmax=None):
         for row, rid in enumerate(step_reqs[-1]):
             per_req.setdefault(rid, []).append(logits[row].detach().clone())
-        return real_sample(logits, st)
+        return real_sample(logits, st, argmax)
 
     monkeypatch.setattr(llm.runner, "run", run)
     monkeypatch.setattr(flexsgl.runner, "sample", sample)

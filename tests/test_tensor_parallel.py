@@ -40,9 +40,9 @@ def sampled_logits(monkeypatch):
     steps = []
     real = flexsgl.runner.sample
 
-    def sample(logits, st):
+    def sample(logits, st, argmax=None):
         steps.append(logits.detach().float().cpu())
-        return real(logits, st)
+        return real(logits, st, argmax)
 
     monkeypatch.setattr(flexsgl.runner, "sample", sample)
     return steps
