@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flexsgl.attention.registry as registry
+from flexsgl import graphs
 from flexsgl import LLM, SamplingParams
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.registry import BackendSpec
@@ -25,9 +26,14 @@ def checkpoint(tmp_path_factory):
     return str(path), make_checkpoint("qwen3", path, seed), seed
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_decode_through_graph_buffers_matches_hf(checkpoint, compiled):
+@pytest.mark.parametrize("compiled,table", [(False, "whole"), (False, "narrow"), (True, "whole")],
+                         ids=["eager", "eager-narrow-tables", "compiled"])
+def test_decode_through_graph_buffers_matches_hf(checkpoint, monkeypatch, compiled, table):
+    """table "narrow": every step's page table goes up only as wide as its longest request and is
+    copied into the static table's leading columns (as at large batches), the rest left stale."""
     path, hf, seed = checkpoint
+    if table == "narrow":
+        monkeypatch.setattr(graphs, "WHOLE_TABLE_ENTRIES", 0)
     rng = random.Random(seed)
     n = 6
     prompts = [[rng.randrange(320) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
