@@ -270,7 +270,7 @@ class ModelRunner:
         table, or where a kernel override reads the table inside a dynamically compiled step.
         Compiled flex keeps the full width: its BlockMask shapes follow the table's, and a width
         that changed every step has not been checked on the GPU for recompiles."""
-        if self._graphed("decode" if decode else "prefill", bs):
+        if decode and self._graphed("decode", bs):
             return True
         backend = self.backends.decode if decode else self.backends.prefill
         return self.device.type == "cuda" and not backend.compiles_per_shape
