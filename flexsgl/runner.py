@@ -67,7 +67,7 @@ class StepPlan:
 
     mode: str
     tables: list[list[int]]  # page table rows, padding rows included
-    width: int  # the uploaded table's width
+    width: int  # the uploaded table's width (a step replayed from a CUDA graph lays out its own)
     seq_lens: list[int]
     q_lens: list[int]
     offsets: list[int]
@@ -215,7 +215,7 @@ class ModelRunner:
                      + [one + DUMMY_PAGE * ps] * pad)
             offsets = [0, *accumulate(q_lens)][:-1]
         width = max(len(t) for t in tables)
-        if self.table_width and not self._narrow_table_ok(decode, n_real + pad):
+        if self.table_width and not self._narrow_table_ok(decode):
             width = self.table_width  # a static-shape compiled step: the full width, one shape
         sampled = [r for r, s in zip(reqs, batch.samples) if s]
         logits_index = [o + n - 1 for o, n, s in zip(offsets, q_lens, batch.samples) if s]
@@ -264,14 +264,13 @@ class ModelRunner:
         """Whether a step runs as a CUDA graph's replay."""
         return mode == "decode" and self.graphs is not None and bs in self.graphs.batches
 
-    def _narrow_table_ok(self, decode: bool, bs: int) -> bool:
+    def _narrow_table_ok(self, decode: bool) -> bool:
         """Whether this step may upload its page table only as wide as its longest request (at batch
-        256 the full width is ~160k entries per step): yes where a graph copies it into its static
-        table, or where a kernel override reads the table inside a dynamically compiled step.
-        Compiled flex keeps the full width: its BlockMask shapes follow the table's, and a width
-        that changed every step has not been checked on the GPU for recompiles."""
-        if decode and self._graphed("decode", bs):
-            return True
+        256 the full width is ~160k entries per step): yes where a kernel override reads the table
+        inside a dynamically compiled step. Compiled flex keeps the full width: its BlockMask shapes
+        follow the table's, and a width that changed every step has not been checked on the GPU for
+        recompiles. A step replayed from a CUDA graph does not ask: the graph manager lays out its
+        table itself (graphs.py)."""
         backend = self.backends.decode if decode else self.backends.prefill
         return self.device.type == "cuda" and not backend.compiles_per_shape
 
