@@ -21,13 +21,13 @@ from tests.test_engine import assert_no_page_leak
 
 def small_engine() -> LLM:
     """A small KV cache and few slots, so requests wait, share pages and get preempted."""
-    return LLM("tiny", device="cpu", page_size=4, kv_cache_tokens=96, max_running=4, max_batch_tokens=32)
+    return LLM("tiny", device="cpu", page_size=4, max_total_tokens=96, max_running_requests=4, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")
 def solo():
     """Runs each request alone, on its own engine; results are kept by (prompt, params)."""
-    engine, seen = LLM("tiny", device="cpu", page_size=4, max_running=1), {}
+    engine, seen = LLM("tiny", device="cpu", page_size=4, max_running_requests=1), {}
 
     def run(prompt, sp):
         key = (tuple(prompt), sp)

@@ -29,7 +29,7 @@ FIXED = ([[3, 14, 15, 92, 65, 35], [2, 71, 82]],
 
 def engine() -> LLM:
     # 12 pages of 4 tokens: requests wait, share pages, get preempted, and some are refused.
-    return LLM("tiny", device="cpu", page_size=4, kv_cache_tokens=48, max_running=4, max_batch_tokens=24)
+    return LLM("tiny", device="cpu", page_size=4, max_total_tokens=48, max_running_requests=4, max_num_batched_tokens=24)
 
 
 sampling_params = st.builds(
@@ -235,7 +235,7 @@ def install_fault_injection(llm: LLM) -> None:
 
 def test_fuzz_one_engine(monkeypatch):
     seed = int(os.environ.get("FLEXSGL_FUZZ_SEED", random.randrange(1 << 32)))
-    EngineFuzz.alone = LLM("tiny", device="cpu", page_size=4, max_running=1)
+    EngineFuzz.alone = LLM("tiny", device="cpu", page_size=4, max_running_requests=1)
     EngineFuzz.alone_tokens = {}
     fresh = engine()
     EngineFuzz.reference = [fresh.generate([p], sp)[0].token_ids for p, sp in zip(*FIXED)]  # each alone
