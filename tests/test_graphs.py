@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import flexsgl.attention.registry as registry
-from flexsgl import graphs
-from flexsgl import LLM, SamplingParams
+from flexsgl import LLM, SamplingParams, graphs
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.registry import BackendSpec
 from tests.hf_models import hf_reference, make_checkpoint
@@ -72,11 +71,11 @@ def test_sampled_rows_through_graph_buffers_match_the_direct_path(checkpoint):
                SamplingParams(max_new_tokens=rng.randrange(3, 12), temperature=0.0, min_tokens=3),
                SamplingParams(max_new_tokens=rng.randrange(3, 12), temperature=1.1, seed=rng.randrange(99))]
     outs = {}
-    for graphs in (False, True):
+    for graphed in (False, True):
         llm = LLM(path, device="cpu", page_size=4, max_total_tokens=400, max_running_requests=8, compile=False)
-        if graphs:
+        if graphed:
             llm.runner.capture_graphs([1, 2, 4, 8], emulate=True)
-        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        outs[graphed] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
     for p, sp, o in zip(prompts[:3], params[:3], outs[True][:3]):
         assert o == hf_reference(hf, p, sp.max_new_tokens)[0]
