@@ -48,6 +48,7 @@ def random_paged_batch(pool: KVPool, alloc: PageAllocator, specs, hq: int, devic
         logits_index=torch.tensor([o + n - 1 for o, n in zip(offsets, q_lens)], device=device),
         max_q_len=max(q_lens), num_kv_pages=pool.num_pages,
         host_seq_lens=seq_lens, host_q_lens=q_lens, host_pages=tables,
+        req_slots=torch.tensor(rng.sample(range(2 * len(specs)), len(specs)), device=device),
     )
     return fb, q, knew, vnew, dense
 
@@ -65,4 +66,29 @@ def dense_attention(q, dense, specs) -> torch.Tensor:
         qpos = torch.arange(prefix, prefix + new)[:, None]
         s = s.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
+    return torch.cat(outs)
+
+
+def dense_variant_attention(q, dense, specs, visible, score=None, sink=None, scale=None) -> torch.Tensor:
+    """float64 attention of each request's new tokens over its whole K/V sequence, as a variant in
+    logical coordinates defines it: visible(i, h, q_pos, kv_pos) -> bool over broadcast index
+    tensors (i: the request's index in specs), score(s, i, h, q_pos, kv_pos) -> s, sink [Hq] (a
+    logit in every softmax's denominator whose value is zero), scale (default 1/sqrt(D))."""
+    outs, off = [], 0
+    for i, ((kfull, vfull), (prefix, new)) in enumerate(zip(dense, specs)):
+        qi = q[off:off + new].double()
+        off += new
+        g = qi.shape[1] // kfull.shape[1]
+        k, v = kfull.repeat_interleave(g, dim=1), vfull.repeat_interleave(g, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qi, k) * (qi.shape[-1] ** -0.5 if scale is None else scale)
+        h = torch.arange(qi.shape[1])[:, None, None]
+        qpos = torch.arange(prefix, prefix + new)[None, :, None]
+        kvpos = torch.arange(k.shape[0])[None, None, :]
+        if score is not None:
+            s = score(s, torch.tensor(i), h, qpos, kvpos)
+        s = s.masked_fill(~visible(torch.tensor(i), h, qpos, kvpos).expand(s.shape), float("-inf"))
+        if sink is not None:
+            s = torch.cat([s, sink.double().view(-1, 1, 1).expand(s.shape[0], s.shape[1], 1)], dim=-1)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :k.shape[0]]
+        outs.append(torch.einsum("hqk,khd->qhd", p, v))
     return torch.cat(outs)

@@ -18,6 +18,8 @@ class ForwardBatch:
       seq_lens: [B] int32                   KV length of each request once this step's tokens are in
       q_lens, q_offsets: [B] int32          each request's token count in this step and its start in [T]
       logits_index: [S] long                packed index of the tokens to sample from
+      req_slots: [B] long                   each request's slot (the runner's token_buf slot, which
+                                            indexes attention variants' per-request parameters)
     Host values: `mode` ("prefill" or "decode": one token per request), `max_q_len`,
     `num_kv_pages`, how many pool pages attention may see (all of them when compiled), and host
     copies of the per-request lengths and pages for backends that plan on the host (FlashInfer):
@@ -40,6 +42,7 @@ class ForwardBatch:
     host_pages: list[list[int]] | None = None
     backend: Any = None
     attn: Any = None  # the backend's own per-step metadata, set by backend.prepare
+    req_slots: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

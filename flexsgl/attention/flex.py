@@ -35,16 +35,19 @@ p holds in the requests that use it, is written here on the device before each s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from flexsgl.attention.base import ForwardBatch
-from flexsgl.attention.flex_ops import flex_decode, kv_splits, packed_prefill_options, prefill_options
-from flexsgl.attention.flex_masks import Q_BLOCK, packed_causal, packed_paged_causal, paged_causal
+from flexsgl.attention.flex_ops import (flex_decode, kv_splits, packed_prefill_options, prefill_options,
+                                        triton_prefill_options, with_sink)
+from flexsgl.attention.flex_masks import (Q_BLOCK, packed_causal, packed_paged_causal, packed_paged_variant,
+                                          packed_rows_variant, paged_causal, paged_decode_variant)
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 from flexsgl.compile import MIN_COMPILED_SIZE
 
@@ -67,12 +70,19 @@ class FlexMeta:
     # Compiled prefill: the pool slot each packed KV row reads, request after request (-1: a padding
     # row, read as zeros); attention reads these rows, not the pages.
     kv_rows: torch.Tensor | None = None
+    # An attention variant's score_mod over flex's coordinates (compiled), or, not compiled, over the
+    # dense scores `[nb, Hq, nq, N]` (the coordinates bound in).
+    score_mod: Callable | None = None
+    # The step's metadata for each of the engine's attention variants other than plain causal, by
+    # bound variant id (bound_variant.py); this one is plain causal attention's.
+    variants: dict[int, "FlexMeta"] = field(default_factory=dict)
 
     def step_tensors(self) -> list[torch.Tensor]:
         """Every tensor whose values change from step to step (what graph_step rewrites)."""
         bm = self.block_mask
         blocks = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices] if bm else []
-        return [t for t in blocks if t is not None] + self.mask_state
+        own = [t for t in blocks if t is not None] + self.mask_state
+        return own + [t for key in sorted(self.variants) for t in self.variants[key].step_tensors()]
 
 
 PACKED_PREFIX_MAX_TOKENS = 65536  # cached tokens a packed prefill step may copy per layer (flex.py)
@@ -91,11 +101,13 @@ class FlexAttentionBackend:
     heads_as_rows = False  # compiled decode on the main kernel lays a request's heads out as rows (FlexMeta)
     packs_prefill = True  # compiled prefill reads the step's K/V copied into rows (FlexMeta.kv_rows)
 
-    def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
+    def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False, variants=None):
         """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
         fewer shapes; on CUDA decode goes through flex_ops.py's op); otherwise the mask is evaluated
-        once per step and SDPA applies it."""
+        once per step and SDPA applies it. variants: the engine's VariantSet (bound_variant.py), whose
+        variants other than plain causal get metadata of their own each step."""
         self.pool = pool
+        self.variants = [] if variants is None else variants.non_plain
         self.num_heads = num_heads
         self.compiled = compiled
         self.decode_op = compiled and pool.device.type == "cuda"  # flex_ops.py
@@ -103,6 +115,10 @@ class FlexAttentionBackend:
         cuda = pool.device.type == "cuda"
         self.kernel_options = self.cuda_kernel_options() if cuda else None
         self.packed_kernel_options = self.packed_cuda_kernel_options() if cuda and self.packs_prefill else None
+        # A variant's mods run on the Triton kernels (flex_ops.triton_prefill_options says why)
+        dim, dtype = self.kv_shape()[1], self.pool.k[0].dtype
+        self.variant_kernel_options = triton_prefill_options(dim, self.pool.page_size, dtype) if cuda else None
+        self.variant_packed_options = triton_prefill_options(dim, 64, dtype) if cuda else None
 
     def decode_full_blocks(self, batch: int) -> bool:
         """Whether decode at this batch size lists full KV blocks (see the module docstring)."""
@@ -138,10 +154,13 @@ class FlexAttentionBackend:
 
     def metadata(self, fb: ForwardBatch, fixed_shapes: bool = False) -> FlexMeta:
         """fixed_shapes: for a CUDA graph's buffers, whose shapes do not follow the step's pages."""
-        if not (fb.mode == "decode" and self.decode_op):  # the decode op's mask needs no page positions
-            self.record_page_positions(fb.page_table, fb.seq_lens)
+        if self.variants or not (fb.mode == "decode" and self.decode_op):
+            self.record_page_positions(fb.page_table, fb.seq_lens)  # plain decode's op needs none
         compact = not fixed_shapes and fb.page_table.device.type == "cpu" and fb.host_pages is not None
-        return self._decode_meta(fb, compact) if fb.mode == "decode" else self._prefill_meta(fb, compact)
+        build = self._decode_meta if fb.mode == "decode" else self._prefill_meta
+        meta = build(fb, compact)
+        meta.variants = {bound.id: build(fb, compact, bound) for bound in self.variants}
+        return meta
 
     # CUDA graphs: the BlockMask of a captured size lives in tensors the graph reads. Its step's
     # values are built inside the graph, from the static batch the graph manager has filled, and
@@ -171,46 +190,55 @@ class FlexAttentionBackend:
         self.page_pos.zero_().scatter_(0, pages.reshape(-1).long(), logical.reshape(-1))
         self.page_pos.narrow(0, DUMMY_PAGE, 1).zero_()  # a fill: `[DUMMY_PAGE] = 0` copies from the host
 
-    def _decode_meta(self, fb: ForwardBatch, compact: bool) -> FlexMeta:
-        """One query block per request, its one token at position seq_len - 1."""
-        b = fb.batch_size
+    def _decode_meta(self, fb: ForwardBatch, compact: bool, bound=None) -> FlexMeta:
+        """One query block per request, its one token at position seq_len - 1; `bound`: an attention
+        variant's (None: plain causal attention)."""
+        b, ps = fb.batch_size, self.pool.page_size
         last = fb.seq_lens.long() - 1
-        # The decode op reads only the block lists and applies a mask of its own (flex_ops.py), one
-        # that needs no page positions, which metadata() therefore leaves unwritten in decode.
-        mask_mod = None if self.decode_op else paged_causal(fb.page_table, last, self.page_pos, self.pool.page_size)
+        # The decode op reads only the block lists and applies a mask of its own (flex_ops.py).
+        mask_mod = score_mod = None
+        if not self.decode_op:
+            mask_mod, score_mod = (paged_causal(fb.page_table, last, self.page_pos, ps), None) if bound is None \
+                else paged_decode_variant(bound, fb.page_table, last, self.page_pos, fb.req_slots, ps)
         if not self.compiled:
-            return self._dense_meta(fb, mask_mod, (b, 1), compact)
+            return self._dense_meta(fb, mask_mod, (b, 1), compact, score_mod)
         valid = torch.ones(b, dtype=torch.bool, device=last.device)
-        first = last if self.decode_full_blocks(b) else None
-        blocks = [x if x is None else x[:, None, None]
-                  for x in self._kv_blocks(fb, torch.arange(b, device=last.device), first, last, valid)]
+        full = self.decode_full_blocks(b) and (bound is None or bound.full_blocks)
+        window = None if bound is None else bound.window
+        blocks = [x if x is None else x[:, None, None] for x in
+                  kv_blocks(fb.page_table, ps, torch.arange(b, device=last.device), last, last, valid, window, full)]
         if self.heads_as_rows:
             return self._meta(fb, blocks, mask_mod, (b, self.num_heads), None, [last], Q_BLOCK, heads_as_rows=True)
         # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
         rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
-        return self._meta(fb, blocks, mask_mod, (b, 1), rows, [last], Q_BLOCK)
+        return self._meta(fb, blocks, mask_mod, (b, 1), rows, [last], Q_BLOCK, score_mod=score_mod)
 
-    def _prefill_meta(self, fb: ForwardBatch, compact: bool) -> FlexMeta:
+    def _prefill_meta(self, fb: ForwardBatch, compact: bool, bound=None) -> FlexMeta:
         """Queries packed into one sequence; each request starts a query block (a block belongs to one
         request, so its KV block list is that request's pages). Compiled, blocks are Q_BLOCK rows (at
         most Q_BLOCK - 1 padding rows per request, at least MIN_COMPILED_SIZE blocks); not compiled,
         the mask is evaluated densely, so there a block is one row and nothing is padded."""
         if self.compiled and self.packs_prefill and packs_kv(fb):
-            return self._packed_prefill_meta(fb)
-        align = Q_BLOCK if self.compiled else 1
+            return self._packed_prefill_meta(fb, bound)
+        align, ps = (Q_BLOCK if self.compiled else 1), self.pool.page_size
         req, index, first_block, n_real, n_blocks = _query_blocks(fb, align)
         first, last = _block_positions(fb, req, index, first_block, align)
         # int32 like the page table and page_pos: the FLASH backend's mask_mod code keeps one integer type
         mask_state = [req.int(), first.int()]
-        mask_mod = packed_paged_causal(fb.page_table, *mask_state, self.page_pos, self.pool.page_size, align)
+        seq_last = fb.seq_lens.long() - 1
+        if bound is None:
+            mask_mod, score_mod = packed_paged_causal(fb.page_table, *mask_state, self.page_pos, ps, align), None
+        else:
+            mask_mod, score_mod = packed_paged_variant(bound, fb.page_table, *mask_state, seq_last, self.page_pos,
+                                                       fb.req_slots, ps, align)
         if not self.compiled:  # a block is a token, in packed order: the queries are a plain view
-            return self._dense_meta(fb, mask_mod, (1, n_blocks), compact)
-        blocks = self._kv_blocks(fb, req, first, last, index < n_real)
+            return self._dense_meta(fb, mask_mod, (1, n_blocks), compact, score_mod)
+        blocks = kv_blocks(fb.page_table, ps, req, first, last, index < n_real, *_block_rules(bound, seq_last[req]))
         rows = _packed_rows(fb, first_block, align)
-        return self._meta(fb, [x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
-                          mask_state, align)
+        return self._meta(fb, [x if x is None else x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
+                          mask_state, align, score_mod=score_mod)
 
-    def _packed_prefill_meta(self, fb: ForwardBatch) -> FlexMeta:
+    def _packed_prefill_meta(self, fb: ForwardBatch, bound=None) -> FlexMeta:
         """Compiled prefill over the step's K/V packed into rows: request r's positions 0..seq_len-1
         from its first KV block on, so its KV blocks are consecutive and the block lists are
         kv_blocks' over a table of those (see the module docstring)."""
@@ -230,25 +258,26 @@ class FlexAttentionBackend:
         # wants index rows as wide as the KV sequence has blocks.
         width = n_kv if dev.type == "cpu" else max(-(-n // Q_BLOCK) for n in fb.host_seq_lens)
         table = (kv_first[:, None] + torch.arange(width, device=dev)).clamp_(max=n_kv - 1).int()
-        blocks = [x[None, None] for x in kv_blocks(table, Q_BLOCK, req, first, last, index < n_real)]
+        seq_last = seq_lens - 1
+        blocks = [x if x is None else x[None, None] for x in
+                  kv_blocks(table, Q_BLOCK, req, first, last, index < n_real, *_block_rules(bound, seq_last[req]))]
         mask_state = [(kv_first[req] * Q_BLOCK).int(), first.int()]  # int32: see _prefill_meta
-        block_mask = BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=(Q_BLOCK, Q_BLOCK),
-                                              mask_mod=packed_causal(*mask_state, Q_BLOCK),
+        if bound is None:
+            mask_mod, score_mod = packed_causal(*mask_state, Q_BLOCK), None
+        else:
+            mask_mod, score_mod = packed_rows_variant(bound, req, *mask_state, seq_last, fb.req_slots, Q_BLOCK)
+        block_mask = BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=(Q_BLOCK, Q_BLOCK), mask_mod=mask_mod,
                                               seq_lengths=(n_blocks * Q_BLOCK, n_kv * Q_BLOCK), compute_q_blocks=False)
         return FlexMeta(block_mask, (1, n_blocks * Q_BLOCK), _packed_rows(fb, first_block, Q_BLOCK), mask_state,
-                        kv_rows=kv_rows)
+                        kv_rows=kv_rows, score_mod=score_mod)
 
-    def _kv_blocks(self, fb: ForwardBatch, req, first_pos, last_pos, valid):
-        """kv_blocks over the pool's pages, listed in the step's page table."""
-        return kv_blocks(fb.page_table, self.pool.page_size, req, first_pos, last_pos, valid)
-
-    def _dense_meta(self, fb: ForwardBatch, mask_mod, query_shape, compact: bool) -> FlexMeta:
+    def _dense_meta(self, fb: ForwardBatch, mask_mod, query_shape, compact: bool, score_mod=None) -> FlexMeta:
         """Not compiled: the mask_mod evaluated over every (query, key) pair once per step, which
-        attend() applies with SDPA. torch's eager flex_attention would evaluate it in every layer
-        under four nested vmaps, whose Python cost per call (about 10 ms on the development CPU) made
-        the embedded model decode at 23 tok/s instead of 230. compact (on the CPU, outside graph
-        buffers): the KV is only the slots of the pages the step's requests hold, which the prefix
-        cache spreads over the pool; attention over the whole extent dominated steps of many requests."""
+        attend() applies with SDPA (or, for a variant's score_mod or sink, with the scores written
+        out). torch's eager flex_attention would evaluate it in every layer under four nested vmaps,
+        whose Python cost per call made the embedded model decode ten times slower. compact (on
+        the CPU, outside graph buffers): the KV is only the slots of the pages the step's requests
+        hold, which the prefix cache spreads over the pool."""
         ps = self.pool.page_size
         dev = fb.page_table.device
         nb, nq = query_shape
@@ -257,12 +286,17 @@ class FlexAttentionBackend:
             pages = torch.tensor(sorted(set(chain.from_iterable(fb.host_pages))), dtype=torch.long)
             kv_slots = (pages[:, None] * ps + torch.arange(ps)).flatten()
         kv_idx = kv_slots if kv_slots is not None else torch.arange(fb.num_kv_pages * ps, device=dev)
-        visible = mask_mod(torch.arange(nb, device=dev)[:, None, None], None,
-                           torch.arange(nq, device=dev)[None, :, None], kv_idx[None, None, :])
-        return FlexMeta(None, query_shape, None, [visible], kv_slots)
+        b, q_idx = torch.arange(nb, device=dev), torch.arange(nq, device=dev)
+        visible = mask_mod(b[:, None, None], None, q_idx[None, :, None], kv_idx[None, None, :])
+        dense_score = None
+        if score_mod is not None:
+            def dense_score(s):  # s: [nb, Hq, nq, N]
+                h = torch.arange(s.shape[1], device=dev)[None, :, None, None]
+                return score_mod(s, b[:, None, None, None], h, q_idx[None, None, :, None], kv_idx[None, None, None])
+        return FlexMeta(None, query_shape, None, [visible], kv_slots, score_mod=dense_score)
 
     def _meta(self, fb: ForwardBatch, blocks, mask_mod, query_shape, rows, mask_state, q_block: int,
-              heads_as_rows: bool = False) -> FlexMeta:
+              heads_as_rows: bool = False, score_mod=None) -> FlexMeta:
         """Compiled: the step's BlockMask over its page lists."""
         ps = self.pool.page_size
         num_partial, partial_idx, num_full, full_idx = blocks
@@ -275,22 +309,32 @@ class FlexAttentionBackend:
             num_partial, partial_idx.contiguous(), num_full, None if full_idx is None else full_idx.contiguous(),
             BLOCK_SIZE=(q_block, ps),
             mask_mod=mask_mod, seq_lengths=(query_shape[1], fb.num_kv_pages * ps), compute_q_blocks=False)
-        return FlexMeta(block_mask, query_shape, rows, mask_state, heads_as_rows=heads_as_rows)
+        return FlexMeta(block_mask, query_shape, rows, mask_state, heads_as_rows=heads_as_rows, score_mod=score_mod)
 
-    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, cache, fb: ForwardBatch, variant=None, sink=None) -> torch.Tensor:
         k, v = cache
-        return self.attention(q, k, v, fb)
+        return self.attention(q, k, v, fb, variant=variant, sink=sink)
 
-    def attention(self, q, k, v, fb: ForwardBatch, scale: float | None = None,
-                  options: dict | None = None) -> torch.Tensor:
+    def attention(self, q, k, v, fb: ForwardBatch, scale: float | None = None, options: dict | None = None,
+                  variant=None, sink: torch.Tensor | None = None) -> torch.Tensor:
         """q `[T, Hq, D]` over one layer's pool, k `[slots, Hkv, D]` and v `[slots, Hkv, Dv]`, as the
-        step's metadata lays it out; returns `[T, Hq, Dv]`."""
+        step's metadata lays it out; returns `[T, Hq, Dv]`. variant: the layer's bound attention
+        variant (None: plain causal); sink: its per-head sink logits `[Hq]`, where it has them."""
         meta: FlexMeta = fb.attn
+        plain = variant is None or variant.plain
+        if variant is not None and variant.scale is not None:
+            scale = variant.scale
+        if not plain:
+            meta = meta.variants[variant.id]
+            if options is None and self.compiled:
+                options = self.variant_kernel_options if meta.kv_rows is None else self.variant_packed_options
         if fb.mode == "decode" and self.decode_op:
             bm = meta.block_mask
             return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-                               fb.page_table, *meta.mask_state, self.pool.page_size, scale)
-        return self.attend(q, self.kv_sequence(k, fb), self.kv_sequence(v, fb), meta, scale, options)
+                               fb.page_table, *meta.mask_state, self.pool.page_size, scale,
+                               -1 if plain else variant.id, None if plain else self.page_pos,
+                               None if plain else fb.req_slots, sink)
+        return self.attend(q, self.kv_sequence(k, fb), self.kv_sequence(v, fb), meta, scale, options, sink)
 
     def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]`: the
@@ -303,11 +347,13 @@ class FlexAttentionBackend:
         x = x[:fb.num_kv_pages * self.pool.page_size] if kv_slots is None else x[kv_slots]
         return x[None].transpose(1, 2)
 
-    def attend(self, q, k, v, meta: FlexMeta, scale: float | None = None, options: dict | None = None) -> torch.Tensor:
+    def attend(self, q, k, v, meta: FlexMeta, scale: float | None = None, options: dict | None = None,
+               sink: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q `[T, Hq, D]`, laid out as the step's metadata says, over the pool read as one
         KV sequence, k `[1, Hkv, N, D]` and v `[1, Hkv, N, Dv]`; returns `[T, Hq, Dv]`. Compiled:
-        flex_attention with the step's BlockMask and `options` (default: the backend's for the pages
-        or for packed rows, as meta reads); otherwise SDPA with the mask_mod's dense values."""
+        flex_attention with the step's BlockMask, score_mod and `options` (default: the backend's for
+        the pages or for packed rows, as meta reads); otherwise SDPA with the mask_mod's dense values,
+        or the scores written out where a score_mod or a sink changes them."""
         t, hq, d = q.shape
         nb, nq = meta.query_shape
         if meta.heads_as_rows:  # on the CPU, whose flex kernel wants the query in a buffer of its own
@@ -318,11 +364,19 @@ class FlexAttentionBackend:
             qb = q.view(nb, nq, hq, d)
         else:
             qb = q.new_zeros(nb, nq, hq, d).index_put_(meta.rows, q)
-        if self.compiled:
+        if self.compiled and (sink is None or q.device.type != "cpu"):
             if options is None:
                 options = self.kernel_options if meta.kv_rows is None else self.packed_kernel_options
-            out = flex_attention(qb.transpose(1, 2), k, v, block_mask=meta.block_mask, scale=scale,
-                                 enable_gqa=hq != k.shape[1], kernel_options=options)
+            out = flex_attention(qb.transpose(1, 2), k, v, score_mod=meta.score_mod, block_mask=meta.block_mask,
+                                 scale=scale, enable_gqa=hq != k.shape[1], kernel_options=options,
+                                 return_aux=None if sink is None else AuxRequest(lse=True))
+            if sink is not None:
+                out = with_sink(*out, sink)
+        elif self.compiled:  # a sink on the CPU, whose compiled flex returns no log-sum-exp: the mask alone
+            out = _scores_written_out(qb.transpose(1, 2), k, v, *_dense_from_mods(meta, nb, hq, nq, k.shape[2], q.device),
+                                      scale, sink)
+        elif meta.score_mod is not None or sink is not None:
+            out = _scores_written_out(qb.transpose(1, 2), k, v, meta.mask_state[0][:, None], meta.score_mod, scale, sink)
         else:  # every query as one sequence over the one KV sequence: SDPA never copies K/V per request
             out = F.scaled_dot_product_attention(qb.reshape(1, nb * nq, hq, d).transpose(1, 2), k, v,
                                                  attn_mask=meta.mask_state[0].reshape(1, 1, nb * nq, -1),
@@ -332,22 +386,67 @@ class FlexAttentionBackend:
         return out.reshape(t, hq, v.shape[-1]) if meta.rows is None else out[meta.rows]
 
 
-def kv_blocks(table: torch.Tensor, block: int, req, first_pos, last_pos, valid):
+def _scores_written_out(q, k, v, visible, score, scale: float | None, sink: torch.Tensor | None) -> torch.Tensor:
+    """Attention with the scores as one tensor, for a variant's score_mod or sink where flex does not
+    run them (not compiled, or a sink on the CPU): q `[nb, Hq, nq, D]` over k, v `[1, Hkv, N, D]`,
+    `visible` broadcasting to `[nb, Hq, nq, N]`, `score` a function of those scores (or None), the
+    sink as one more column; returns `[nb, Hq, nq, Dv]`."""
+    hq, g = q.shape[1], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q.float() @ k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if score is not None:
+        s = score(s)
+    s = s.masked_fill(~visible, float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.float().view(1, hq, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :k.shape[2]]  # a row that sees nothing: zeros
+    return (p @ v.float()).to(q.dtype)
+
+
+def _dense_from_mods(meta: FlexMeta, nb: int, hq: int, nq: int, n: int, device) -> tuple:
+    """(visible, score) of a compiled step's mask_mod and score_mod over every (query, key) pair: the
+    mask alone is correct over the whole KV sequence (flex_masks.py)."""
+    b, h, q, kv = (torch.arange(x, device=device).view(*[1] * i, x, *[1] * (3 - i)) for i, x in
+                   enumerate((nb, hq, nq, n)))
+    visible = meta.block_mask.mask_mod(b, h, q, kv)
+    score = None if meta.score_mod is None else (lambda s: meta.score_mod(s, b, h, q, kv))
+    return visible, score
+
+
+def kv_blocks(table: torch.Tensor, block: int, req, first_pos, last_pos, valid, window: int | None = None,
+              full: bool = True, hi_pos=None):
     """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos, where
-    `table[r]` lists request r's KV blocks of `block` positions each in order: the KV blocks wholly
-    before the first row are *full* (no mask_mod call), those up to the last row's are *partial*.
-    Returns (partial count, partial blocks, full count, full blocks), each with a leading
-    query-block dimension; first_pos None: every visible block is partial, and there are no full
-    blocks (None, None)."""
+    `table[r]` lists request r's KV blocks of `block` positions each in order: which KV blocks they
+    read. Those from the first row's first visible key (position 0, or first_pos - window + 1) to the
+    last row's last (last_pos, or hi_pos where keys after the query are visible too) are visible;
+    of them, those every row sees whole (after the last row's window start, up to the first row)
+    are *full* (no mask_mod call) where `full`, and the others *partial*. Returns (partial count,
+    partial blocks, full count, full blocks), each with a leading query-block dimension; with `full`
+    False every visible block is partial and there are no full blocks (None, None)."""
     w = table.shape[1]
-    n_visible = torch.where(valid, last_pos // block + 1, 0)
-    full_idx = table[req]
-    if first_pos is None:
-        return n_visible.to(torch.int32), full_idx, None, None
-    n_full = torch.where(valid, (first_pos + 1) // block, 0)
+    hi = (last_pos if hi_pos is None else hi_pos) // block
+    lo = torch.zeros_like(hi) if window is None else (first_pos - window + 1).clamp(min=0) // block
+    n_visible = torch.where(valid, hi - lo + 1, 0)
+    rows = table[req]
     cols = torch.arange(w, device=req.device)
-    partial_idx = torch.gather(full_idx, 1, (n_full[:, None] + cols).clamp_(max=w - 1))
+    if not full:
+        visible_idx = torch.gather(rows, 1, (lo[:, None] + cols).clamp_(max=w - 1))
+        return n_visible.to(torch.int32), visible_idx, None, None
+    full_lo = torch.zeros_like(hi) if window is None else -(-(last_pos - window + 1).clamp(min=0) // block)
+    n_full = torch.where(valid, ((first_pos + 1) // block - full_lo).clamp(min=0), 0)
+    n_left = torch.where(n_full > 0, full_lo - lo, n_visible)  # partial blocks before the full ones
+    partial = torch.where(cols < n_left[:, None], lo[:, None] + cols, lo[:, None] + n_full[:, None] + cols)
+    partial_idx = torch.gather(rows, 1, partial.clamp_(max=w - 1))
+    full_idx = torch.gather(rows, 1, (full_lo[:, None] + cols).clamp_(max=w - 1))
     return (n_visible - n_full).to(torch.int32), partial_idx, n_full.to(torch.int32), full_idx
+
+
+def _block_rules(bound, seq_last) -> tuple:
+    """kv_blocks' (window, full, hi_pos) for a prefill of `bound`'s variant (None: plain causal);
+    seq_last: each query block's request's last position so far."""
+    if bound is None:
+        return None, True, None
+    return bound.window, bound.full_blocks, None if bound.causal else seq_last
 
 
 def _query_blocks(fb: ForwardBatch, align: int):

@@ -70,3 +70,87 @@ def packed_causal(block_kv_start: torch.Tensor, block_first_pos: torch.Tensor, r
         return (kv_idx >= start) & (kv_idx - start <= block_first_pos[j] + q_idx % rows_per_block)
 
     return mask
+
+
+# ---- attention variants (bound_variant.py): the same layouts, mapped onto logical coordinates. Each
+# returns (mask_mod, score_mod) over flex's coordinates; a key is visible iff it exists in the query's
+# request (it belongs to the request and lies at most at its last position so far) and the variant's
+# `visible` says so at (request slot, head, query position, key position). `slots[row]` is a batch
+# row's request slot, which indexes per-request parameters.
+
+def paged_decode_variant(bound, page_table, last_pos, page_pos, slots, page_size: int):
+    """Decode over the pool (as paged_causal): request b's query at position last_pos[b]."""
+    def coords(b, kv_idx, page_size=page_size):
+        page = kv_idx // page_size
+        logical = page_pos[page]
+        return page, logical, logical * page_size + kv_idx % page_size
+
+    def mask(b, h, q_idx, kv_idx):
+        page, logical, kv_pos = coords(b, kv_idx)
+        own = (page_table[b, logical] == page) & (kv_pos <= last_pos[b])
+        return bound.visible(own, slots[b], h, last_pos[b], kv_pos)
+
+    def score(s, b, h, q_idx, kv_idx):
+        return bound.score(s, slots[b], h, last_pos[b], coords(b, kv_idx)[2])
+
+    return mask, score
+
+
+def listed_decode_variant(bound, last_pos, page_pos, slots, page_size: int, first_slot=0):
+    """Decode over a BlockMask that lists request b's own pages and nothing else (flex_ops.py, as
+    listed_decode_causal): every listed slot is b's; its position comes from page_pos."""
+    def kv_position(kv_idx, page_size=page_size):
+        slot = kv_idx + first_slot
+        return page_pos[slot // page_size] * page_size + slot % page_size
+
+    def mask(b, h, q_idx, kv_idx):
+        kv_pos = kv_position(kv_idx)
+        return bound.visible(kv_pos <= last_pos[b], slots[b], h, last_pos[b], kv_pos)
+
+    def score(s, b, h, q_idx, kv_idx):
+        return bound.score(s, slots[b], h, last_pos[b], kv_position(kv_idx))
+
+    return mask, score
+
+
+def packed_paged_variant(bound, page_table, block_req, block_first_pos, seq_last, page_pos, slots,
+                         page_size: int, rows_per_block: int):
+    """Prefill (as packed_paged_causal): query block j holds request block_req[j]'s tokens from
+    position block_first_pos[j] on; the request's keys so far end at seq_last."""
+    def coords(q_idx, kv_idx, page_size=page_size, rows_per_block=rows_per_block):
+        j = q_idx // rows_per_block
+        page = kv_idx // page_size
+        logical = page_pos[page]
+        return block_req[j], block_first_pos[j] + q_idx % rows_per_block, page, logical, \
+            logical * page_size + kv_idx % page_size
+
+    def mask(b, h, q_idx, kv_idx):
+        row, q_pos, page, logical, kv_pos = coords(q_idx, kv_idx)
+        own = (page_table[row, logical] == page) & (kv_pos <= seq_last[row])
+        return bound.visible(own, slots[row], h, q_pos, kv_pos)
+
+    def score(s, b, h, q_idx, kv_idx):
+        row, q_pos, _, _, kv_pos = coords(q_idx, kv_idx)
+        return bound.score(s, slots[row], h, q_pos, kv_pos)
+
+    return mask, score
+
+
+def packed_rows_variant(bound, block_req, block_kv_start, block_first_pos, seq_last, slots, rows_per_block: int):
+    """Prefill over the step's K/V packed into rows (as packed_causal): query block j's request's
+    positions 0, 1, ... are the KV rows from block_kv_start[j] on."""
+    def coords(q_idx, kv_idx, rows_per_block=rows_per_block):
+        j = q_idx // rows_per_block
+        start = block_kv_start[j]
+        return block_req[j], block_first_pos[j] + q_idx % rows_per_block, start, kv_idx - start
+
+    def mask(b, h, q_idx, kv_idx):
+        row, q_pos, start, kv_pos = coords(q_idx, kv_idx)
+        own = (kv_idx >= start) & (kv_pos <= seq_last[row])
+        return bound.visible(own, slots[row], h, q_pos, kv_pos)
+
+    def score(s, b, h, q_idx, kv_idx):
+        row, q_pos, _, kv_pos = coords(q_idx, kv_idx)
+        return bound.score(s, slots[row], h, q_pos, kv_pos)
+
+    return mask, score

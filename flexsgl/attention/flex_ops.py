@@ -44,7 +44,8 @@ import types
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from flexsgl.attention.flex_masks import Q_BLOCK, listed_decode_causal
+from flexsgl.attention.bound_variant import BOUND
+from flexsgl.attention.flex_masks import Q_BLOCK, listed_decode_causal, listed_decode_variant
 from flexsgl.compile import settings
 from flexsgl.compile_cache import prepare as prepare_cache
 
@@ -115,6 +116,13 @@ def prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
     (flash_prefill_runs), else its Triton main kernel."""
     if flash_prefill_runs(head_dim, page_size, dtype):
         return {"BACKEND": "FLASH"}
+    return triton_prefill_options(head_dim, page_size, dtype)
+
+
+def triton_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
+    """Options of flex's Triton main kernel for prefill on CUDA. Attention variants (their mods close
+    over Python integers, which the dynamic-shape prefill compile makes symbolic, and the FLASH
+    lowering refuses symbolic integers in a mod) always run on it."""
     options = {"BLOCK_N": math.gcd(page_size, 64)}
     if head_dim <= 128:
         options.update(BLOCK_M=64, num_warps=4, num_stages=3)
@@ -167,10 +175,13 @@ def _flash_installed() -> bool:
 
 
 def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos,
-            page_size: int, scale: float | None, options: dict, first_page: torch.Tensor | None):
+            page_size: int, scale: float | None, options: dict, first_page: torch.Tensor | None,
+            variant: int = -1, page_pos=None, req_slots=None, with_lse: bool = False):
     """Decode over k and v. first_page None: they are the whole pool. Else they are a shard of it,
-    its pages from first_page (a 0-dim tensor) on: the block lists are cut to those pages, and the
-    output comes with each query head's log-sum-exp, `[B, Hq]`."""
+    its pages from first_page (a 0-dim tensor) on: the block lists are cut to those pages. variant:
+    a bound attention variant's id (bound_variant.py; -1: plain causal), whose mods read page_pos
+    and each row's request slot. with_lse: the output comes with each query head's log-sum-exp,
+    `[B, Hq]`."""
     b, hq, d = q.shape
     first_slot = 0
     if first_page is not None:
@@ -179,17 +190,29 @@ def _decode(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, p
         if full_num_blocks is not None:
             full_num_blocks, full_indices = shard_block_list(full_num_blocks, full_indices, first_page, end_page)
         first_slot = first_page * page_size
+    if variant < 0:
+        mask_mod, score_mod = listed_decode_causal(page_table, last_pos, page_size, first_slot), None
+    else:
+        mask_mod, score_mod = listed_decode_variant(BOUND[variant], last_pos, page_pos, req_slots, page_size,
+                                                    first_slot)
     block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks, kv_indices, full_num_blocks, full_indices, BLOCK_SIZE=(Q_BLOCK, page_size),
-        mask_mod=listed_decode_causal(page_table, last_pos, page_size, first_slot), seq_lengths=(1, k.shape[0]),
-        compute_q_blocks=False)
+        mask_mod=mask_mod, seq_lengths=(1, k.shape[0]), compute_q_blocks=False)
     out = flex_attention(q.view(b, 1, hq, d).transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
-                         block_mask=block_mask, scale=scale, enable_gqa=hq != k.shape[1], kernel_options=options,
-                         return_aux=None if first_page is None else AuxRequest(lse=True))
-    if first_page is None:
+                         score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=hq != k.shape[1],
+                         kernel_options=options, return_aux=AuxRequest(lse=True) if with_lse else None)
+    if not with_lse:
         return out.transpose(1, 2).reshape(b, hq, v.shape[-1])
     out, aux = out
     return out.transpose(1, 2).reshape(b, hq, v.shape[-1]), aux.lse.view(b, hq)
+
+
+def with_sink(out: torch.Tensor, aux, sink: torch.Tensor) -> torch.Tensor:
+    """Attention `out` `[B, Hq, L, Dv]` with its log-sum-exp (flex's aux) as if each head's softmax had
+    one more key, of logit sink[h] and value zero (GPT-OSS's attention sinks): out * sigmoid(lse - sink)."""
+    lse = aux.lse if hasattr(aux, "lse") else aux
+    keep = torch.sigmoid(lse.float() - sink.float().view(1, -1, 1))
+    return (out.float() * keep[..., None]).to(out.dtype)
 
 
 def shard_pages(k: torch.Tensor, v: torch.Tensor, page_size: int) -> int:
@@ -254,39 +277,54 @@ def _run(fn, key: tuple, *args, heuristic_reductions: bool = False):
 def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks: torch.Tensor,
                 kv_indices: torch.Tensor, full_num_blocks: torch.Tensor | None, full_indices: torch.Tensor | None,
                 page_table: torch.Tensor, last_pos: torch.Tensor, page_size: int,
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None, variant: int = -1, page_pos: torch.Tensor | None = None,
+                req_slots: torch.Tensor | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q `[B, Hq, D]` over one layer's pool `k` (`[slots, Hkv, D]`) and `v`
     (`[slots, Hkv, Dv]`, which may be a view of k: MLA's latent) through the BlockMask given by its
     four tensors (`[B, 1, 1, ...]`; the full ones may be None), which list request b's pages
     `page_table[b]` and no other; request b's query is at position last_pos[b]; scale None is
-    1/sqrt(D). Returns `[B, Hq, Dv]`."""
+    1/sqrt(D). variant >= 0: a bound attention variant's id, whose mods read `page_pos` (each page's
+    logical index) and `req_slots` (each row's request slot); sink: per-head sink logits `[Hq]`.
+    Returns `[B, Hq, Dv]`."""
     options = decode_options(q.shape[0], k.shape[1], page_size, k.shape[2])
     latent = k.shape[2] > LARGE_HEAD_DIM
     per_shard = shard_pages(k, v, page_size)
+    extra = (variant, page_pos, req_slots)
     if per_shard * page_size == k.shape[0]:
-        return _run(_decode, _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, options), q, k, v,
-                    kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_size,
-                    scale, options, None, heuristic_reductions=latent)
+        out = _run(_decode, _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, options, variant,
+                                        sink is not None), q, k, v, kv_num_blocks, kv_indices, full_num_blocks,
+                   full_indices, page_table, last_pos, page_size, scale, options, None, *extra, sink is not None,
+                   heuristic_reductions=latent)
+        return out if sink is None else _decode_sink(*out, sink)
     # The shards are views made outside the compiled function: each is an input of its own, which 32-bit offsets index.
     outs, lses = [], []
     for first in range(0, k.shape[0] // page_size, per_shard):
         ks, vs = (x[first * page_size:(first + per_shard) * page_size] for x in (k, v))
         first_page = torch.full((), first, dtype=torch.long, device=q.device)  # a tensor: one compile for all shards
-        out, lse = _run(_decode, _decode_key(q, ks, vs, page_table, page_size, scale, full_num_blocks, options, True),
+        out, lse = _run(_decode, _decode_key(q, ks, vs, page_table, page_size, scale, full_num_blocks, options,
+                                             variant, True, True),
                         q, ks, vs, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos,
-                        page_size, scale, options, first_page, heuristic_reductions=latent)
+                        page_size, scale, options, first_page, *extra, True, heuristic_reductions=latent)
         outs.append(out), lses.append(lse)
-    return _run(merge_partials, ("merge", len(outs), *outs[0].shape, q.dtype, q.device), outs, lses)
+    out = _run(merge_partials, ("merge", len(outs), *outs[0].shape, q.dtype, q.device), outs, lses)
+    return out if sink is None else _decode_sink(out, torch.logsumexp(torch.stack(lses), 0), sink)
 
 
-def _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, options: dict, sharded: bool = False) -> tuple:
-    """What one compiled decode function serves: the shapes, dtype and device, and the kernel options
-    it was compiled with (other options get a function of their own, not a recompile of this one)."""
+def _decode_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """with_sink for decode's `[B, Hq, Dv]` output and `[B, Hq]` log-sum-exp."""
+    return with_sink(out[:, :, None], lse[:, :, None], sink)[:, :, 0]
+
+
+def _decode_key(q, k, v, page_table, page_size, scale, full_num_blocks, options: dict, variant: int = -1,
+                with_lse: bool = False, sharded: bool = False) -> tuple:
+    """What one compiled decode function serves: the shapes, dtype and device, the variant, and the
+    kernel options it was compiled with (other options get a function of their own, not a recompile
+    of this one)."""
     return ("decode", *q.shape, *k.shape, v.shape[-1], page_table.shape[1], q.dtype, page_size, scale, q.device,
-            full_num_blocks is None, sharded, *options.items())
+            full_num_blocks is None, sharded, variant, with_lse, *options.items())
 
 
 @flex_decode.register_fake
 def _(q, k, v, kv_num_blocks, kv_indices, full_num_blocks, full_indices, page_table, last_pos, page_size,
-      scale=None):
+      scale=None, variant=-1, page_pos=None, req_slots=None, sink=None):
     return q.new_empty(*q.shape[:2], v.shape[-1])

@@ -1,0 +1,122 @@
+"""Attention variants as one engine runs them: each distinct variant bound to device tensors for its
+parameters, and which layer runs which.
+
+A `VariantSet` is built once per engine from the per-layer variants (the model's own, composed with
+the user's: layer_variants.py). Per-request parameters live in tensors with a row per request
+slot (the runner's token_buf slot, stable while a request runs), written when a request's prefill
+step is planned; per-head ones hold this rank's heads. A `BoundVariant` gives the logical
+visibility and score of its variant in those tensors; the FlexAttention masks (flex_masks.py) map
+pool slots, packed rows and query blocks onto the logical coordinates it takes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from flexsgl.attention.variant import (AttentionVariant, Params, PerHead, PerRequest, PromptLength, call_mask,
+                                       call_score)
+
+_ids = itertools.count()
+BOUND: dict[int, "BoundVariant"] = {}  # by id: flex_ops' decode op finds a layer's variant by its id
+
+
+class BoundVariant:
+    """One variant with its parameters in device tensors (module docstring)."""
+
+    def __init__(self, variant: AttentionVariant, params: dict[str, torch.Tensor], sink: torch.Tensor | None):
+        self.variant = variant
+        self.id = next(_ids)
+        BOUND[self.id] = self
+        self.p = Params(params)
+        self.window, self.causal, self.scale = variant.window, variant.causal, variant.scale
+        self.mask_mod, self.score_mod = variant.mask_mod, variant.score_mod
+        self.sink_name = variant.sink if isinstance(variant.sink, str) else None
+        self.sink = sink  # a PerHead sink's values (this rank's heads); a named one comes from the layer
+        self.plain = variant.plain
+
+    @property
+    def has_sink(self) -> bool:
+        return self.variant.sink is not None
+
+    @property
+    def full_blocks(self) -> bool:
+        """Whether KV blocks wholly inside the causal window can skip the mask: no mask_mod of the user's."""
+        return self.mask_mod is None and self.causal
+
+    def visible(self, base, slot, h, q_pos, kv_pos):
+        """`base` (which keys exist and belong to the query's request) narrowed by the variant: causality,
+        the window and the mask_mod, at request slot `slot`, head h and positions q_pos, kv_pos."""
+        vis = base
+        if self.causal:
+            vis = vis & (kv_pos <= q_pos)
+        if self.window is not None:
+            vis = vis & (q_pos - kv_pos < self.window)
+        if self.mask_mod is not None:
+            vis = vis & call_mask(self.mask_mod, slot, h, q_pos, kv_pos, self.p)
+        return vis
+
+    def score(self, s, slot, h, q_pos, kv_pos):
+        return s if self.score_mod is None else call_score(self.score_mod, s, slot, h, q_pos, kv_pos, self.p)
+
+    def layer_sink(self, attn) -> torch.Tensor | None:
+        """The sink logits `[heads]` an attention layer attends with (None: no sink)."""
+        if self.sink_name is not None:
+            return getattr(attn, self.sink_name)
+        return self.sink
+
+
+class VariantSet:
+    """Every layer's bound variant (None: plain causal attention) and the per-request parameters."""
+
+    def __init__(self, per_layer: list[AttentionVariant | None], num_heads: int, head_offset: int,
+                 total_heads: int, slots: int, device: torch.device):
+        self.device = device
+        self.request_params: dict[str, PerRequest | PromptLength] = {}
+        for v in filter(None, per_layer):
+            self.request_params.update((n, p) for n, p in v.params.items() if not isinstance(p, PerHead))
+        self.request_tensors = {n: torch.zeros(slots, dtype=p.dtype, device=device)
+                                for n, p in self.request_params.items()}
+        bound: dict[int, BoundVariant] = {}
+        for v in filter(None, per_layer):
+            if id(v) not in bound:
+                bound[id(v)] = self._bind(v, num_heads, head_offset, total_heads)
+        self.layers = [None if v is None else bound[id(v)] for v in per_layer]
+        self.bound = list(bound.values())
+
+    def _bind(self, v: AttentionVariant, num_heads: int, offset: int, total: int) -> BoundVariant:
+        heads = slice(offset, offset + num_heads)
+        params = {n: (p.tensor(total)[heads].to(self.device) if isinstance(p, PerHead) else self.request_tensors[n])
+                  for n, p in v.params.items()}
+        sink = v.sink.tensor(total)[heads].float().to(self.device) if isinstance(v.sink, PerHead) else None
+        return BoundVariant(v, params, sink)
+
+    @property
+    def non_plain(self) -> list[BoundVariant]:
+        return [b for b in self.bound if not b.plain]
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer keeps to, if every layer has one: keys further back are never read again."""
+        windows = [None if b is None else b.window for b in self.layers]
+        return None if not windows or None in windows else max(windows)
+
+    def host_values(self, requests) -> dict[str, list]:
+        """Each per-request parameter's value for each of `requests` (their slots get them at prefill)."""
+        out = {}
+        for name, param in self.request_params.items():
+            if isinstance(param, PromptLength):
+                out[name] = [r.prompt_len for r in requests]
+            else:
+                out[name] = [param.value((r.sampling.attention_params or {}).get(name)) for r in requests]
+        return out
+
+    def write(self, slots: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Write per-request parameter values (from host_values, on the device) at request slots."""
+        for name, tensor in self.request_tensors.items():
+            tensor.index_copy_(0, slots, values[name].to(tensor.dtype))
+
+
+def plain_variants(num_layers: int) -> list[None]:
+    return [None] * num_layers

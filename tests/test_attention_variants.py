@@ -1,0 +1,199 @@
+"""Attention variants on flex, over random paged layouts, against float64 attention that applies each
+variant's definition written out independently here (logical positions, no pages).
+
+Every shipped variant and two variants written here as a user would write them run eager (the dense
+mask and, for score mods and sinks, the scores written out) and compiled (flex's BlockMask with the
+variant's blocks: pages outside a window are never listed) on the CPU."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from flexsgl.attention.bound_variant import VariantSet
+from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.variant import AttentionVariant, PerHead, PerRequest, VariantError, check
+from flexsgl.attention import variants as V
+from flexsgl.cache.pool import KVPool, PageAllocator
+from tests.attention_reference import dense_variant_attention, random_paged_batch
+
+HQ, HKV, D = 4, 2, 16
+CASES = {
+    "ragged-prefill": [(0, 37), (0, 5), (0, 130), (0, 64)],
+    "prefix-extend": [(64, 40), (13, 1), (100, 77), (7, 150)],
+    "decode": [(0 + n, 1) for n in (1, 63, 64, 65, 200, 17)],
+    "mixed": [(90, 1), (0, 70), (33, 12), (129, 1)],
+}
+
+
+def _causal(q, kv):
+    return kv <= q
+
+
+def user_local_window():
+    """A user's variant: a per-request window (at most 48), and a mask that also drops every third key
+    older than 8 positions."""
+    def mask(b, h, q_pos, kv_pos, p):
+        return (q_pos - kv_pos < p.win[b]) & (((q_pos - kv_pos) < 8) | (kv_pos % 3 != 1))
+
+    return AttentionVariant("user_local_window", mask_mod=mask, window=48, params={"win": PerRequest(48)})
+
+
+def user_head_temperature():
+    """A user's variant: each head's scores divided by its own temperature, and a bias that favours
+    the first token of the sequence."""
+    def score(s, b, h, q_pos, kv_pos, p):
+        return s / p.temp[h] + torch.where(kv_pos == 0, 1.5, 0.0)
+
+    return AttentionVariant("user_head_temperature", score_mod=score,
+                            params={"temp": PerHead(lambda n: torch.linspace(0.5, 2.0, n))})
+
+
+# name -> (variant, reference visible(i, h, q, kv, ctx), reference score(s, i, h, q, kv, ctx) or None,
+# sink [Hq] or None). ctx holds the per-request values the test writes (prompt lengths, windows).
+SINK = torch.tensor([0.5, -1.0, 2.0, 0.0])
+
+
+def _reference_cases():
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / HQ) for h in range(HQ)], dtype=torch.float64)
+    temps = torch.linspace(0.5, 2.0, HQ, dtype=torch.float64)
+    return {
+        "causal": (V.causal(), lambda i, h, q, kv, c: _causal(q, kv), None, None),
+        "sliding_window": (V.sliding_window(20), lambda i, h, q, kv, c: _causal(q, kv) & (q - kv < 20), None, None),
+        "softcap": (V.softcap(5.0), lambda i, h, q, kv, c: _causal(q, kv),
+                    lambda s, i, h, q, kv, c: 5.0 * torch.tanh(s / 5.0), None),
+        "attention_sinks": (AttentionVariant("sinks", sink=PerHead(SINK)),
+                            lambda i, h, q, kv, c: _causal(q, kv), None, SINK),
+        "alibi": (V.alibi(), lambda i, h, q, kv, c: _causal(q, kv),
+                  lambda s, i, h, q, kv, c: s - slopes[h] * (q - kv), None),
+        "chunked_local": (V.chunked_local(16), lambda i, h, q, kv, c: _causal(q, kv) & (q // 16 == kv // 16),
+                          None, None),
+        "prefix_lm": (V.prefix_lm(), lambda i, h, q, kv, c: _causal(q, kv) | (kv < c["prompt_len"][i]), None, None),
+        "user_local_window": (user_local_window(),
+                              lambda i, h, q, kv, c: _causal(q, kv) & (q - kv < c["win"][i])
+                              & ((q - kv < 8) | (kv % 3 != 1)), None, None),
+        "user_head_temperature": (user_head_temperature(), lambda i, h, q, kv, c: _causal(q, kv),
+                                  lambda s, i, h, q, kv, c: s / temps[h] + torch.where(kv == 0, 1.5, 0.0), None),
+        "gemma_gpt_oss_like": (V.sliding_window(24) & V.softcap(10.0) & AttentionVariant("sinks", sink=PerHead(SINK)),
+                               lambda i, h, q, kv, c: _causal(q, kv) & (q - kv < 24),
+                               lambda s, i, h, q, kv, c: 10.0 * torch.tanh(s / 10.0), SINK),
+    }
+
+
+REFERENCE = _reference_cases()
+
+
+def run_variant_case(name, specs, page_size, compiled=False, packs_prefill=True, seed=None, decode_full=True):
+    seed = random.randrange(1 << 30) if seed is None else seed
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    variant, ref_visible, ref_score, sink = REFERENCE[name]
+    pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
+    pool = KVPool(1, pages, page_size, HKV, D, torch.float32, "cpu")
+    pool.k[0].normal_(), pool.v[0].normal_()  # stale slots would show if the mask let them through
+    fb, q, k, v, dense = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, HQ, "cpu",
+                                            torch.float32, rng)
+    variants = VariantSet([variant], HQ, 0, HQ, slots=2 * len(specs), device=torch.device("cpu"))
+    bound = variants.layers[0]
+    ctx = {"prompt_len": [rng.randrange(1, p + n + 1) for p, n in specs],
+           "win": [rng.randrange(1, 49) for _ in specs]}
+    for param in ("prompt_len", "win"):
+        if param in variants.request_tensors:
+            variants.request_tensors[param][fb.req_slots] = torch.tensor(ctx[param])
+    backend = FlexAttentionBackend(pool, num_heads=HQ, compiled=compiled, variants=variants)
+    backend.packs_prefill = packs_prefill
+    if not decode_full:
+        backend.decode_full_blocks = lambda batch: False
+    backend.prepare(fb)
+    pool.store(0, k.float(), v.float(), fb.out_slots)
+    forward = FlexAttentionBackend.forward
+    if compiled:
+        torch._dynamo.reset()
+        forward = torch.compile(forward, dynamic=False)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=compiled):
+        out = forward(backend, q.float(), pool.layer_cache(0), fb, bound, bound.layer_sink(None))
+    ref = dense_variant_attention(q, dense, specs, lambda i, h, qp, kv: ref_visible(i, h, qp, kv, ctx),
+                                  None if ref_score is None else lambda s, i, h, qp, kv: ref_score(s, i, h, qp, kv, ctx),
+                                  sink)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"seed={seed}: {m}")
+    return backend, fb
+
+
+@pytest.mark.parametrize("name", list(REFERENCE))
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_variant_eager_matches_float64(name, case, page_size):
+    run_variant_case(name, CASES[case], page_size)
+
+
+# Each compile costs seconds on the CPU: one case per layout, covering every kind of mod between them.
+@pytest.mark.parametrize("name,case,packed", [
+    ("gemma_gpt_oss_like", "ragged-prefill", True),  # window, score_mod, sink; prefill over packed rows
+    ("alibi", "mixed", True),  # a per-head parameter in a score_mod
+    ("prefix_lm", "prefix-extend", False),  # keys after the query; prefill over the pages
+    ("user_local_window", "decode", False),  # a per-request parameter in a user's mask; decode
+])
+def test_variant_compiled_matches_float64(name, case, packed):
+    run_variant_case(name, CASES[case], 16, compiled=True, packs_prefill=packed)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_windowed_decode_lists_only_pages_in_the_window(page_size):
+    """Compiled decode's BlockMask for a window of W keys lists exactly the pages holding the last W
+    positions (at most ceil(W / page_size) + 1), whatever the context; plain causal lists them all."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    specs = [(rng.randrange(1, 3000), 1) for _ in range(5)]
+    window = rng.randrange(1, 200)
+    pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
+    pool = KVPool(1, pages, page_size, HKV, D, torch.float32, "cpu")
+    fb, *_ = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, HQ, "cpu", torch.float32, rng)
+    variants = VariantSet([V.sliding_window(window)], HQ, 0, HQ, slots=2 * len(specs), device=torch.device("cpu"))
+    for full in (True, False):
+        backend = FlexAttentionBackend(pool, num_heads=HQ, compiled=True, variants=variants)
+        backend.decode_full_blocks = lambda batch: full
+        meta = backend.metadata(fb)
+        bm = meta.variants[variants.layers[0].id].block_mask
+        for b, (prefix, _) in enumerate(specs):
+            last = prefix
+            want = {int(fb.page_table[b, j]) for j in range(max(0, last - window + 1) // page_size,
+                                                             last // page_size + 1)}
+            listed = set(bm.kv_indices[b, 0, 0, :bm.kv_num_blocks[b, 0, 0]].tolist())
+            if full:
+                listed |= set(bm.full_kv_indices[b, 0, 0, :bm.full_kv_num_blocks[b, 0, 0]].tolist())
+            assert listed == want and len(want) <= -(-window // page_size) + 1, f"seed={seed}: request {b}"
+        plain = meta.block_mask
+        n_plain = (plain.kv_num_blocks + (plain.full_kv_num_blocks if full else 0))[:, 0, 0].tolist()
+        assert n_plain == [-(-(p + 1) // page_size) for p, _ in specs], f"seed={seed}"
+
+
+def test_bad_variants_are_refused_in_one_sentence():
+    with pytest.raises(VariantError, match="takes 3 arguments"):
+        AttentionVariant("bad", mask_mod=lambda b, h, q: q > 0)
+    with pytest.raises(VariantError, match="window must be a positive"):
+        AttentionVariant("bad", window=0)
+
+    def data_dependent(b, h, q_pos, kv_pos):  # a shape that depends on the values: vmap refuses it
+        return (kv_pos[kv_pos <= q_pos] >= 0).any()
+
+    with pytest.raises(VariantError, match="cannot run as FlexAttention mods"):
+        check(AttentionVariant("bad", mask_mod=data_dependent))
+    with pytest.raises(VariantError, match="must return a bool"):
+        check(AttentionVariant("bad", mask_mod=lambda b, h, q, kv: q - kv))
+    with pytest.raises(VariantError, match="both set a sink"):
+        AttentionVariant("a", sink="sinks") & AttentionVariant("b", sink="sinks")
+    with pytest.raises(VariantError, match="Unknown attention variant"):
+        V.resolve("no_such_variant")
+
+
+def test_variants_resolve_from_their_names():
+    v = V.resolve("sliding_window:window=4096")
+    assert v.window == 4096 and v.features() == {"window": 4096}
+    assert V.resolve("softcap:cap=30").features() == {"softcap": 30.0}
+    assert V.resolve("alibi").features() is None  # flex only
+    both = V.resolve("sliding_window:window=8") & V.resolve("softcap:cap=2.5")
+    assert both.features() == {"window": 8, "softcap": 2.5}
+    assert V.resolve("tests.test_attention_variants:user_local_window").name == "user_local_window"
