@@ -19,18 +19,15 @@
   buckets; a kernel override gets SGLang's finer spacing). On the CPU each decode bucket compiles.
 - No varying dimension of a compiled prefill step is 0 or 1 (MIN_COMPILED_SIZE): torch.compile
   specialises such a dimension, so a batch-1 or one-block prefill after multi-request ones would
-  recompile (~50 s for Qwen3-0.6B with flex on an H200 when the whole model compiled). The runner
-  pads requests and sampled rows, flex pads query blocks.
+  recompile. The runner pads requests and sampled rows, flex pads query blocks.
 - Torch settings hold only while a compiled step runs (dynamo traces and recompiles inside the
   call), not process-wide: a recompile limit for the buckets, no duck sizing, and Inductor's
-  kernels launched with PDL on SM90+ GPUs (kernels/launch.py; DeepSeek-V2-Lite's batch-1 TPOT on an
-  H200 2.22-2.27 ms without, 2.07-2.09 with: a layer's elementwise kernels, attention's
-  split-combining ones and the MoE's sum no longer wait for the kernel before to drain before
-  they launch). Duck sizing
-  gives dimensions of equal size one symbol at the first compile, so one that happens to equal a
-  static size is specialised with it and the next step recompiles (on an H200, prefill's 8 query
-  blocks took the 8 KV heads' symbol, a decode batch equal to its token buffer's size took that
-  buffer's).
+  kernels launched with PDL on SM90+ GPUs (kernels/launch.py: a layer's elementwise kernels,
+  attention's split-combining ones and the MoE's sum launch while the kernel before them drains
+  instead of after it; figures in docs/BENCHMARKS.md). Duck sizing gives dimensions of equal size
+  one symbol at the first compile, so one that happens to equal a static size is specialised with
+  it and the next step recompiles (prefill's 8 query blocks would take 8 KV heads' symbol, a decode
+  batch equal to its token buffer's size that buffer's).
 
 Compiled artifacts persist across processes: compile_cache.py says where.
 """
@@ -66,7 +63,7 @@ def decode_buckets(compiles_per_shape: bool, max_running: int) -> list[int]:
 @contextlib.contextmanager
 def settings():
     """The torch settings compiled steps trace and run under. Set and restored by hand: the configs'
-    own patch() took ~0.6 ms a call on the development CPU, on every prefill step."""
+    own patch() costs ~0.6 ms a call on the development CPU, on every prefill step."""
     import torch._inductor.config  # here, not at import: importing it sets TORCHINDUCTOR_CACHE_DIR (compile_cache)
 
     dynamo, inductor = torch._dynamo.config, torch._inductor.config.triton
