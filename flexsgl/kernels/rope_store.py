@@ -8,9 +8,8 @@ applies (`applies`: CUDA, a power-of-two head size), otherwise `norm_rope` and `
 PyTorch expressions the kernel fuses. Attention layers call the pool's path; backends only attend.
 
 Compiled by Inductor, that stretch is seven small kernels per layer (two norm reductions, two
-norm-and-rotate passes, two scatters into the pool and a copy), 1-3 µs each at decode: in a
-Qwen3-8B batch-1 step, 252 kernels and about 0.3 ms of the 5.05 (tools/profile_step.py on an
-H200, docs/BENCHMARKS.md). A program takes one token's head, or from 64 tokens 8 of its heads: a
+norm-and-rotate passes, two scatters into the pool and a copy), 1-3 µs each at decode: 252
+kernels in a Qwen3-8B batch-1 step (tools/profile_step.py). A program takes one token's head, or from 64 tokens 8 of its heads: a
 q head is normalised, rotated and written to the returned q; a K head is normalised, rotated and
 written to its pool slot, and its V head copied next to it. The rounding follows the PyTorch expressions step
 for step (norm in float32, cast, scale in the model dtype; rotate in float32, cast), so the two
