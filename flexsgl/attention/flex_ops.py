@@ -8,19 +8,19 @@ decoder layer cannot see into: it compiles once with a symbolic batch, as it doe
 override, and the op runs flex_attention compiled for the batch size it receives (one small
 kernel; Inductor's cache keeps it across processes).
 
-Kernel options, chosen by timing the op on the kernel matrix's batches (32 query / 8 KV heads,
-d=128; figures in docs/BENCHMARKS.md). Decode: 4 warps and 3 stages rather than Inductor's default
-config, and at least MIN_SPLITS KV splits while batch x KV heads is at most FEW_PROGRAMS, where
-Inductor's own rule gives fewer splits than run fastest; with pages of 16 or 32 tokens, 2 warps and
-the splits small_tile_splits picks. Prefill (run inside the compiled decoder layer), up to head_dim
-128: 64x64 tiles, 4 warps, 3 stages, with TMA loads at head_dim 128, pages of 64, bf16/fp16 on SM90. With
-flash-attn-4 installed, prefill over KV blocks of 128 (the step's K/V packed into rows, flex.py, or
-pages of 128) runs on FlexAttention's FLASH backend instead, which takes less time than the Triton
-kernel there. MLA's latent decode (one KV head of 576 dims): latent_decode_options; its
-split-combining reduction kernels take the config Inductor's heuristic picks, not the fastest of
+Kernel options, chosen by timing the op (for GQA on the kernel matrix's batches, 32 query / 8 KV
+heads, d=128; figures in docs/BENCHMARKS.md). Decode: 4 warps and 3 stages rather than Inductor's
+default config, and at least MIN_SPLITS KV splits while batch x KV heads is at most FEW_PROGRAMS,
+where Inductor's own rule gives fewer splits than run fastest; with pages of 16 or 32 tokens, 2
+warps and the splits small_tile_splits picks. Prefill (run inside the compiled decoder layer), up to
+head_dim 128: 64x64 tiles, 4 warps, 3 stages, with TMA loads at head_dim 128, pages of 64, bf16/fp16
+on SM90. With flash-attn-4 installed, prefill over KV blocks of 128 (the step's K/V packed into
+rows, flex.py, or pages of 128) runs on FlexAttention's FLASH backend instead, which takes less time
+than the Triton kernel there. MLA's latent decode (one KV head of 576 dims): latent_decode_options;
+its split-combining reduction kernels take the config Inductor's heuristic picks, not the fastest of
 their candidates timed one by one on first use: those timings pick differently from compile to
-compile, and one of their picks makes DeepSeek-V2-Lite's batch-1 step markedly slower. The KV
-tile must divide a page.
+compile, and one of their picks makes DeepSeek-V2-Lite's batch-1 step markedly slower. The KV tile
+must divide a page.
 
 The flex-decoding kernel indexes its KV tensor with 32-bit offsets (torch 2.11: with 64-bit ones its
 template does not compile), so a pool of more than MAX_KERNEL_ELEMENTS elements per layer is read in
