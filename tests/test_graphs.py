@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import flexsgl.attention.registry as registry
-from flexsgl import LLM, SamplingParams, graphs
+from flexsgl import LLM, SamplingParams
+from flexsgl.step import shape as step_shape
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.registry import BackendSpec
 from tests.hf_models import hf_reference, make_checkpoint
@@ -32,7 +33,7 @@ def test_decode_through_graph_buffers_matches_hf(checkpoint, monkeypatch, compil
     copied into the static table's leading columns (as at large batches), the rest left stale."""
     path, hf, seed = checkpoint
     if table == "narrow":
-        monkeypatch.setattr(graphs, "WHOLE_TABLE_ENTRIES", 0)
+        monkeypatch.setattr(step_shape, "WHOLE_TABLE_ENTRIES", 0)
     rng = random.Random(seed)
     n = 6
     prompts = [[rng.randrange(320) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
