@@ -102,6 +102,7 @@ class ModelRunner:
         compiled_before, t0 = self.compile_s, time.perf_counter()
         with torch.inference_mode():
             for bs in progress(self.graphs.sizes, desc="capturing decode graphs", unit="graph"):
+                # A step of padding rows: what bind_graph reads and the graph is recorded on.
                 self.upload(padding_plan(bs, self.shape, self.pool.page_size, self.tokens.pad_slot))
                 self.graphs.capture(bs)
         took, compiling = time.perf_counter() - t0, self.compile_s - compiled_before
@@ -120,7 +121,8 @@ class ModelRunner:
         """Launch `batch`: plan it on the host, upload, run the model and sample (nothing waits for the
         device). Under tensor parallelism the plan goes to every other rank first, which executes it."""
         if self.tp is None:
-            return self._launch(batch, self.build(batch))
+            step = self.build(batch)
+            return self._launch(batch, step)
         plan = self.plan(batch)
         self.tp.send_step(plan)
         try:
@@ -136,7 +138,8 @@ class ModelRunner:
 
     def build(self, batch: ScheduledBatch) -> StepInputs:
         """`batch` planned and uploaded: its inputs on the device."""
-        return self.upload(self.plan(batch))
+        plan = self.plan(batch)
+        return self.upload(plan)
 
     def plan(self, batch: ScheduledBatch) -> StepPlan:
         """The host side of a step: every list the device needs, shaped by the step shape policy."""
@@ -152,9 +155,7 @@ class ModelRunner:
         tokens = self._sample(logits, step, greedy)
         if batch is None:  # a tensor-parallel worker: rank 0 alone reads tokens back
             return None
-        if step.sampling.logprobs >= 0:
-            tokens = token_logprobs(logits[:step.rows], tokens, step.sampling.logprobs)
-        return self._read_back(batch, tokens)
+        return self._read_back(batch, step, logits, tokens)
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits, each sampled row's argmax where a CUDA graph took it, and wrote it into the token buffer)."""
@@ -174,8 +175,12 @@ class ModelRunner:
         self.token_counts.record(step.write_slots, tokens)
         return tokens
 
-    def _read_back(self, batch: ScheduledBatch, tokens: torch.Tensor) -> StepOutput:
-        """The step's tokens on their way to the host (asynchronously on CUDA)."""
+    def _read_back(self, batch: ScheduledBatch, step: StepInputs, logits: torch.Tensor,
+                   tokens: torch.Tensor) -> StepOutput:
+        """The step's tokens, with their log-probabilities where asked, on their way to the host
+        (asynchronously on CUDA)."""
+        if step.sampling.logprobs >= 0:
+            tokens = token_logprobs(logits[:step.rows], tokens, step.sampling.logprobs)
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
