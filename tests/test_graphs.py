@@ -60,7 +60,7 @@ def test_decode_through_graph_buffers_matches_hf(checkpoint, monkeypatch, compil
 
 
 def test_sampled_rows_through_graph_buffers_match_the_direct_path(checkpoint):
-    """A recorded step takes every row's argmax and writes it into token_buf; rows that sample
+    """A recorded step takes every row's argmax and writes it into the token buffer; rows that sample
     (temperature, penalties, min_tokens) overwrite it with their token. Mixed batches that shrink
     through padded sizes give the tokens of the same engine without graphs, and greedy rows HF's."""
     path, hf, seed = checkpoint
