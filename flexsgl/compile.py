@@ -13,7 +13,7 @@
   shapes (duplicate size symbols) and cannot take fused epilogues (batch 1), so there each shape
   compiles on its own and nothing is fused after attention.
 - Decode steps pad to a batch bucket and CUDA graphs are captured per bucket (the buckets, and
-  every other shape a step takes, are step/shape.py's). On CUDA decode compiles once with a
+  every other shape a step takes, are step_shape.py's). On CUDA decode compiles once with a
   symbolic batch (and once at batch 1, where the projections are flexsgl's gemv kernels): attention
   is one opaque op for every backend (flex's is flex_decode, which compiles one small kernel per
   batch size, so flex gets the few buckets; a kernel override gets SGLang's finer spacing). On the

@@ -1,7 +1,7 @@
 """Runs one scheduled batch: plan -> upload -> forward -> sample -> read-back, nothing waiting for
 the device.
 
-- plan (step/plan.py): the step's host lists, shaped by the StepShape (step/shape.py);
+- plan (step/plan.py): the step's host lists, shaped by the StepShape (step_shape.py);
 - upload (step/inputs.py): a few packed host -> device copies, into a CUDA graph's buffers for a
   decode step that replays one;
 - forward: the graph's replay, or the backend's metadata and the (compiled) model;
@@ -23,14 +23,14 @@ from flexsgl.attention.base import ForwardBatch
 from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import KVPool
 from flexsgl.compile import compile_steps
-from flexsgl.graphs import GraphManager
+from flexsgl.step.graphs import GraphManager
 from flexsgl.log import logger, progress
 from flexsgl.request import TokenLogprobs
 from flexsgl.sampling import sample, token_logprobs
 from flexsgl.scheduler import ScheduledBatch
 from flexsgl.step.inputs import StepInputs, upload
 from flexsgl.step.plan import StepPlan, padding_plan, plan_step
-from flexsgl.step.shape import StepShape
+from flexsgl.step_shape import StepShape
 from flexsgl.step.token_buffer import TokenBuffer
 from flexsgl.token_counts import TokenCounts
 

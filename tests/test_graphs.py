@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import flexsgl.attention.registry as registry
-from flexsgl import LLM, SamplingParams
-from flexsgl.step import shape as step_shape
+from flexsgl import LLM, SamplingParams, step_shape
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.registry import BackendSpec
 from tests.hf_models import hf_reference, make_checkpoint

@@ -1,12 +1,12 @@
-"""The step shape policy (flexsgl/step/shape.py): bucket choice, padding rows and page-table width,
+"""The step shape policy (flexsgl/step_shape.py): bucket choice, padding rows and page-table width,
 against cases worked out by hand from the rules in its docstring."""
 
 import pytest
 
+from flexsgl import step_shape
 from flexsgl.cache.pool import DUMMY_PAGE
-from flexsgl.step import shape as step_shape
 from flexsgl.step.plan import padding_plan
-from flexsgl.step.shape import StepShape, decode_buckets
+from flexsgl.step_shape import StepShape, decode_buckets
 
 FLEX = {"prefill": True, "decode": True}  # kernels compiled per shape
 OVERRIDE = {"prefill": False, "decode": False}  # one op for any shape

@@ -19,7 +19,7 @@ import torch
 from flexsgl import sampling_batch
 from flexsgl.attention.base import ForwardBatch
 from flexsgl.cache.pool import DUMMY_PAGE
-from flexsgl.graphs import GraphManager
+from flexsgl.step.graphs import GraphManager
 from flexsgl.sampling import SamplingTensors
 from flexsgl.step.plan import StepPlan
 from flexsgl.step.token_buffer import TokenBuffer

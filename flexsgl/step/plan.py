@@ -1,6 +1,6 @@
 """The host side of a step: a ScheduledBatch as a StepPlan, every list the device needs.
 
-The shapes come from the step's StepShape (shape.py): how many rows, how wide the page table goes
+The shapes come from the step's StepShape (flexsgl/step_shape.py): how many rows, how wide the page table goes
 up, whether the step replays a CUDA graph. Padding rows are made here and nowhere else: one token
 each at position 0, written to the dummy page and attending only to it (a one-page table, length
 1), its input read from and its output written to the token buffer's pad slot. A plan holds only
@@ -17,7 +17,7 @@ import numpy as np
 from flexsgl import sampling_batch
 from flexsgl.cache.pool import DUMMY_PAGE
 from flexsgl.scheduler import ScheduledBatch
-from flexsgl.step.shape import StepShape
+from flexsgl.step_shape import StepShape
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """A step's shapes: how many rows it runs, how wide its page table goes up, and whether a decode
-step replays a CUDA graph. The one place these are decided; the planner (plan.py) asks here.
+step replays a CUDA graph. The one place these are decided; the planner (step/plan.py) asks here.
 
 - Decode batches pad to a bucket when the step is compiled or graphs are captured: DECODE_BUCKETS
   where the decode backend compiles a kernel per shape (flex: one kernel per bucket),
