@@ -45,7 +45,7 @@ from flexsgl.attention.base import ForwardBatch
 from flexsgl.attention.flex_ops import flex_decode, kv_splits, packed_prefill_options, prefill_options
 from flexsgl.attention.flex_masks import Q_BLOCK, packed_causal, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
-from flexsgl.compile import MIN_COMPILED_SIZE
+from flexsgl.step_shape import MIN_COMPILED_SIZE
 
 
 @dataclass

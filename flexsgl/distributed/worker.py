@@ -1,10 +1,10 @@
 """Rank 0's channel to the other ranks, and the loop those ranks run.
 
 Rank 0 owns the scheduler and the tokenizer. Each step it turns the scheduled batch into a
-StepPlan (runner.py: host lists only) and broadcasts it over the gloo control group, then executes
+StepPlan (step/plan.py: host lists only) and broadcasts it over the gloo control group, then executes
 it itself; every other rank executes the same plan with its own runner, model shard, attention
 backends and CUDA graphs, so each samples the same tokens (the same logits, gathered whole, and
-counter-based noise) and keeps the same token_buf and penalty counts. Only rank 0 reads tokens back.
+counter-based noise) and keeps the same token buffer and penalty counts. Only rank 0 reads tokens back.
 
 Messages: ("step", plan), ("stop",). Building the engine (loading, KV pool sizing, graph capture)
 runs the same code on every rank, so its collectives line up without messages; after each phase
