@@ -30,7 +30,7 @@ import functools
 import torch
 
 from flexsgl.kernels.launch import pdl
-from flexsgl.model.layers import rms_norm, rotate
+from flexsgl.kernels.norm_rope import rms_norm, rotate
 
 
 @functools.cache
@@ -55,7 +55,7 @@ def _kernel():
         dt = q_ptr.dtype.element_ty
         x1 = tl.load(row + h[:, None] * D + i[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(row + h[:, None] * D + HALF + i[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
-        if HAS_NORM:  # RMSNorm as layers.RMSNorm: float32, cast, then times the weight in the model dtype
+        if HAS_NORM:  # RMSNorm as norm_rope.rms_norm: float32, cast, then times the weight in the model dtype
             r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
             w1 = tl.where(is_q[:, None], tl.load(qn_ptr + i)[None, :], tl.load(kn_ptr + i)[None, :])
             w2 = tl.where(is_q[:, None], tl.load(qn_ptr + HALF + i)[None, :], tl.load(kn_ptr + HALF + i)[None, :])

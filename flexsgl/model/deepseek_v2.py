@@ -31,8 +31,9 @@ from torch import nn
 
 from flexsgl.kernels import gemv, latent_query
 from flexsgl.kernels.latent_query import latent_query_reference
+from flexsgl.kernels.norm_rope import rotate_pairs
 from flexsgl.model.config import ModelConfig
-from flexsgl.model.layers import GatedMLP, RMSNorm, rotate_pairs
+from flexsgl.model.layers import GatedMLP, RMSNorm
 from flexsgl.model.mla_config import yarn_mscale
 from flexsgl.model.moe import MoE
 
@@ -63,8 +64,8 @@ def yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]
 
 class InterleavedRotary(nn.Module):
     """cos/sin tables `[positions, D/2]` of DeepSeek's RoPE (the attention factor folded in), for
-    the rotation of pairs (x[2i], x[2i+1]) (layers.rotate_pairs). Same constructor as
-    layers.RotaryEmbedding."""
+    the rotation of pairs (x[2i], x[2i+1]) (rotate_pairs, flexsgl/kernels/norm_rope.py). Same
+    constructor as layers.RotaryEmbedding."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
