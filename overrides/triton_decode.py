@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from flexsgl.attention.base import ForwardBatch, KernelBackend
+from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.cache.pool import KVPool
 
 MAX_SPLITS = 32
@@ -166,7 +166,7 @@ def _(q, k_cache, v_cache, page_table, seq_lens, counter, page_size):
     return torch.empty_like(q)
 
 
-class SplitKVDecodeBackend(KernelBackend):
+class SplitKVDecodeBackend(AttentionBackend):
     """A decode-only backend over one split-KV kernel that merges its splits in the same launch
     (this one and triton_mla.py's): int32 counters the kernel leaves at zero, sized per batch, and
     no graph hooks to fill, as the kernel reads the graph manager's page table and lengths."""

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexsgl.attention.base import ForwardBatch
+from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.attention.flex_ops import flex_decode, kv_splits, packed_prefill_options, prefill_options
 from flexsgl.attention.flex_masks import Q_BLOCK, packed_causal, packed_paged_causal, paged_causal
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
@@ -83,7 +83,7 @@ def packs_kv(fb: ForwardBatch) -> bool:
     return fb.host_q_lens is not None and sum(fb.host_seq_lens) - sum(fb.host_q_lens) <= PACKED_PREFIX_MAX_TOKENS
 
 
-class FlexAttentionBackend:
+class FlexAttentionBackend(AttentionBackend):
     name = "flex"
     graphable = True
     compiles_per_shape = True  # its kernels are compiled per batch size and page-table width

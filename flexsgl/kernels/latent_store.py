@@ -25,7 +25,7 @@ import torch
 
 from flexsgl.kernels import interleaved_rope
 from flexsgl.kernels.launch import pdl
-from flexsgl.model.layers import rms_norm, rotate_pairs
+from flexsgl.kernels.norm_rope import rms_norm, rotate_pairs
 
 
 def __getattr__(name: str):

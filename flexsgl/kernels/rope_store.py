@@ -3,9 +3,9 @@
 
     q = torch.ops.flexsgl.rope_store(qkv, q_norm, k_norm, eps, cos, sin, positions, slots, k_cache, v_cache, hq)
 
-The KV pool owns the store (flexsgl/cache/pool.py): its store path is this op where the kernel
-applies (`applies`: CUDA, a power-of-two head size), otherwise `norm_rope` and `write_kv`, the
-PyTorch expressions the kernel fuses. Attention layers call the pool's path; backends only attend.
+The GQA store path (flexsgl/cache/store.py) is this op where the kernel applies (`applies`: CUDA,
+a power-of-two head size), otherwise `norm_rope` and `write_kv`, the PyTorch expressions the
+kernel fuses. Attention layers call their store path; backends only attend.
 
 Compiled by Inductor, that stretch is seven small kernels per layer (two norm reductions, two
 norm-and-rotate passes, two scatters into the pool and a copy), 1-3 µs each at decode: 252
@@ -29,7 +29,7 @@ import functools
 import torch
 
 from flexsgl.kernels.launch import pdl
-from flexsgl.model.layers import rms_norm, rotate
+from flexsgl.kernels.norm_rope import rms_norm, rotate
 
 
 @functools.cache
@@ -54,7 +54,7 @@ def _kernel():
         dt = q_ptr.dtype.element_ty
         x1 = tl.load(row + h[:, None] * D + i[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(row + h[:, None] * D + HALF + i[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
-        if HAS_NORM:  # RMSNorm as layers.RMSNorm: float32, cast, then times the weight in the model dtype
+        if HAS_NORM:  # RMSNorm as norm_rope.rms_norm: float32, cast, then times the weight in the model dtype
             r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
             w1 = tl.where(is_q[:, None], tl.load(qn_ptr + i)[None, :], tl.load(kn_ptr + i)[None, :])
             w2 = tl.where(is_q[:, None], tl.load(qn_ptr + HALF + i)[None, :], tl.load(kn_ptr + HALF + i)[None, :])
@@ -139,9 +139,3 @@ def applies(device: torch.device, head_dim: int) -> bool:
     """Whether the kernel serves a pool on `device` with heads of `head_dim`: CUDA, a power of two from 16."""
     return device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
-
-def norm_weights(attn) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-    """An attention layer's q and k norm weights and epsilon (None, None, 0.0 without q/k norm)."""
-    if attn.q_norm is None:
-        return None, None, 0.0
-    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
