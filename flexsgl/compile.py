@@ -12,25 +12,24 @@
 - Prefill shapes are dynamic on CUDA. On the CPU, Inductor's flex kernel miscompiles some dynamic
   shapes (duplicate size symbols) and cannot take fused epilogues (batch 1), so there each shape
   compiles on its own and nothing is fused after attention.
-- Decode steps pad to a batch bucket (DECODE_BUCKETS / FINE_DECODE_BUCKETS) and CUDA graphs are
-  captured per bucket. On CUDA decode compiles once with a symbolic batch (and once at batch 1,
-  where the projections are flexsgl's gemv kernels): attention is one opaque op for every backend
-  (flex's is flex_decode, which compiles one small kernel per batch size, so flex gets the few
-  buckets; a kernel override gets SGLang's finer spacing). On the CPU each decode bucket compiles.
-- No varying dimension of a compiled prefill step is 0 or 1 (MIN_COMPILED_SIZE): torch.compile
-  specialises such a dimension, so a batch-1 or one-block prefill after multi-request ones would
-  recompile (~50 s for Qwen3-0.6B with flex on an H200 when the whole model compiled). The runner
-  pads requests and sampled rows, flex pads query blocks.
+- Decode steps pad to a batch bucket and CUDA graphs are captured per bucket (the buckets, and
+  every other shape a step takes, are step_shape.py's). On CUDA decode compiles once with a
+  symbolic batch (and once at batch 1, where the projections are flexsgl's gemv kernels): attention
+  is one opaque op for every backend (flex's is flex_decode, which compiles one small kernel per
+  batch size, so flex gets the few buckets; a kernel override gets SGLang's finer spacing). On the
+  CPU each decode bucket compiles.
+- No varying dimension of a compiled prefill step is 0 or 1 (MIN_COMPILED_SIZE, step_shape.py):
+  torch.compile specialises such a dimension, so a batch-1 or one-block prefill after
+  multi-request ones would recompile. The step's plan pads requests and sampled rows, flex pads
+  query blocks.
 - Torch settings hold only while a compiled step runs (dynamo traces and recompiles inside the
   call), not process-wide: a recompile limit for the buckets, no duck sizing, and Inductor's
-  kernels launched with PDL on SM90+ GPUs (kernels/launch.py; DeepSeek-V2-Lite's batch-1 TPOT on an
-  H200 2.22-2.27 ms without, 2.07-2.09 with: a layer's elementwise kernels, attention's
-  split-combining ones and the MoE's sum no longer wait for the kernel before to drain before
-  they launch). Duck sizing
-  gives dimensions of equal size one symbol at the first compile, so one that happens to equal a
-  static size is specialised with it and the next step recompiles (on an H200, prefill's 8 query
-  blocks took the 8 KV heads' symbol, a decode batch equal to its token buffer's size took that
-  buffer's).
+  kernels launched with PDL on SM90+ GPUs (kernels/launch.py: a layer's elementwise kernels,
+  attention's split-combining ones and the MoE's sum launch while the kernel before them drains
+  instead of after it; figures in docs/BENCHMARKS.md). Duck sizing gives dimensions of equal size
+  one symbol at the first compile, so one that happens to equal a static size is specialised with
+  it and the next step recompiles (prefill's 8 query blocks would take 8 KV heads' symbol, a decode
+  batch equal to its token buffer's size that buffer's).
 
 Compiled artifacts persist across processes: compile_cache.py says where.
 """
@@ -49,24 +48,13 @@ from flexsgl.compile_cache import prepare as prepare_cache
 from flexsgl.kernels import launch
 from flexsgl.log import logger
 
-MIN_COMPILED_SIZE = 2
-# SGLang's spacing for a kernel override: 8 apart to 64, then 16 to 256. A padded row costs its share
-# of every projection, and a batch of 200 padded to 256 wastes 28% of them.
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-FINE_DECODE_BUCKETS = (1, 2, 4, *range(8, 64, 8), *range(64, 256, 16), 256, 320, 384, 448, 512)
 RECOMPILE_LIMIT = 128  # one compile per decode bucket and per prefill shape on the CPU, in one code object
-
-
-def decode_buckets(compiles_per_shape: bool, max_running: int) -> list[int]:
-    """The batch sizes a decode step pads to, up to max_running."""
-    buckets = DECODE_BUCKETS if compiles_per_shape else FINE_DECODE_BUCKETS
-    return [b for b in buckets if b < max_running] + [max_running]
 
 
 @contextlib.contextmanager
 def settings():
     """The torch settings compiled steps trace and run under. Set and restored by hand: the configs'
-    own patch() took ~0.6 ms a call on the development CPU, on every prefill step."""
+    own patch() costs ~0.6 ms a call on the development CPU, on every prefill step."""
     import torch._inductor.config  # here, not at import: importing it sets TORCHINDUCTOR_CACHE_DIR (compile_cache)
 
     dynamo, inductor = torch._dynamo.config, torch._inductor.config.triton

@@ -111,10 +111,10 @@ class LLM:
         device = cfg.torch_device
         launcher.refuse(cfg, mcfg, device)
         if launcher.torchrun_env() is None:
-            return Channel(*launcher.spawn(cfg, device))
+            return Channel(*launcher.spawn(cfg, device, build_core))
         group = launcher.join_torchrun(device)
         if group.rank > 0:
-            raise SystemExit(serve(cfg, group))
+            raise SystemExit(serve(cfg, group, build_core))
         return Channel(group, None, None)
 
     def shutdown(self) -> None:

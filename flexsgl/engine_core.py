@@ -17,6 +17,7 @@ from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import build_kv_pool
 from flexsgl.cache.sizing import kv_cache_pages
 from flexsgl.config import EngineConfig
+from flexsgl.distributed.worker import agree
 from flexsgl.log import logger
 from flexsgl.model.loader import DTYPES, build_model, resolve
 from flexsgl.model.presets import DEFAULT_MODEL
@@ -67,20 +68,19 @@ def build_core(cfg: EngineConfig, group=None, prepared=None) -> EngineCore:
     device = cfg.torch_device if group is None else group.device
     rank, size = (0, 1) if group is None else (group.rank, group.size)
     src, dtype, choice = prepared or prepare(cfg, device)
-    agree = _no_group if group is None else functools.partial(_agree, group)
     error = None
     try:
         model = build_model(src, device, dtype, cfg.random_seed, rank, size)
     except Exception as e:
         error = e
-    agree(error)
+    agree(group, error)
     load_s = time.perf_counter() - t0
     mcfg = model.cfg  # this rank's heads and MLP slice
     try:
         num_pages = kv_cache_pages(cfg, mcfg, dtype, device, functools.partial(choice.prefill_scratch_bytes, mcfg))
     except Exception as e:
         error = e
-    agree(error)
+    agree(group, error)
     if group is not None:
         num_pages = group.min(num_pages)
     try:
@@ -101,16 +101,6 @@ def build_core(cfg: EngineConfig, group=None, prepared=None) -> EngineCore:
             runner.capture_graphs(cfg.cuda_graph_bs)
     except Exception as e:
         error = e
-    agree(error)
+    agree(group, error)
     return EngineCore(model, pool, backends, runner, num_pages, compile, load_s, time.perf_counter() - t0)
 
-
-def _no_group(error):
-    if error is not None:
-        raise error
-
-
-def _agree(group, error):
-    from flexsgl.distributed.worker import agree
-
-    agree(group, error)

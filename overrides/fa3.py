@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flexsgl.attention.base import ForwardBatch, KernelBackend
+from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.cache.pool import KVPool
 
 
@@ -44,7 +44,7 @@ class FA3Meta:
     max_seqlen_q: int
 
 
-class FA3Backend(KernelBackend):
+class FA3Backend(AttentionBackend):
     name = "fa3"
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):

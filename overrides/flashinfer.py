@@ -26,7 +26,7 @@ from itertools import accumulate
 
 import torch
 
-from flexsgl.attention.base import ForwardBatch, KernelBackend
+from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.cache.pool import KVPool
 
 FLOAT_WORKSPACE_BYTES = 256 << 20
@@ -78,7 +78,7 @@ def float_workspace(device: torch.device) -> torch.Tensor:
     return _WORKSPACES[device]
 
 
-class FlashInferDecodeBackend(KernelBackend):
+class FlashInferDecodeBackend(AttentionBackend):
     """FlashInfer decode; prefill is left to another backend (`fa3-prefill,fi-decode`)."""
 
     name = "fi-decode"
@@ -122,7 +122,7 @@ class FlashInferDecodeBackend(KernelBackend):
         wrapper._pin_memory_int_workspace_buffer = self.pinned[self.flip]  # see the module docstring
         self.flip ^= 1
 
-    # ---- the protocol
+    # ---- the backend hooks (flexsgl/attention/base.py)
 
     def prepare(self, fb: ForwardBatch) -> None:
         if fb.mode != "decode":

@@ -19,7 +19,7 @@ from itertools import accumulate
 
 import torch
 
-from flexsgl.attention.base import ForwardBatch, KernelBackend
+from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.cache.latent_pool import LatentKVPool
 from flexsgl.overrides.flashinfer import active_wrapper, csr_pages, float_workspace, register
 
@@ -39,7 +39,7 @@ def _(q, kv_cache, handle, page_size, kv_lora_rank):
     return q.new_empty(*q.shape[:-1], kv_lora_rank)
 
 
-class FlashInferMLABackend(KernelBackend):
+class FlashInferMLABackend(AttentionBackend):
     name = "fi-mla"
 
     def __init__(self, pool: LatentKVPool, num_heads: int, compiled: bool = False):

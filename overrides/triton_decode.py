@@ -2,8 +2,8 @@
 
 At batch 1 a decode step's attention is tiny work spread thin: an 8B layer reads ~4.7 MB of KV at
 a 1k context, a microsecond at full bandwidth, and FlashInfer spends ~9 µs in its decode kernel
-plus ~2.5 µs in a second kernel that merges its KV splits (docs/BENCHMARKS.md, 8B profile). This
-kernel splits each request's pages across programs so that every SM has a page to read, and merges
+plus ~2.5 µs in a second kernel that merges its KV splits. This kernel splits each request's pages
+across programs so that every SM has a page to read, and merges
 the splits in the same launch: each program writes its partial result (unnormalised output,
 running max, sum of exponentials), then counts itself in on a per-(request, KV head) counter; the
 program that arrives last merges the partials, 16 splits per load, and resets the counter. Same
@@ -17,10 +17,10 @@ softmax. The number of splits is fixed per batch size (enough programs for two p
 launch is the same on every replay of a CUDA graph; splits past a short request's last page are
 empty and only count themselves in.
 
-Measured on an H200, one layer inside CUDA graphs (docs/BENCHMARKS.md): at batch 1, Qwen3-8B
-heads, 1152 tokens, 5.3 µs against FlashInfer's 8.4; level or ahead up to batch 64, 3% behind at
-128 (benchmarks/test_attention_kernels.py times it against the other decode backends). Inside a real 8B decode step, where the KV comes from DRAM, the gain nearly vanishes
-(4.35 -> 4.33 ms per token). `auto` on SM90 gives it decode batches up to 64.
+One layer inside CUDA graphs, it is ahead of FlashInfer's decode or level with it up to batch 64
+and behind from 128 (docs/BENCHMARKS.md; benchmarks/test_attention_kernels.py times it against the
+other decode backends), so `auto` on SM90 gives it decode batches up to 64. Inside a real decode step,
+where the KV comes from DRAM rather than L2, the two take about the same time.
 
 Decode only (one query token per request); it reads the graph manager's page table and lengths
 directly, like FA3, so its graph hooks have nothing to fill.
@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from flexsgl.attention.base import ForwardBatch, KernelBackend
+from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.cache.pool import KVPool
 
 MAX_SPLITS = 32
@@ -166,7 +166,7 @@ def _(q, k_cache, v_cache, page_table, seq_lens, counter, page_size):
     return torch.empty_like(q)
 
 
-class SplitKVDecodeBackend(KernelBackend):
+class SplitKVDecodeBackend(AttentionBackend):
     """A decode-only backend over one split-KV kernel that merges its splits in the same launch
     (this one and triton_mla.py's): int32 counters the kernel leaves at zero, sized per batch, and
     no graph hooks to fill, as the kernel reads the graph manager's page table and lengths."""

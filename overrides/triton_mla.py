@@ -29,10 +29,9 @@ before it waits for the kernel before (the latent query, which also stores the s
 only the tile holding the new token is loaded again after the wait. The query, written by that
 kernel, is read after it.
 
-Tiles, warps and merge width: the best of a sweep of the kernel alone on an H200 at batch 1 and 544
-tokens (7.1 µs a call). In DeepSeek-V2-Lite's batch-1 step it is about as long on the critical
-path as flex's three launches were before that sweep, and the step took 1.88 ms against flex's
-1.99 (docs/BENCHMARKS.md, "triton-mla"); at batch 64 the two are level.
+Tiles, warps and merge width: the fastest of those timed on the kernel alone at batch 1 and 544
+tokens. DeepSeek-V2-Lite's batch-1 step is shorter with it than with flex's latent decode; at
+batch 64 the two are level (docs/BENCHMARKS.md, "MLA decode").
 
 Decode only; like triton-decode it reads the graph manager's page table and lengths directly, so
 its graph hooks have nothing to fill.

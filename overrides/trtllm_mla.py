@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flexsgl.attention.base import ForwardBatch, KernelBackend
+from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.cache.latent_pool import LatentKVPool
 
 WORKSPACE_BYTES = 128 << 20
@@ -58,7 +58,7 @@ def _(q, kv_cache, page_table, seq_lens, workspace, page_size, kv_lora_rank, qk_
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
 
 
-class TrtllmMLABackend(KernelBackend):
+class TrtllmMLABackend(AttentionBackend):
     name = "trtllm-mla"
 
     def __init__(self, pool: LatentKVPool, num_heads: int | None = None, compiled: bool = False):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flexsgl.attention.registry as registry
-from flexsgl import LLM, SamplingParams, graphs
+from flexsgl import LLM, SamplingParams, step_shape
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.registry import BackendSpec
 from tests.hf_models import hf_reference, make_checkpoint
@@ -32,7 +32,7 @@ def test_decode_through_graph_buffers_matches_hf(checkpoint, monkeypatch, compil
     copied into the static table's leading columns (as at large batches), the rest left stale."""
     path, hf, seed = checkpoint
     if table == "narrow":
-        monkeypatch.setattr(graphs, "WHOLE_TABLE_ENTRIES", 0)
+        monkeypatch.setattr(step_shape, "WHOLE_TABLE_ENTRIES", 0)
     rng = random.Random(seed)
     n = 6
     prompts = [[rng.randrange(320) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
@@ -59,7 +59,7 @@ def test_decode_through_graph_buffers_matches_hf(checkpoint, monkeypatch, compil
 
 
 def test_sampled_rows_through_graph_buffers_match_the_direct_path(checkpoint):
-    """A recorded step takes every row's argmax and writes it into token_buf; rows that sample
+    """A recorded step takes every row's argmax and writes it into the token buffer; rows that sample
     (temperature, penalties, min_tokens) overwrite it with their token. Mixed batches that shrink
     through padded sizes give the tokens of the same engine without graphs, and greedy rows HF's."""
     path, hf, seed = checkpoint

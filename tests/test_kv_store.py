@@ -1,10 +1,10 @@
-"""The KV pool's store path (flexsgl/cache/pool.py), the one way attention layers write K/V.
+"""The GQA store path (flexsgl/cache/store.py), the one way attention layers write K/V.
 
-Both paths, the plain PyTorch expressions followed by `store` and the fused custom op (its PyTorch
-body here, forced on the CPU the way CUDA picks it), compiled with fullgraph under inference mode
-as the engine runs them: q, K and V against float64, the cache written in place (the same
-storage, no cache-sized buffer in the compiled code) and only at the step's slots, and the path
-the pool picked at construction is the one that runs.
+Both paths, the plain PyTorch expressions followed by the scatter and the fused custom op (its
+PyTorch body here, forced on the CPU the way CUDA picks it), compiled with fullgraph under
+inference mode as the engine runs them: q, K and V against float64, the cache written in place
+(the same storage, no cache-sized buffer in the compiled code) and only at the step's slots, and
+the path `store_path` picked for the pool is the one that runs.
 """
 
 import random
@@ -14,6 +14,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from flexsgl.cache.pool import KVPool
+from flexsgl.cache.store import store_path
 from flexsgl.kernels import rope_store
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.decoder import Attention
@@ -36,7 +37,9 @@ def test_store_path_writes_the_pool_in_place(monkeypatch, fused, arch):
     rope = RotaryEmbedding(D, 4096, 1e6, None)
     pool = KVPool(1, PAGES, PAGE, HKV, D, torch.float32, "cpu")
     pool.k[0].normal_(), pool.v[0].normal_()
-    attn.cache = pool.layer_cache(0)
+    store, attn.cache = store_path(pool, HQ), pool.layer_cache(0)
+    norms = () if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+    eps = 0.0 if attn.q_norm is None else attn.q_norm.eps
     before_k, before_v = pool.k[0].clone(), pool.v[0].clone()
     k_ptr, v_ptr = pool.k[0].data_ptr(), pool.v[0].data_ptr()
     t = 7
@@ -45,7 +48,7 @@ def test_store_path_writes_the_pool_in_place(monkeypatch, fused, arch):
     slots = torch.randperm(PAGES * PAGE)[:t]
 
     def step(qkv, positions, slots):
-        return pool.norm_rope_store(attn, qkv, positions, rope, slots) * 2
+        return store.norm_rope_store(attn.cache, qkv, norms, eps, rope, positions, slots) * 2
 
     with torch.inference_mode():
         q2, codes = run_and_get_code(torch.compile(step, fullgraph=True), qkv, positions, slots)
@@ -64,4 +67,4 @@ def test_store_path_writes_the_pool_in_place(monkeypatch, fused, arch):
     cache_shape = f"({PAGES * PAGE}, {HKV}, {D})"
     copies = [line for line in code.splitlines() if "empty_strided" in line and cache_shape in line]
     assert not copies, f"the compiled step copies the cache: {copies}"
-    assert ("torch.ops.flexsgl.rope_store.default(" in code) == fused, "the pool ran the other store path"
+    assert ("torch.ops.flexsgl.rope_store.default(" in code) == fused, "the other store path ran"

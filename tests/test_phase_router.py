@@ -3,11 +3,11 @@ backend that owns the batch size (a call it lacked broke MLA models with a small
 
 import torch
 
-from flexsgl.attention.base import KernelBackend
+from flexsgl.attention.base import AttentionBackend
 from flexsgl.attention.router import DecodeBySize
 
 
-class Recording(KernelBackend):
+class Recording(AttentionBackend):
     def __init__(self, name: str, expands: bool):
         self.name, self.expands, self.calls = name, expands, []
 
@@ -21,6 +21,15 @@ class Recording(KernelBackend):
     def expands_latents(self, fb):
         self.calls.append("expands_latents")
         return self.expands
+
+    def init_graph_state(self, max_bs, max_pages):
+        self.calls.append("init_graph_state")
+
+    def bind_graph(self, bs, fb):
+        self.calls.append("bind_graph")
+
+    def fill_graph(self, bs, fb):
+        self.calls.append("fill_graph")
 
 
 class Batch:

@@ -1,5 +1,6 @@
-"""runner.build: the per-token inputs a step uploads (token ids, positions, KV slots, query offsets,
-the rows whose logits are sampled), against the definitions written out token by token."""
+"""runner.build (a step planned and uploaded): the per-token inputs a step uploads (token ids,
+positions, KV slots, query offsets, the rows whose logits are sampled), against the definitions
+written out token by token."""
 
 import random
 
@@ -45,7 +46,8 @@ def test_prefill_chunks_that_start_mid_page(llm):
     reqs = requests(llm, rng, [37, 90, 5])
     starts, num_new = [0, 21, 3], [37, 50, 2]  # the second and third continue a chunked prefill mid-page
     samples = [True, False, True]
-    fb, _, _, n_sampled = llm.runner.build(ScheduledBatch("prefill", reqs, starts, num_new, samples))
+    step = llm.runner.build(ScheduledBatch("prefill", reqs, starts, num_new, samples))
+    fb, n_sampled = step.fb, step.rows
     ids, pos, slots, offsets = expected(reqs, starts, num_new)
     assert fb.input_ids.tolist() == ids
     assert fb.positions.tolist() == pos
@@ -64,8 +66,9 @@ def test_decode_rows_and_padding(llm, monkeypatch):
     for r in reqs:
         r.fill_ids = r.fill_ids + [1]  # the token each request decodes at position len - 1
     starts = [len(r.fill_ids) - 1 for r in reqs]
-    monkeypatch.setattr(llm.runner, "compiled", True)  # compiled steps pad the batch to a bucket
-    fb, _, _, n_sampled = llm.runner.build(ScheduledBatch("decode", reqs, starts, [1, 1, 1], [True] * 3))
+    monkeypatch.setattr(llm.runner.shape, "compiled", True)  # compiled steps pad the batch to a bucket
+    step = llm.runner.build(ScheduledBatch("decode", reqs, starts, [1, 1, 1], [True] * 3))
+    fb, n_sampled = step.fb, step.rows
     _, pos, slots, _ = expected(reqs, starts, [1, 1, 1])
     pad = fb.batch_size - len(reqs)
     assert pad == 1  # 3 -> the bucket of 4
@@ -82,9 +85,10 @@ def test_compiled_prefill_pads_a_lone_request(llm, monkeypatch):
     nothing gets two dummy logits rows: no dimension the compiled step sees is 0 or 1."""
     rng = random.Random(9)
     reqs = requests(llm, rng, [53])
-    monkeypatch.setattr(llm.runner, "compiled", True)
+    monkeypatch.setattr(llm.runner.shape, "compiled", True)
     for samples, n_logits in (([True], 1), ([False], 0)):
-        fb, _, _, n_sampled = llm.runner.build(ScheduledBatch("prefill", reqs, [0], [53], samples))
+        step = llm.runner.build(ScheduledBatch("prefill", reqs, [0], [53], samples))
+        fb, n_sampled = step.fb, step.rows
         ids, pos, slots, _ = expected(reqs, [0], [53])
         assert fb.batch_size == 2 and n_sampled == n_logits
         assert fb.input_ids.tolist() == ids + [0]

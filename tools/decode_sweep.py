@@ -9,7 +9,7 @@ replays). For each option set the flex_decode op's options are replaced, and the
 function of its own for them; `default` is what flexsgl chooses (flexsgl/attention/flex_ops.py,
 decode_options). Each line gives µs, the ratio to fi-decode and the largest error against float64 on
 sampled rows; --json appends a line per cell. Times of a few µs vary from compile to compile by
-Inductor's autotuned split-combining kernels (docs/BENCHMARKS.md, "Splits on 16-token tiles"):
+Inductor's autotuned split-combining kernels (docs/BENCHMARKS.md, "H200: attention kernels"):
 compare small cells over several runs.
 """
 

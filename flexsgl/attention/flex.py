@@ -12,10 +12,9 @@ compiled, x pool pages: Inductor's CPU kernel wants full-width index rows).
 Decode through flex_ops.py's op, where its kernel splits each request's KV over several programs
 (small batches), lists every visible page as partial instead: Inductor's flex-decoding kernel,
 given full blocks, cuts its KV splits from the KV length, which is the whole pool here, so one
-program would read all of a request's pages while the other splits idle (a batch-1 8B step's
-attention took 17 µs per layer that way, against 8 for triton-decode). With one split per
-request, full blocks save the mask_mod's work (batch 256 x 1k: 302 µs without them, 261 for
-FlashInfer).
+program would read all of a request's pages while the other splits idle. With one split per
+request (decode_full_blocks), full blocks stay: they save the mask_mod's work on every page but
+the last.
 
 Compiled prefill does not read the pages: each layer copies the step's K/V (the cached prefixes and
 the new tokens) out of the pool into rows, request after request, each request from a 128-row block
@@ -24,9 +23,9 @@ and its query blocks list the blocks wholly before their first row as full and t
 last row as partial, where the mask compares rows with the query block's request start and first
 position (`packed_causal`: no page lookups, nothing per key). The KV block is 128 rows whatever the
 page size, so FlexAttention's FLASH backend runs at any page size (options:
-flex_ops.packed_prefill_options). On an H200 it took 0.96-1.21x FA3's time on batches with cached
-prefixes (1.18-3.18x over pages of 128 down to 16) and 1.27-1.50x on batches without (docs/BENCHMARKS.md).
-A step whose prefixes hold more than PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
+flex_ops.packed_prefill_options), and the kernel's time does not depend on the page size, as it
+does over the pages (figures: docs/BENCHMARKS.md). A step whose prefixes hold more than
+PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
 
 Compiled on CUDA, decode runs through flex_ops.py's opaque op (a kernel per batch size, outside
 the compiled decoder layer); prefill runs flex_attention inside the layer. `page_pos[p]`, the logical index page
@@ -43,13 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from flexsgl.attention.base import ForwardBatch
+from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.attention.flex_ops import (flex_decode, kv_splits, packed_prefill_options, prefill_options,
                                         triton_prefill_options, with_sink)
 from flexsgl.attention.flex_masks import (Q_BLOCK, packed_causal, packed_paged_causal, packed_paged_variant,
                                           packed_rows_variant, paged_causal, paged_decode_variant)
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
-from flexsgl.compile import MIN_COMPILED_SIZE
+from flexsgl.step_shape import MIN_COMPILED_SIZE
 
 
 @dataclass
@@ -94,7 +93,7 @@ def packs_kv(fb: ForwardBatch) -> bool:
     return fb.host_q_lens is not None and sum(fb.host_seq_lens) - sum(fb.host_q_lens) <= PACKED_PREFIX_MAX_TOKENS
 
 
-class FlexAttentionBackend:
+class FlexAttentionBackend(AttentionBackend):
     name = "flex"
     graphable = True
     compiles_per_shape = True  # its kernels are compiled per batch size and page-table width
@@ -275,9 +274,10 @@ class FlexAttentionBackend:
         """Not compiled: the mask_mod evaluated over every (query, key) pair once per step, which
         attend() applies with SDPA (or, for a variant's score_mod or sink, with the scores written
         out). torch's eager flex_attention would evaluate it in every layer under four nested vmaps,
-        whose Python cost per call made the embedded model decode ten times slower. compact (on
-        the CPU, outside graph buffers): the KV is only the slots of the pages the step's requests
-        hold, which the prefix cache spreads over the pool."""
+        whose Python cost per call (about 10 ms on the development CPU) would dominate a small
+        model's step. compact (on the CPU, outside graph buffers): the KV is only the slots of the
+        pages the step's requests hold, which the prefix cache spreads over the pool; attention over
+        the whole extent dominated steps of many requests."""
         ps = self.pool.page_size
         dev = fb.page_table.device
         nb, nq = query_shape

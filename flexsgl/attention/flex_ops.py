@@ -3,26 +3,24 @@
 Inductor lowers short queries to its flex-decoding kernel (KV split across programs, a KV head's
 query heads in one tile) only for a static batch; with a symbolic one it falls back to the main
 kernel, which gives each query head a 128-row tile. Compiling the model's decode per batch size
-cost a model compile per size (~25 s for an 8B, twelve sizes). Here decode attention is a custom
-op that the compiled decoder layer cannot see into: it compiles once with a symbolic batch,
-as it does around a kernel override, and the op runs flex_attention compiled for the batch size it
-receives (one kernel, about 2 s to compile; Inductor's cache keeps it across processes).
+would cost a whole model compile per size. Here decode attention is a custom op that the compiled
+decoder layer cannot see into: it compiles once with a symbolic batch, as it does around a kernel
+override, and the op runs flex_attention compiled for the batch size it receives (one small
+kernel; Inductor's cache keeps it across processes).
 
-Kernel options (H100 sweep, 32/8 heads, d=128, pages of 64, docs/BENCHMARKS.md). Decode: 4 warps
-and 3 stages (Inductor's default config is up to 2.2x slower at batch 8), and at least 16 KV splits
-while batch x KV heads is at most 32 (Inductor gives batch 4 only 8: 48 µs against 39 at 4k
-tokens); with pages of 16 or 32 tokens, 2 warps and the splits small_tile_splits picks. Prefill
-(run inside the compiled decoder layer), up to head_dim 128: 64x64 tiles, 4 warps, 3 stages
-(5-9% faster than 128x64 with 8 warps), with TMA loads at head_dim 128, pages of 64, bf16/fp16 on
-SM90 (12-13% faster on an H200). With flash-attn-4 installed, prefill over KV blocks of 128 (the
-step's K/V packed into rows, flex.py, or pages of 128) runs on FlexAttention's FLASH backend instead
-(H200, ragged prefill over packed rows: 0.96-1.5x FA3's time, where the Triton kernel takes
-1.7-2.0x). MLA's latent decode (one KV head of 576 dims, an H200
-sweep): latent_decode_options; its split-combining reduction kernels take the config Inductor's
-heuristic picks, not the fastest of their candidates timed one by one on first use, which picked
-differently from compile to compile: one pick made DeepSeek-V2-Lite's batch-1 TPOT on an H200
-2.21 ms against 1.93-1.96 with the others (docs/BENCHMARKS.md, "MLA decode"). The KV tile must
-divide a page.
+Kernel options, chosen by timing the op (for GQA on the kernel matrix's batches, 32 query / 8 KV
+heads, d=128; figures in docs/BENCHMARKS.md). Decode: 4 warps and 3 stages rather than Inductor's
+default config, and at least MIN_SPLITS KV splits while batch x KV heads is at most FEW_PROGRAMS,
+where Inductor's own rule gives fewer splits than run fastest; with pages of 16 or 32 tokens, 2
+warps and the splits small_tile_splits picks. Prefill (run inside the compiled decoder layer), up to
+head_dim 128: 64x64 tiles, 4 warps, 3 stages, with TMA loads at head_dim 128, pages of 64, bf16/fp16
+on SM90. With flash-attn-4 installed, prefill over KV blocks of 128 (the step's K/V packed into
+rows, flex.py, or pages of 128) runs on FlexAttention's FLASH backend instead, which takes less time
+than the Triton kernel there. MLA's latent decode (one KV head of 576 dims): latent_decode_options;
+its split-combining reduction kernels take the config Inductor's heuristic picks, not the fastest of
+their candidates timed one by one on first use: those timings pick differently from compile to
+compile, and one of their picks makes DeepSeek-V2-Lite's batch-1 step markedly slower. The KV tile
+must divide a page.
 
 The flex-decoding kernel indexes its KV tensor with 32-bit offsets (torch 2.11: with 64-bit ones its
 template does not compile), so a pool of more than MAX_KERNEL_ELEMENTS elements per layer is read in
@@ -30,8 +28,8 @@ shards of whole pages: the op runs the kernel once per shard, over the pages eac
 lists hold there, and merges the partial outputs by their log-sum-exp.
 
 Prefill stays inside the model's step: the same op pattern for it, compiled with dynamic shapes,
-failed to compile (torch 2.11, "XBLOCK is not defined" in the flex template, with the page size
-made symbolic; with dynamo's automatic dynamic, the embedded model's engine steps still failed).
+does not compile in torch 2.11 ("XBLOCK is not defined" in the flex template once the page size is
+symbolic, and engine steps fail under dynamo's automatic dynamic too).
 """
 
 from __future__ import annotations
@@ -79,11 +77,8 @@ def small_tile_splits(batch: int, kv_heads: int) -> int:
     one small tile and waits on it, so the kernel needs many programs in flight (of 2 warps each). The
     time depends mostly on the number of programs, batch x KV heads x splits, and not smoothly: about
     SMALL_TILE_FEW_PROGRAMS of them (one wave, at least two splits a request) while batch x KV heads is
-    at most that, else about SMALL_TILE_MANY_PROGRAMS. H200 sweep, pages of 16, 8 KV heads, 1k-16k
-    tokens, every output within 0.0013 of float64, time over FlashInfer's: batch 8 at 1k tokens 1.02
-    -> 0.92 with 8 splits instead of 16; batch 96 1.21-1.25 with 2 splits (1,536 programs), 1.00-1.02
-    with 5; batch 128 at 4k-16k tokens 1.08-1.11 with 2, 1.02-1.03 with 4; at 4k-16k tokens 1,536-3,072
-    programs took 1.08-1.26 wherever tried (docs/BENCHMARKS.md)."""
+    at most that, else about SMALL_TILE_MANY_PROGRAMS: the counts in between took longer at 4k-16k
+    tokens wherever tried (docs/BENCHMARKS.md)."""
     pairs = batch * kv_heads
     if pairs <= SMALL_TILE_FEW_PROGRAMS:
         return min(SMALL_TILE_MAX_SPLITS, max(2, -(-SMALL_TILE_FEW_PROGRAMS // pairs)))
@@ -136,8 +131,8 @@ def packed_prefill_options(head_dim: int, dtype: torch.dtype) -> dict:
     """Kernel options for prefill over the step's K/V packed into rows (flex.py), where a KV block is
     128 rows rather than a page: the FLASH backend where flash_prefill_runs
     at that block, else the Triton kernel as over pages of 64 (64x64 tiles, 4 warps, 3 stages, TMA
-    loads at head_dim 128 in half precision on SM90: on an H200 the fastest of six option sets on
-    8k and 32k new tokens, 1-8% ahead of 128x64 tiles with 8 warps)."""
+    loads at head_dim 128 in half precision on SM90: the fastest of the option sets timed on packed
+    rows, docs/BENCHMARKS.md)."""
     if flash_prefill_runs(head_dim, FLASH_KV_TILE, dtype):
         return {"BACKEND": "FLASH"}
     return prefill_options(head_dim, 64, dtype)

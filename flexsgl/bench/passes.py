@@ -28,9 +28,8 @@ BAR_INTERVAL = 0.1 if sys.stderr.isatty() else 10.0  # seconds between progress 
 def freeze_heap() -> None:
     """Collect, then move every object alive now (the model, compiled code, captured graphs, some
     800k objects) out of the garbage collector's reach, as vLLM's engine does after start-up. A full
-    collection inside a timed pass then skips them: on the development CPU one took ~130 ms before,
-    2 ms after. On the H200 the throughput run did not measurably change (docs/BENCHMARKS.md).
-    free_memory unfreezes."""
+    collection inside a timed pass then skips them (on the development CPU ~130 ms with them in
+    reach, 2 ms without). free_memory unfreezes."""
     gc.collect()
     gc.freeze()
 

@@ -7,12 +7,10 @@ scatter through a view of it is functionalised into a copy of the whole cache pe
 (seen on an H200: 2 ms per layer at 1M slots). Page 0 is reserved as the dummy page: padded batch
 rows write there and read only there, so real pages are never touched by padding.
 
-The pool owns the write of K/V. Each attention layer stores its step's K/V through the pool's one
-store path, `norm_rope_store`, then asks the backend to attend; backends only read the pool. The
-path is chosen once, when the pool is built, from its device and head size: the fused kernel
-(flexsgl/kernels/rope_store.py: q/k norm, RoPE and the K/V write in one launch) where it applies,
-otherwise the same expressions in PyTorch followed by `store`. A pool of another layout (an MLA
-latent pool: one vector of kv_lora_rank + rope dims per token) brings its own store path.
+The pool is tensors, and the allocator hands out its pages. Each attention layer holds its own
+layer's tensors (`layer_cache`) and writes its step's K/V into them through its store path
+(flexsgl/cache/store.py), then asks the backend to attend; backends only read the pool. `store`
+writes given K/V (tests and benchmarks fill a pool with it).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import random
 
 import torch
 
-from flexsgl.kernels import rope_store
+from flexsgl.cache.latent_pool import LatentKVPool
 from flexsgl.kernels.rope_store import write_kv
 
 DUMMY_PAGE = 0
@@ -65,7 +63,7 @@ class PageAllocator:
 
 
 class KVPool:
-    """K and V per layer, `[slots, Hkv, D]`, and the one path that writes them (module docstring)."""
+    """K and V per layer, `[slots, Hkv, D]` (module docstring)."""
 
     attention = "gqa"  # the attention kind whose cache this is (the latent pool's is "mla")
 
@@ -78,8 +76,6 @@ class KVPool:
         # Zeroed, not empty: masked slots still enter P @ V as p=0 times v, and 0 * NaN is NaN.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        fused = rope_store.applies(self.device, head_dim)
-        self.norm_rope_store = self._fused_norm_rope_store if fused else self._norm_rope_then_store
 
     def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`layer`'s K and V, which its attention module holds (`cache`) and hands to the backend."""
@@ -89,24 +85,6 @@ class KVPool:
         """Write k, v `[tokens, Hkv, D]` into `layer`'s slots, in place."""
         write_kv(self.k[layer], self.v[layer], k, v, slots)
 
-    # The store path (`norm_rope_store`, one of the two below): an attention layer's qkv_proj output
-    # `[T, (Hq + 2 Hkv) * D]` -> q `[T, Hq, D]`, normed (where `attn` has q/k norms) and rotated, with
-    # this step's K (normed, rotated) and V written at `slots` of the layer's cache, `attn.cache`.
-
-    def _fused_norm_rope_store(self, attn, qkv: torch.Tensor, positions: torch.Tensor, rope,
-                               slots: torch.Tensor) -> torch.Tensor:
-        qn, kn, eps = rope_store.norm_weights(attn)
-        k_cache, v_cache = attn.cache
-        return torch.ops.flexsgl.rope_store(qkv, qn, kn, eps, rope.cos, rope.sin, positions, slots, k_cache, v_cache,
-                                            attn.hq)
-
-    def _norm_rope_then_store(self, attn, qkv: torch.Tensor, positions: torch.Tensor, rope,
-                              slots: torch.Tensor) -> torch.Tensor:
-        qn, kn, eps = rope_store.norm_weights(attn)
-        q, k, v = rope_store.norm_rope(qkv, qn, kn, eps, rope.cos, rope.sin, positions, attn.hq, attn.d)
-        write_kv(*attn.cache, k, v, slots)
-        return q
-
     @staticmethod
     def num_pages_for(tokens: int, page_size: int) -> int:
         return -(-tokens // page_size)
@@ -115,7 +93,5 @@ class KVPool:
 def build_kv_pool(mcfg, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
     """The pool for model config `mcfg`: K/V per KV head, or the latent pool of an MLA model."""
     if mcfg.mla is not None:
-        from flexsgl.cache.latent_pool import LatentKVPool
-
         return LatentKVPool(mcfg.num_layers, num_pages, page_size, mcfg.mla, dtype, device)
     return KVPool(mcfg.num_layers, num_pages, page_size, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)

@@ -6,7 +6,6 @@ import torch
 
 from flexsgl.cache.pool import KVPool
 from flexsgl.config import EngineConfig
-from flexsgl.model.config import ModelConfig
 
 CPU_DEFAULT_KV_TOKENS = 16384
 
@@ -25,12 +24,12 @@ def free_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def kv_cache_pages(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+def kv_cache_pages(cfg: EngineConfig, mcfg, dtype: torch.dtype, device: torch.device,
                    prefill_scratch=lambda tokens, itemsize: 0) -> int:
-    """Pages of the KV pool (the dummy page included) for this engine, model and device: the size
-    asked for, else what the memory left after the weights and a step's activations hold, the
-    prefill backend's scratch among them (`prefill_scratch(tokens, itemsize)`, bytes); ValueError if
-    it cannot be had."""
+    """Pages of the KV pool (the dummy page included) for this engine, model (`mcfg`, the rank's
+    ModelConfig) and device: the size asked for, else what the memory left after the weights and a
+    step's activations hold, the prefill backend's scratch among them (`prefill_scratch(tokens,
+    itemsize)`, bytes); ValueError if it cannot be had."""
     ps = cfg.page_size
     itemsize = torch.tensor([], dtype=dtype).element_size()
     per_token = mcfg.kv_bytes_per_token(itemsize)

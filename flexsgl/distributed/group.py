@@ -104,3 +104,8 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     out = funcol.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), size, _name))
     t, n = x.shape
     return out.view(size, t, n).permute(1, 0, 2).reshape(t, size * n)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device rank `rank` runs on when the engine asks for `device`: cuda:rank, or the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")

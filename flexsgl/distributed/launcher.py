@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from flexsgl.config import EngineConfig
-from flexsgl.distributed.group import COLLECTIVE_TIMEOUT, TPGroup, init_group
+from flexsgl.distributed.group import COLLECTIVE_TIMEOUT, TPGroup, init_group, rank_device
+from flexsgl.distributed.worker import exit_reason, stop_processes, worker_main
 from flexsgl.errors import RankFailedError, TensorParallelError
 
 JOIN_TIMEOUT_S = 600.0  # the longest rank 0 waits for spawned workers to join (they import torch first)
@@ -75,19 +76,14 @@ def refuse(cfg: EngineConfig, mcfg, device: torch.device) -> None:
                                   f"tensor_parallel_size {n} ranks.")
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
-
-
-def spawn(cfg: EngineConfig, device: torch.device):
+def spawn(cfg: EngineConfig, device: torch.device, build):
     """Rank 0 of a one-process start: spawn the workers, wait for them to join, join the group.
-    Returns (group, worker processes, store)."""
-    from flexsgl.distributed.worker import worker_main
-
+    Each worker builds its rank with `build(cfg, group)` (engine_core.build_core, a module-level
+    function: the spawn context pickles it by name). Returns (group, worker processes, store)."""
     n = cfg.tensor_parallel_size
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
     ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(r, n, cfg, device.type, store.port), daemon=True,
+    procs = [ctx.Process(target=worker_main, args=(r, n, cfg, device.type, store.port, build), daemon=True,
                          name=f"flexsgl-tp{r}") for r in range(1, n)]
     for p in procs:
         p.start()
@@ -112,25 +108,3 @@ def join_torchrun(device: torch.device) -> TPGroup:
     """This process's rank of a torchrun start (its environment gives the rank and the rendezvous)."""
     rank, world, local = torchrun_env()
     return init_group(rank, world, torch.device("cuda", local) if device.type == "cuda" else device)
-
-
-def exit_reason(store, rank: int, exitcode) -> str:
-    """Why worker `rank` stopped: what it wrote to the store, else its exit code."""
-    key = f"error/{rank}"
-    try:
-        if store is not None and store.check([key]):
-            return store.get(key).decode()
-    except Exception:  # the store itself may be gone with rank 0's side of it
-        pass
-    return f"its process exited with code {exitcode}" if exitcode is not None else "its process stopped"
-
-
-def stop_processes(procs, timeout: float = 10.0) -> None:
-    """Wait for the worker processes to end, then end those that do not."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)

@@ -1,14 +1,16 @@
-"""Rank 0's channel to the other ranks, and the loop those ranks run.
+"""Rank 0's channel to the other ranks, the loop those ranks run, and their processes' ends.
 
 Rank 0 owns the scheduler and the tokenizer. Each step it turns the scheduled batch into a
-StepPlan (runner.py: host lists only) and broadcasts it over the gloo control group, then executes
+StepPlan (step/plan.py: host lists only) and broadcasts it over the gloo control group, then executes
 it itself; every other rank executes the same plan with its own runner, model shard, attention
 backends and CUDA graphs, so each samples the same tokens (the same logits, gathered whole, and
-counter-based noise) and keeps the same token_buf and penalty counts. Only rank 0 reads tokens back.
+counter-based noise) and keeps the same token buffer and penalty counts. Only rank 0 reads tokens back.
 
 Messages: ("step", plan), ("stop",). Building the engine (loading, KV pool sizing, graph capture)
 runs the same code on every rank, so its collectives line up without messages; after each phase
 the ranks `agree`: a rank that failed sends its reason and every rank raises.
+A worker builds its rank with the function the engine hands it (`build`: engine_core.build_core),
+so nothing here imports the engine.
 
 Failures: a worker that raises in a step writes why to the store and exits; rank 0 checks that
 its workers are alive before each step, when a step fails, and while it waits for a step's tokens,
@@ -26,8 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexsgl.distributed.group import COLLECTIVE_TIMEOUT, TPGroup, destroy_group, init_group
-from flexsgl.distributed.launcher import exit_reason, rank_device, stop_processes
+from flexsgl.distributed.group import COLLECTIVE_TIMEOUT, TPGroup, destroy_group, init_group, rank_device
 from flexsgl.errors import EngineDeadError, RankFailedError, TensorParallelError, describe
 
 LIVENESS_CHECK_S = 0.1  # how often rank 0 looks at its workers while it waits for a step
@@ -139,7 +140,7 @@ class Channel:
         destroy_group()
 
 
-def worker_main(rank: int, size: int, cfg, device_type: str, port: int) -> None:
+def worker_main(rank: int, size: int, cfg, device_type: str, port: int, build) -> None:
     """A spawned worker process: join through rank 0's store, then serve (never returns normally)."""
     from tqdm import tqdm
 
@@ -157,16 +158,15 @@ def worker_main(rank: int, size: int, cfg, device_type: str, port: int) -> None:
     except BaseException as e:
         _report(store, rank, e)
         os._exit(1)
-    os._exit(serve(cfg, group, store))
+    os._exit(serve(cfg, group, build, store))
 
 
-def serve(cfg, group: TPGroup, store=None) -> int:
-    """A worker rank: build the same engine core as rank 0, then execute rank 0's plans until it
-    says stop (returns 0) or fails (returns 1, the reason in the store)."""
-    from flexsgl.engine_core import build_core
-
+def serve(cfg, group: TPGroup, build, store=None) -> int:
+    """A worker rank: build the same engine core as rank 0 (`build(cfg, group)`, which the engine
+    passes: engine_core.build_core), then execute rank 0's plans until it says stop (returns 0) or
+    fails (returns 1, the reason in the store)."""
     try:
-        core = build_core(cfg, group)
+        core = build(cfg, group)
     except BaseException:  # agreed with rank 0, which raises the reason
         destroy_group()
         return 1
@@ -192,3 +192,25 @@ def _report(store, rank: int, e: BaseException) -> None:
         store.set(f"error/{rank}", describe(e))
     except Exception:
         pass
+
+
+def exit_reason(store, rank: int, exitcode) -> str:
+    """Why worker `rank` stopped: what it wrote to the store, else its exit code."""
+    key = f"error/{rank}"
+    try:
+        if store is not None and store.check([key]):
+            return store.get(key).decode()
+    except Exception:  # the store itself may be gone with rank 0's side of it
+        pass
+    return f"its process exited with code {exitcode}" if exitcode is not None else "its process stopped"
+
+
+def stop_processes(procs, timeout: float = 10.0) -> None:
+    """Wait for the worker processes to end, then end those that do not."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)

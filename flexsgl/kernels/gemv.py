@@ -12,8 +12,8 @@ Everywhere but batch 1 on CUDA they are those PyTorch expressions. At batch 1 ea
 the projection reads its whole weight to do two flops per element, so its time is the weight's
 bytes over memory bandwidth, and the norms, the SiLU gate and the residual adds would otherwise be
 a kernel each, a few microseconds of launch and latency apiece, 108 of them in a Qwen3-8B step.
-On an H200 (copy bandwidth 4.3 TB/s), replaying an 8B's 36 layers of projections from one CUDA
-graph, cuBLAS moved 3.63 TB/s and this kernel 3.93 (tools/gemv_bench.py, docs/BENCHMARKS.md).
+The kernel reads the weights closer to the copy bandwidth than cuBLAS does at batch 1
+(tools/gemv_bench.py; figures in docs/BENCHMARKS.md).
 
 The kernel gives each program BLOCK_N weight rows and walks K in BLOCK_K slices, multiplying in
 float32 into a [BLOCK_N, BLOCK_K] accumulator that it reduces once at the end; many small
@@ -24,8 +24,7 @@ gate_up as x is read; bias and residual are added on the way out. At batch 2 the
 only matched cuBLAS and at 4 it lost, so batch 1 alone takes it. It runs inside a
 `torch.library` custom op, so compiled models treat it like the cuBLAS call it replaces. On SM90+
 it launches with PDL and loads its first weight slice before waiting on the kernel before it
-(launch.py): an 8B's 36 layers of projections, chained, 3.827 ms plain and 3.782 ms so, and
-3.606 ms with the tiles `config_for` took from a sweep inside that chain.
+(launch.py), and `config_for` gives the tiles that were fastest inside that chain.
 """
 
 from __future__ import annotations
@@ -100,9 +99,9 @@ def _kernel():
 
 def config_for(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight: the best tiles for an 8B's
-    projections timed where the engine runs them, chained as a layer with PDL on an H200
-    (`tools/gemv_bench.py --chain-sweep`: 3.781 ms for 36 layers with the tiles picked alone with L2
-    cleared, 3.606 ms with these), and lm_head's from the sweep alone."""
+    projections timed where the engine runs them, chained as a layer with PDL
+    (`tools/gemv_bench.py --chain-sweep`; tiles picked with each projection timed alone lose there),
+    and lm_head's from the sweep alone."""
     if n >= 65536:
         return 8, 512, 4, 1  # lm_head
     if k >= 8192:

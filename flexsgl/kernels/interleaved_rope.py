@@ -1,6 +1,6 @@
 """DeepSeek's RoPE inside flexsgl's MLA kernels (latent_query.py, latent_store.py): a Triton
 helper that rotates one row's interleaved pairs (x[2i], x[2i+1]) by the tables' angle i, in
-float32, and stores them in the destination's dtype, as `layers.rotate_pairs` computes them.
+float32, and stores them in the destination's dtype, as `norm_rope.rotate_pairs` computes them.
 
 Kernels call it as `interleaved_rope.rotate_row(...)`, through this module as one of their
 globals: Triton's compiler and its CPU interpreter both resolve a kernel's names from its module's

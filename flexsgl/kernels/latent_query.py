@@ -25,7 +25,7 @@ import torch
 
 from flexsgl.kernels import interleaved_rope, latent_store
 from flexsgl.kernels.launch import pdl
-from flexsgl.model.layers import rotate_pairs
+from flexsgl.kernels.norm_rope import rotate_pairs
 
 BLOCK_R = 64
 

@@ -6,9 +6,9 @@ the shared key, and their write into the latent pool.
 `latent` is kv_a_proj's output `[T, kv_lora_rank + rope dims]` (a view into the fused projection's
 output may be strided by rows); each token's slot in `kv` (`[slots, 1, kv_lora_rank + rope dims]`)
 gets its normed `c` followed by its rotated `k_pe`. DeepSeek's RoPE rotates interleaved pairs
-(x[2i], x[2i+1]) by the tables' angle i. Compiled by Inductor that stretch was three small kernels a
-layer (the norm, the rotation with the concatenation, the scatter into the pool), about 1.2 µs each
-at decode batch 1 (docs/BENCHMARKS.md). A program takes one token. The rounding follows the PyTorch
+(x[2i], x[2i+1]) by the tables' angle i. Compiled by Inductor that stretch is three small kernels a
+layer (the norm, the rotation with the concatenation, the scatter into the pool), each a launch on
+decode's critical path at batch 1. A program takes one token. The rounding follows the PyTorch
 expressions (`norm_rope_latent`): norm in float32, cast, scale in the model dtype; rotate in
 float32, cast.
 
@@ -25,7 +25,7 @@ import torch
 
 from flexsgl.kernels import interleaved_rope
 from flexsgl.kernels.launch import pdl
-from flexsgl.model.layers import rms_norm, rotate_pairs
+from flexsgl.kernels.norm_rope import rms_norm, rotate_pairs
 
 
 def __getattr__(name: str):

@@ -4,10 +4,9 @@ SiLU and down, and the sum of the slots with the residual.
     y = residual + sum over routed slots s of weight_s * expert_s(norm(x)) + shared(norm(x))
 
 Launched as the four steps it is (routing, gate/up, down, the sum), each short kernel waits for the
-one before to drain and then ramps its loads up again: on an H200, DeepSeek-V2-Lite's 26 MoE layers
-chained from one CUDA graph took 1,248 µs that way and 1,057 µs as one launch (docs/BENCHMARKS.md,
-"MLA decode"). Here the steps are tasks of one grid, and a task waits only for the tasks whose
-output it reads, through counters in global memory:
+one before to drain and then ramps its loads up again (figures: docs/BENCHMARKS.md, "H200: batch-1
+kernels"). Here the steps are tasks of one grid, and a task waits only for the tasks whose output
+it reads, through counters in global memory:
 
 - route (one program per router row): its float32 logit of the RMS-normed input; the last to finish
   (an atomic count) takes softmax, greedy top-k and the weights' normalisation, as `MoE.route`
@@ -43,8 +42,8 @@ import torch
 
 from flexsgl.kernels.launch import pdl
 
-# (BLOCK_A, BLOCK_K_A, BLOCK_B, BLOCK_K_B, warps, stages): the best of 26 tile sets for DeepSeek-V2-Lite's
-# 26 MoE layers chained in one CUDA graph on an H200 (docs/BENCHMARKS.md, "MLA decode")
+# (BLOCK_A, BLOCK_K_A, BLOCK_B, BLOCK_K_B, warps, stages): the fastest of the tile sets timed on
+# DeepSeek-V2-Lite's 26 MoE layers chained in one CUDA graph
 CONFIG = (16, 256, 16, 256, 8, 4)
 
 

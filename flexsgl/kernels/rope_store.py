@@ -3,14 +3,13 @@
 
     q = torch.ops.flexsgl.rope_store(qkv, q_norm, k_norm, eps, cos, sin, positions, slots, k_cache, v_cache, hq)
 
-The KV pool owns the store (flexsgl/cache/pool.py): its store path is this op where the kernel
-applies (`applies`: CUDA, a power-of-two head size), otherwise `norm_rope` and `write_kv`, the
-PyTorch expressions the kernel fuses. Attention layers call the pool's path; backends only attend.
+The GQA store path (flexsgl/cache/store.py) is this op where the kernel applies (`applies`: CUDA,
+a power-of-two head size), otherwise `norm_rope` and `write_kv`, the PyTorch expressions the
+kernel fuses. Attention layers call their store path; backends only attend.
 
 Compiled by Inductor, that stretch is seven small kernels per layer (two norm reductions, two
-norm-and-rotate passes, two scatters into the pool and a copy), 1-3 µs each at decode: in a
-Qwen3-8B batch-1 step, 252 kernels and about 0.3 ms of the 5.05 (tools/profile_step.py on an
-H200, docs/BENCHMARKS.md). A program takes one token's head, or from 64 tokens 8 of its heads: a
+norm-and-rotate passes, two scatters into the pool and a copy), 1-3 µs each at decode: 252
+kernels in a Qwen3-8B batch-1 step (tools/profile_step.py). A program takes one token's head, or from 64 tokens 8 of its heads: a
 q head is normalised, rotated and written to the returned q; a K head is normalised, rotated and
 written to its pool slot, and its V head copied next to it. The rounding follows the PyTorch expressions step
 for step (norm in float32, cast, scale in the model dtype; rotate in float32, cast), so the two
@@ -30,7 +29,7 @@ import functools
 import torch
 
 from flexsgl.kernels.launch import pdl
-from flexsgl.model.layers import rms_norm, rotate
+from flexsgl.kernels.norm_rope import rms_norm, rotate
 
 
 @functools.cache
@@ -55,7 +54,7 @@ def _kernel():
         dt = q_ptr.dtype.element_ty
         x1 = tl.load(row + h[:, None] * D + i[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(row + h[:, None] * D + HALF + i[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
-        if HAS_NORM:  # RMSNorm as layers.RMSNorm: float32, cast, then times the weight in the model dtype
+        if HAS_NORM:  # RMSNorm as norm_rope.rms_norm: float32, cast, then times the weight in the model dtype
             r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
             w1 = tl.where(is_q[:, None], tl.load(qn_ptr + i)[None, :], tl.load(kn_ptr + i)[None, :])
             w2 = tl.where(is_q[:, None], tl.load(qn_ptr + HALF + i)[None, :], tl.load(kn_ptr + HALF + i)[None, :])
@@ -140,9 +139,3 @@ def applies(device: torch.device, head_dim: int) -> bool:
     """Whether the kernel serves a pool on `device` with heads of `head_dim`: CUDA, a power of two from 16."""
     return device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
-
-def norm_weights(attn) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-    """An attention layer's q and k norm weights and epsilon (None, None, 0.0 without q/k norm)."""
-    if attn.q_norm is None:
-        return None, None, 0.0
-    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps

@@ -2,8 +2,9 @@
 
 Parameter names follow HF's except that q/k/v and gate/up projections are fused; the loader maps
 HF tensors into slices of the fused weights. Tokens arrive packed, `[tokens]`. Each attention
-layer stores its K/V through the KV pool the engine binds to the model (`bind_kv_pool`), then
-attends through the backend that the ForwardBatch carries.
+layer stores its K/V into its part of the KV pool the engine binds to the model (`bind_kv_pool`),
+through the pool layout's store path (flexsgl/cache/store.py), then attends through the backend
+that the ForwardBatch carries.
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flexsgl.cache.store import store_path
 from flexsgl.distributed import layers as tp
-from flexsgl.model.config import ModelConfig
 from flexsgl.kernels import gemv
+from flexsgl.model.config import ModelConfig
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
     """The q/k/v and o projections (DecoderLayer runs them through flexsgl.kernels.gemv) and `attend`,
-    everything between them: q/k norm, RoPE and the K/V store, through the pool's store path
-    (flexsgl/cache/pool.py), then the attention backend."""
+    everything between them: q/k norm, RoPE and the K/V store, through its store path
+    (flexsgl/cache/store.py), then the attention backend."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -33,12 +35,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.kv_pool = None  # DecoderForCausalLM.bind_kv_pool sets it, and this layer's K/V in it:
+        self.kv_store = None  # DecoderForCausalLM.bind_kv_pool sets it, and this layer's K/V:
         self.cache: tuple[torch.Tensor, ...] = ()
 
     def attend(self, qkv, positions, rope: RotaryEmbedding, fb):
         """qkv_proj's output -> attention output `[tokens, Hq * D]`, the input of o_proj."""
-        q = self.kv_pool.norm_rope_store(self, qkv, positions, rope, fb.out_slots)
+        norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        eps = 0.0 if self.q_norm is None else self.q_norm.eps
+        q = self.kv_store.norm_rope_store(self.cache, qkv, norms, eps, rope, positions, fb.out_slots)
         return fb.backend.forward(q, self.cache, fb).reshape(qkv.shape[0], self.hq * self.d)
 
 
@@ -102,9 +106,11 @@ class DecoderForCausalLM(nn.Module):
         return [c.intermediate_size, c.intermediate_size]
 
     def bind_kv_pool(self, pool) -> None:
-        """Give every attention layer the KV pool it stores its K/V in (once, before the first step)."""
+        """Give every attention layer its K/V in the pool and the store path that writes them (once,
+        before the first step)."""
+        store = store_path(pool, self.cfg.num_heads)
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.kv_pool, layer.self_attn.cache = pool, pool.layer_cache(i)
+            layer.self_attn.kv_store, layer.self_attn.cache = store, pool.layer_cache(i)
 
     def compiled_regions(self) -> list[nn.Module]:
         """What torch.compile compiles (flexsgl/compile.py): each decoder layer, all from one code."""

@@ -29,10 +29,12 @@ import re
 import torch
 from torch import nn
 
+from flexsgl.cache.store import store_path
 from flexsgl.kernels import gemv, latent_query
 from flexsgl.kernels.latent_query import latent_query_reference
+from flexsgl.kernels.norm_rope import rotate_pairs
 from flexsgl.model.config import ModelConfig
-from flexsgl.model.layers import GatedMLP, RMSNorm, rotate_pairs
+from flexsgl.model.layers import GatedMLP, RMSNorm
 from flexsgl.model.mla_config import yarn_mscale
 from flexsgl.model.moe import MoE
 
@@ -63,8 +65,8 @@ def yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]
 
 class InterleavedRotary(nn.Module):
     """cos/sin tables `[positions, D/2]` of DeepSeek's RoPE (the attention factor folded in), for
-    the rotation of pairs (x[2i], x[2i+1]) (layers.rotate_pairs). Same constructor as
-    layers.RotaryEmbedding."""
+    the rotation of pairs (x[2i], x[2i+1]) (rotate_pairs, flexsgl/kernels/norm_rope.py). Same
+    constructor as layers.RotaryEmbedding."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -91,7 +93,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, bias=False)
-        self.kv_pool = None  # DeepseekV2ForCausalLM.bind_kv_pool sets it, and this layer's latents in it:
+        self.kv_store = None  # DeepseekV2ForCausalLM.bind_kv_pool sets it, and this layer's latents:
         self.cache: tuple[torch.Tensor, ...] = ()
         self.heads: torch.Tensor | None = None  # 0..H-1 on the pool's device: each head's slot in W_UV's kernel
 
@@ -114,16 +116,16 @@ class MLAttention(nn.Module):
 
     def store(self, latent, positions, rope: InterleavedRotary, fb) -> None:
         """The step's latents, normed and rotated, into their slots of the pool."""
-        self.kv_pool.norm_rope_store(self.cache, latent, self.kv_a_layernorm.weight, LATENT_NORM_EPS, rope, positions,
-                                     fb.out_slots)
+        self.kv_store.norm_rope_store(self.cache, latent, (self.kv_a_layernorm.weight,), LATENT_NORM_EPS, rope,
+                                      positions, fb.out_slots)
 
     def absorbed(self, q, latent, w_kv, positions, rope: InterleavedRotary, fb) -> torch.Tensor:
         """The latents' store, then attention in the absorbed form (module docstring) of q
         `[T, H, nope + rope]`: `[T, H, v]`."""
         w_uk, w_uv = w_kv.split([self.mla.qk_nope_head_dim, self.mla.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
         if latent_query.applies(q, w_uk):  # one token: the store rides in the query's launch
-            query = self.kv_pool.norm_rope_store_with_query(self.cache, latent, self.kv_a_layernorm.weight,
-                                                            LATENT_NORM_EPS, rope, positions, fb.out_slots, q, w_uk)
+            query = self.kv_store.norm_rope_store_with_query(self.cache, latent, (self.kv_a_layernorm.weight,),
+                                                             LATENT_NORM_EPS, rope, positions, fb.out_slots, q, w_uk)
         else:
             self.store(latent, positions, rope, fb)
             query = latent_query_reference(q, w_uk, rope.cos, rope.sin, positions)
@@ -211,9 +213,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         return None
 
     def bind_kv_pool(self, pool) -> None:
-        """Give every attention layer the latent pool it stores its latents in (once, before the first step)."""
+        """Give every attention layer its latents in the pool and the store path that writes them (once,
+        before the first step)."""
+        store = store_path(pool, self.cfg.num_heads)
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.kv_pool, layer.self_attn.cache = pool, pool.layer_cache(i)
+            layer.self_attn.kv_store, layer.self_attn.cache = store, pool.layer_cache(i)
             layer.self_attn.heads = torch.arange(layer.self_attn.hq, dtype=torch.int32, device=pool.device)
             if isinstance(layer.mlp, MoE):
                 layer.mlp.place(pool.device)

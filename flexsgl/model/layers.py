@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from flexsgl.kernels.norm_rope import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -16,12 +18,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As HF does it: normalise in float32, cast back, then scale.
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -42,7 +38,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 class RotaryEmbedding(nn.Module):
     """The cos/sin tables of non-interleaved (rotate-half) RoPE, indexed by absolute position;
-    `rotate` below applies them (or the fused kernel in flexsgl/kernels/rope_store.py)."""
+    flexsgl/kernels/norm_rope.py's `rotate` applies them (or the fused kernel in
+    flexsgl/kernels/rope_store.py)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -50,25 +47,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
-
-def rotate(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """RoPE (rotate-half) on each `[T, heads, D]` x, from cos/sin tables `[positions, D/2]` (float32)."""
-    cos, sin = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)  # [T, 1, D/2]
-    out = []
-    for x in xs:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
-    return tuple(out)
-
-
-def rotate_pairs(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's RoPE on x `[T, ..., D]`: pair i is (x[2i], x[2i+1]), turned by the tables' angle i
-    (cos/sin `[positions, D/2]`, float32); in float32, then back to x's dtype."""
-    cos, sin = cos[positions], sin[positions]
-    cos, sin = cos.view(cos.shape[0], *[1] * (x.dim() - 2), -1), sin.view(sin.shape[0], *[1] * (x.dim() - 2), -1)
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
 
 
 class GatedMLP(nn.Module):

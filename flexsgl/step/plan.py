@@ -1,0 +1,87 @@
+"""The host side of a step: a ScheduledBatch as a StepPlan, every list the device needs.
+
+The shapes come from the step's StepShape (flexsgl/step_shape.py): how many rows, how wide the page table goes
+up, whether the step replays a CUDA graph. Padding rows are made here and nowhere else: one token
+each at position 0, written to the dummy page and attending only to it (a one-page table, length
+1), its input read from and its output written to the token buffer's pad slot. A plan holds only
+host values, so it pickles: under tensor parallelism rank 0 makes it and every rank uploads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import numpy as np
+
+from flexsgl import sampling_batch
+from flexsgl.cache.pool import DUMMY_PAGE
+from flexsgl.scheduler import ScheduledBatch
+from flexsgl.step_shape import StepShape
+
+
+@dataclass
+class StepPlan:
+    """One step as host lists (picklable): what inputs.upload turns into device tensors."""
+
+    mode: str
+    graphed: bool  # replays a CUDA graph: its inputs go into the graph's own buffers
+    tables: list[list[int]]  # page table rows, padding rows included
+    width: int  # the uploaded table's width
+    seq_lens: list[int]
+    q_lens: list[int]
+    offsets: list[int]
+    ids: list  # token ids to feed (prefill; decode feeds the token buffer's entries at decode_slots)
+    positions: list
+    slots: list  # KV slot of each token
+    logits_index: list[int]
+    decode_slots: list[int]
+    write_slots: list[int]  # token buffer slot of each sampled row
+    sampling_i64: dict
+    sampling_f32: dict
+    flags: sampling_batch.HostFlags
+    num_kv_pages: int
+
+
+def plan_step(batch: ScheduledBatch, shape: StepShape, page_size: int, pad_slot: int,
+              rows: int | None = None) -> StepPlan:
+    """The plan of `batch`, padded as `shape` says (or to `rows` rows)."""
+    ps = page_size
+    reqs, decode = batch.requests, batch.mode == "decode"
+    n_real = len(reqs)
+    rows = shape.rows(batch.mode, n_real) if rows is None else rows
+    pad = rows - n_real
+    tables = [r.pages for r in reqs] + [[DUMMY_PAGE]] * pad
+    seq_lens = [s + n for s, n in zip(batch.starts, batch.num_new)] + [1] * pad
+    q_lens = list(batch.num_new) + [1] * pad
+    if decode:  # one token per request, at its next position
+        ids, positions = [], list(batch.starts) + [0] * pad
+        slots = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, batch.starts)] + [DUMMY_PAGE * ps] * pad
+        offsets = list(range(rows))
+    else:  # thousands of tokens: per-request numpy ranges (a per-token loop cost ~1.3 ms per 8k tokens)
+        one = np.zeros(1, dtype=np.int64)
+        ids = [np.asarray(r.fill_ids[s:s + n]) for r, s, n in zip(reqs, batch.starts, batch.num_new)] + [one] * pad
+        positions = [np.arange(s, s + n) for s, n in zip(batch.starts, batch.num_new)] + [one] * pad
+        slots = ([np.asarray(r.pages)[p // ps] * ps + p % ps for r, p in zip(reqs, positions)]
+                 + [one + DUMMY_PAGE * ps] * pad)
+        offsets = [0, *accumulate(q_lens)][:-1]
+    sampled = [r for r, s in zip(reqs, batch.samples) if s]
+    n_logits = shape.logits_rows(batch.mode, rows, len(sampled))
+    if decode:
+        logits_index = list(range(n_logits))
+    else:  # rows past the sampled ones are computed and dropped
+        last = [o + n - 1 for o, n, s in zip(offsets, q_lens, batch.samples) if s]
+        logits_index = last + [offsets[-1]] * (n_logits - len(last))
+    sampling_i64, sampling_f32 = sampling_batch.host_parts(sampled, not decode)
+    return StepPlan(
+        mode=batch.mode, graphed=shape.graphed(batch.mode, rows), tables=tables,
+        width=shape.table_width(batch.mode, rows, max(map(len, tables))), seq_lens=seq_lens, q_lens=q_lens,
+        offsets=offsets, ids=ids, positions=positions, slots=slots, logits_index=logits_index,
+        decode_slots=[r.slot for r in reqs] + [pad_slot] * pad, write_slots=[r.slot for r in sampled],
+        sampling_i64=sampling_i64, sampling_f32=sampling_f32, flags=sampling_batch.host_flags(sampled),
+        num_kv_pages=shape.kv_pages(tables))
+
+
+def padding_plan(rows: int, shape: StepShape, page_size: int, pad_slot: int) -> StepPlan:
+    """A decode step of `rows` padding rows alone (what a CUDA graph is captured on)."""
+    return plan_step(ScheduledBatch("decode", [], [], [], []), shape, page_size, pad_slot, rows)
