@@ -64,8 +64,9 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model, pool: KVPool, backends: PhaseRouter, device: torch.device, max_running: int,
-                 max_len: int, compile: bool):
+                 max_len: int, compile: bool, variants=None):
         self.model, self.pool, self.backends, self.device = model, pool, backends, device
+        self.variants = variants  # the attention variants' VariantSet (bound_variant.py), or None
         self.tp = None  # the tensor-parallel group's channel on rank 0 (flexsgl/distributed/worker.py)
         self.wait = None  # how rank 0 waits for a step's tokens (under tensor parallelism: watching the ranks)
         self.tokens = TokenBuffer(max_running, device)  # last token per slot
@@ -143,11 +144,11 @@ class ModelRunner:
 
     def plan(self, batch: ScheduledBatch) -> StepPlan:
         """The host side of a step: every list the device needs, shaped by the step shape policy."""
-        return plan_step(batch, self.shape, self.pool.page_size, self.tokens.pad_slot)
+        return plan_step(batch, self.shape, self.pool.page_size, self.tokens.pad_slot, variants=self.variants)
 
     def upload(self, plan: StepPlan) -> StepInputs:
         """The device side of a plan: into a CUDA graph's buffers where the step replays one."""
-        return upload(plan, self.device, self.tokens, self.token_counts, self.graphs)
+        return upload(plan, self.device, self.tokens, self.token_counts, self.graphs, self.variants)
 
     def _launch(self, batch: ScheduledBatch | None, step: StepInputs) -> StepOutput | None:
         """Forward, sample and (on rank 0) start the read-back of an uploaded step."""

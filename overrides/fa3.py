@@ -23,18 +23,24 @@ from flexsgl.cache.pool import KVPool
 @torch.library.custom_op("flexsgl::fa3_paged_attention", mutates_args=())
 def fa3_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                         cache_seqlens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
-                        page_size: int) -> torch.Tensor:
+                        page_size: int, window: int = -1, softcap: float = 0.0, chunk: int = 0,
+                        scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """window: keys up to window - 1 positions behind the query (-1: all); softcap: 0 for none;
+    chunk: attention within chunks of this many positions (0: none); sinks: per-head sink logits."""
     from sgl_kernel.flash_attn import flash_attn_with_kvcache
 
     hkv, d = k_cache.shape[-2:]
     return flash_attn_with_kvcache(
         q.contiguous(), k_cache.view(-1, page_size, hkv, d), v_cache.view(-1, page_size, hkv, d),
         cache_seqlens=cache_seqlens, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_q=max_seqlen_q, causal=True)
+        max_seqlen_q=max_seqlen_q, causal=True, window_size=(window - 1 if window > 0 else -1, 0),
+        softcap=softcap, attention_chunk=chunk or None, softmax_scale=scale,
+        sinks=None if sinks is None else sinks.float())
 
 
 @fa3_paged_attention.register_fake
-def _(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, page_size):
+def _(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, page_size, window=-1,
+      softcap=0.0, chunk=0, scale=None, sinks=None):
     return torch.empty_like(q)
 
 
@@ -47,19 +53,23 @@ class FA3Meta:
 class FA3Backend(AttentionBackend):
     name = "fa3"
 
-    def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False):
+    def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False, variants=None):
         self.pool = pool
 
     def prepare(self, fb: ForwardBatch) -> None:
         cu = F.pad(torch.cumsum(fb.q_lens, 0, dtype=torch.int32), (1, 0))
         fb.attn = FA3Meta(cu, fb.max_q_len)
 
-    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, cache, fb: ForwardBatch, variant=None, sink=None) -> torch.Tensor:
+        """variant: the layer's bound attention variant, whose kernel features (window, softcap,
+        chunk, scale, sinks) FA3 takes as arguments (the registry lets no other variant reach it)."""
         meta: FA3Meta = fb.attn
         k, v = cache
+        features = {} if variant is None else variant.variant.features() or {}
         return torch.ops.flexsgl.fa3_paged_attention(
-            q, k, v, fb.page_table, fb.seq_lens, meta.cu_seqlens_q,
-            meta.max_seqlen_q, self.pool.page_size)
+            q, k, v, fb.page_table, fb.seq_lens, meta.cu_seqlens_q, meta.max_seqlen_q, self.pool.page_size,
+            features.get("window", -1), features.get("softcap", 0.0), features.get("chunk", 0),
+            None if variant is None else variant.scale, sink)
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.pool.device)

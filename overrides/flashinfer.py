@@ -83,7 +83,7 @@ class FlashInferDecodeBackend(AttentionBackend):
 
     name = "fi-decode"
 
-    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
+    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False, variants=None):
         import flashinfer
 
         self.flashinfer = flashinfer
@@ -129,7 +129,7 @@ class FlashInferDecodeBackend(AttentionBackend):
             raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
         self.plan_decode(self.decode_wrapper, fb)
 
-    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, cache, fb: ForwardBatch, variant=None, sink=None) -> torch.Tensor:
         k, v = cache
         return torch.ops.flexsgl.flashinfer_attention(q, k, v, self.handle,
                                                       self.pool.page_size)
@@ -156,7 +156,7 @@ class FlashInferBackend(FlashInferDecodeBackend):
 
     name = "fi"
 
-    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
+    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False, variants=None):
         super().__init__(pool, num_heads, compiled)
         self.prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
 

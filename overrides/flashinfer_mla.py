@@ -42,7 +42,7 @@ def _(q, kv_cache, handle, page_size, kv_lora_rank):
 class FlashInferMLABackend(AttentionBackend):
     name = "fi-mla"
 
-    def __init__(self, pool: LatentKVPool, num_heads: int, compiled: bool = False):
+    def __init__(self, pool: LatentKVPool, num_heads: int, compiled: bool = False, variants=None):
         import flashinfer.mla
 
         self.mla = flashinfer.mla
@@ -71,7 +71,7 @@ class FlashInferMLABackend(AttentionBackend):
     def prepare(self, fb: ForwardBatch) -> None:
         self.plan(self.wrapper, fb)
 
-    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, cache, fb: ForwardBatch, variant=None, sink=None) -> torch.Tensor:
         (kv,) = cache
         return torch.ops.flexsgl.flashinfer_mla(q, kv, self.handle, self.pool.page_size,
                                                 self.pool.kv_lora_rank)

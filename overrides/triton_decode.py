@@ -171,7 +171,7 @@ class SplitKVDecodeBackend(AttentionBackend):
     (this one and triton_mla.py's): int32 counters the kernel leaves at zero, sized per batch, and
     no graph hooks to fill, as the kernel reads the graph manager's page table and lengths."""
 
-    def __init__(self, pool, num_heads: int, compiled: bool = False):
+    def __init__(self, pool, num_heads: int, compiled: bool = False, variants=None):
         self.pool, self.hq = pool, num_heads
         self.counters = torch.zeros(0, dtype=torch.int32, device=pool.device)
 
@@ -210,14 +210,14 @@ class TritonDecodeBackend(SplitKVDecodeBackend):
 
     name = "triton-decode"
 
-    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False):
+    def __init__(self, pool: KVPool, num_heads: int, compiled: bool = False, variants=None):
         super().__init__(pool, num_heads, compiled)
         self.hkv = pool.k[0].shape[1]
 
     def counters_size(self, batch: int) -> int:
         return batch * self.hkv  # a merge counter per (request, KV head)
 
-    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, cache, fb: ForwardBatch, variant=None, sink=None) -> torch.Tensor:
         k, v = cache
         return torch.ops.flexsgl.split_kv_decode(q, k, v, fb.page_table,
                                                  fb.seq_lens, self.counters, self.pool.page_size)

@@ -232,7 +232,7 @@ class TritonMLADecodeBackend(SplitKVDecodeBackend):
     def counters_size(self, batch: int) -> int:
         return counters_size(batch)
 
-    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, cache, fb: ForwardBatch, variant=None, sink=None) -> torch.Tensor:
         (kv,) = cache
         pool = self.pool
         return torch.ops.flexsgl.latent_decode(q, kv, fb.page_table, fb.seq_lens, self.counters, pool.page_size,

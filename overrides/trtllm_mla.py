@@ -61,7 +61,7 @@ def _(q, kv_cache, page_table, seq_lens, workspace, page_size, kv_lora_rank, qk_
 class TrtllmMLABackend(AttentionBackend):
     name = "trtllm-mla"
 
-    def __init__(self, pool: LatentKVPool, num_heads: int | None = None, compiled: bool = False):
+    def __init__(self, pool: LatentKVPool, num_heads: int | None = None, compiled: bool = False, variants=None):
         self.pool = pool
         # Zeroed once: the kernel keeps semaphores in it.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
@@ -77,7 +77,7 @@ class TrtllmMLABackend(AttentionBackend):
         if fb.mode != "decode":
             raise ValueError(f"{self.name} runs decode only; pair it with a prefill backend.")
 
-    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, cache, fb: ForwardBatch, variant=None, sink=None) -> torch.Tensor:
         p, (kv,) = self.pool, cache
         return torch.ops.flexsgl.trtllm_mla_decode(q, kv, fb.page_table, fb.seq_lens, self.workspace,
                                                    p.page_size, p.kv_lora_rank, p.qk_nope_head_dim, p.softmax_scale)

@@ -58,7 +58,7 @@ class AttentionBackend(ABC):
     """What every attention backend is, and everything the engine asks of one: the hooks below,
     with the defaults of a backend whose attention is one opaque kernel call (graphable, one
     compile for every shape, no scratch, no limit on the pool, the latents attended as they are).
-    Constructed as `Backend(pool, num_heads=..., compiled=...)`; the registry (registry.py)
+    Constructed as `Backend(pool, num_heads=..., compiled=..., variants=...)`; the registry (registry.py)
     declares what it needs (phases, GPUs, packages, head sizes, dtypes, attention kinds) before it
     is built, and asks the class itself `unsupported` and `prefill_scratch_bytes`.
 
@@ -99,10 +99,14 @@ class AttentionBackend(ABC):
         """Build this step's metadata into fb.attn (eager path)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...], fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...], fb: ForwardBatch, variant=None,
+                sink: torch.Tensor | None = None) -> torch.Tensor:
         """Attend with q `[T, Hq, D]` over one layer's paged KV, `cache` (the pool's `layer_cache`:
         K and V, or an MLA pool's latents; this step's already stored at fb.out_slots), return
-        `[T, Hq, Dv]`. The layer's tensors, not its index: one compiled decoder layer serves every
+        `[T, Hq, Dv]`. variant: the layer's bound attention variant (bound_variant.py; None: plain
+        causal), which the registry lets reach only a backend that serves its kernel features
+        (BackendSpec.features); sink: the layer's per-head sink logits where the variant has
+        them. The layer's tensors, not its index: one compiled decoder layer serves every
         layer (flexsgl/compile.py)."""
 
     @abstractmethod

@@ -39,7 +39,7 @@ from flexsgl.cache.latent_pool import LatentKVPool
 class FlexMLABackend(FlexAttentionBackend):
     name = "flex"
 
-    def __init__(self, pool: LatentKVPool, num_heads: int | None = None, compiled: bool = False):
+    def __init__(self, pool: LatentKVPool, num_heads: int | None = None, compiled: bool = False, variants=None):
         super().__init__(pool, num_heads, compiled)
         self.heads_as_rows = compiled and not self.decode_op  # compiled on the CPU
 
@@ -64,7 +64,7 @@ class FlexMLABackend(FlexAttentionBackend):
         # Packed prefill attends in the MHA form: the queries' and keys' nope + rope dims.
         return packed_prefill_options(self.pool.qk_nope_head_dim + self.pool.rope_dim, self.pool.kv[0].dtype)
 
-    def forward(self, q, cache, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, cache, fb: ForwardBatch, variant=None, sink=None) -> torch.Tensor:
         # The latent's options over packed rows too (the engine's prefill there is forward_expanded).
         latent = cache[0]
         return self.attention(q, latent, latent[..., :self.pool.kv_lora_rank], fb, scale=self.pool.softmax_scale,

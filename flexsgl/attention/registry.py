@@ -29,6 +29,13 @@ class BackendSpec:
     dtypes: tuple[str, ...] | None = None  # KV/activation dtypes it runs; None: any
     doc: str = ""
     mla_target: str | None = None  # the class serving MLA models, where it is another one
+    # The attention-variant kernel features it runs (variant.py: window, softcap, sinks, chunk,
+    # scale); ANY: every variant, its mods included (flex).
+    features: tuple[str, ...] = ()
+
+
+ANY = ("any",)
+FA3_FEATURES = ("window", "softcap", "sinks", "chunk", "scale")
 
 
 HALF = ("bfloat16", "float16")
@@ -36,13 +43,14 @@ HALF = ("bfloat16", "float16")
 
 SPECS = {s.name: s for s in (
     BackendSpec("flex", "flexsgl.attention.flex:FlexAttentionBackend", ("prefill", "decode"), None, None,
-                attention=("gqa", "mla"), mla_target="flexsgl.attention.flex_mla:FlexMLABackend",
+                attention=("gqa", "mla"), mla_target="flexsgl.attention.flex_mla:FlexMLABackend", features=ANY,
                 doc="torch.compile + FlexAttention block masks over the paged KV (default path)"),
     BackendSpec("fa3", "flexsgl.overrides.fa3:FA3Backend", ("prefill", "decode"), (90,), "sgl_kernel",
-                head_dims=(64, 96, 128, 192, 256), dtypes=HALF,
+                head_dims=(64, 96, 128, 192, 256), dtypes=HALF, features=FA3_FEATURES,
                 doc="sgl_kernel FlashAttention-3 flash_attn_with_kvcache"),
     BackendSpec("fa3-prefill", "flexsgl.overrides.fa3:FA3Backend", ("prefill",), (90,), "sgl_kernel",
-                head_dims=(64, 96, 128, 192, 256), dtypes=HALF, doc="FA3 for prefill only (decode: flex or another)"),
+                head_dims=(64, 96, 128, 192, 256), dtypes=HALF, features=FA3_FEATURES,
+                doc="FA3 for prefill only (decode: flex or another)"),
     BackendSpec("fi-decode", "flexsgl.overrides.flashinfer:FlashInferDecodeBackend", ("decode",), (80, 86, 89, 90, 100, 120),
                 "flashinfer", head_dims=(64, 128, 256), dtypes=HALF,
                 doc="FlashInfer BatchDecodeWithPagedKVCacheWrapper, tensor cores for GQA (prefill: flex or another)"),
@@ -79,9 +87,9 @@ def sm_version(device: torch.device) -> int | None:
 
 
 def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa", head_dim: int | None = None,
-            dtype: str | None = None, page_size: int | None = None) -> str | None:
-    """Why `spec` cannot run on `device` for a model with this attention kind, head size and dtype
-    and a cache of this page size (None: not known yet), or None."""
+            dtype: str | None = None, page_size: int | None = None, variants=()) -> str | None:
+    """Why `spec` cannot run on `device` for a model with this attention kind, head size and dtype,
+    a cache of this page size (None: not known yet) and these per-layer attention variants, or None."""
     if spec.sm is not None:
         sm = sm_version(device)
         if sm is None:
@@ -95,10 +103,39 @@ def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa", hea
         return f"its kernels take {what} {'/'.join(map(str, spec.head_dims))}, and this model's is {head_dim}"
     if dtype is not None and spec.dtypes is not None and dtype not in spec.dtypes:
         return f"it runs {' and '.join(spec.dtypes)}, and this engine runs {dtype}"
+    reason = variant_refusal(spec, variants)
+    if reason:
+        return reason
     if spec.package and importlib.util.find_spec(spec.package) is None:
         return f"the package {spec.package!r} is not installed"
     if page_size is not None:  # the backend itself knows, once its package imports
         return backend_class(spec, attention).unsupported(page_size, device)
+    return None
+
+
+def variant_features(variant) -> dict | None:
+    """What a layer's attention variant asks of a kernel override: its kernel features (with the
+    scale where it sets one), {} for plain causal attention, None where only flex can run it."""
+    if variant is None:
+        return {}
+    features = variant.features()
+    if features is not None and variant.scale is not None:
+        features["scale"] = variant.scale
+    return features
+
+
+def variant_refusal(spec: BackendSpec, variants) -> str | None:
+    """Why `spec` cannot run one of the layers' attention variants, or None."""
+    if spec.features == ANY:
+        return None
+    for v in {id(v): v for v in variants if v is not None}.values():
+        features = variant_features(v)
+        if features is None:
+            return f"it cannot run the attention variant {v.name!r}, whose mods only flex runs"
+        missing = [f for f in features if f not in spec.features]
+        if missing:
+            return (f"it does not take the attention variant {v.name!r}'s {', '.join(missing)} "
+                    f"(it takes {', '.join(spec.features) or 'no variant features'})")
     return None
 
 
@@ -134,9 +171,10 @@ def split_small_decode(part: str, override: str) -> tuple[str, int]:
 
 
 def resolve_override(override: str, device: torch.device, attention: str = "gqa", page_size: int | None = None,
-                     head_dim: int | None = None, dtype: str | None = None) -> Choice:
-    """Pick the backends `override` names, or raise ValueError saying in one sentence why not."""
-    names = auto_choice(device, attention, head_dim, dtype, page_size) if override == "auto" else override
+                     head_dim: int | None = None, dtype: str | None = None, variants=()) -> Choice:
+    """Pick the backends `override` names, or raise ValueError saying in one sentence why not.
+    variants: each layer's attention variant (None: plain causal), which every backend must serve."""
+    names = auto_choice(device, attention, head_dim, dtype, page_size, variants) if override == "auto" else override
     parts = [p.strip() for p in names.split(",")]
     if len(parts) > 3 or not all(parts):
         raise ValueError(f"Override {override!r} should be one backend, PREFILL,DECODE or "
@@ -158,26 +196,29 @@ def resolve_override(override: str, device: torch.device, attention: str = "gqa"
             if spec is not None and phase not in spec.phases:
                 raise ValueError(f"Override {spec.name!r} does not run {phase}; it runs {', '.join(spec.phases)}.")
     for spec in {s.name: s for s in (prefill, decode, small) if s is not None}.values():
-        reason = why_not(spec, device, attention, head_dim, dtype, page_size)
+        reason = why_not(spec, device, attention, head_dim, dtype, page_size, variants)
         if reason:
             raise ValueError(f"Override {spec.name!r} cannot run here: {reason}.")
     return Choice(prefill, decode, small, small_max)
 
 
 def auto_choice(device: torch.device, attention: str = "gqa", head_dim: int | None = None,
-                dtype: str | None = None, page_size: int | None = None) -> str:
-    def runs(names: str) -> bool:
-        specs = [SPECS[n.partition("<=")[0]] for n in names.split(",")]
-        return all(why_not(s, device, attention, head_dim, dtype, page_size) is None for s in specs)
+                dtype: str | None = None, page_size: int | None = None, variants=()) -> str:
+    """`auto`'s backends here: AUTO's for this GPU where they run and serve every layer's variant;
+    a phase whose backend cannot falls back to flex, and the small-batch decode backend is left out."""
+    def runs(name: str, layers=()) -> bool:
+        return why_not(SPECS[name.partition("<=")[0]], device, attention, head_dim, dtype, page_size, layers) is None
 
     key = (sm_version(device), attention)
     names = AUTO.get(key, "flex")
-    if not runs(names):
+    if not all(runs(n) for n in names.split(",")):
         return "flex"
+    prefill, decode = (names.split(",") * 2)[:2]
+    prefill, decode = (n if runs(n, variants) else "flex" for n in (prefill, decode))  # what serves the variants
     small = AUTO_SMALL_DECODE.get(key)
-    if not (small and runs(small)):
-        return names
-    return f"{names},{small}" if "," in names else f"{names},{names},{small}"  # one name serves both phases
+    if small and decode != "flex" and runs(small, variants):
+        return f"{prefill},{decode},{small}"
+    return prefill if prefill == decode else f"{prefill},{decode}"
 
 
 def check_override(override: str, device: torch.device | str, attention: str = "gqa") -> str:
@@ -201,9 +242,11 @@ def table(device: torch.device) -> list[dict]:
         reasons = {a: why_not(spec, device, a) for a in spec.attention}
         runs = [a for a, r in reasons.items() if r is None]
         rows.append({"name": spec.name, "phases": ",".join(spec.phases), "models": ",".join(spec.attention),
+                     "variants": "all" if spec.features == ANY else ",".join(spec.features) or "-",
                      "runs_here": bool(runs), "why_not": "" if runs else next(iter(reasons.values())),
                      "about": spec.doc + (flash_note(sm_version(device)) if spec.name == "flex" else "")})
-    rows.append({"name": "auto", "phases": "prefill,decode", "models": "gqa,mla", "runs_here": True, "why_not": "",
+    rows.append({"name": "auto", "phases": "prefill,decode", "models": "gqa,mla", "variants": "all",
+                 "runs_here": True, "why_not": "",
                  "about": f"here: {auto_choice(device, 'gqa')} for GQA, {auto_choice(device, 'mla')} for MLA "
                           "(SM90: fa3-prefill,fi-decode, with triton-decode for batches up to 64 where triton is "
                           "installed, and fi-mla for MLA, with triton-mla for batches up to 8; SM100: fi, and "

@@ -11,11 +11,13 @@ from flexsgl.cache.pool import KVPool
 class PhaseRouter:
     """Builds the backends a `Choice` names, once each, over the one KV pool."""
 
-    def __init__(self, choice: Choice, pool: KVPool, num_heads: int, compiled: bool):
+    def __init__(self, choice: Choice, pool: KVPool, num_heads: int, compiled: bool, variants=None):
+        """variants: the engine's attention variants (a VariantSet, bound_variant.py), or None."""
         built = {}
         for spec in (choice.prefill, choice.decode, choice.small_decode):
             if spec is not None and spec.target not in built:
-                built[spec.target] = backend_class(spec, pool.attention)(pool, num_heads=num_heads, compiled=compiled)
+                built[spec.target] = backend_class(spec, pool.attention)(pool, num_heads=num_heads, compiled=compiled,
+                                                                         variants=variants)
         self.prefill = built[choice.prefill.target]
         self.decode = built[choice.decode.target]  # graph hooks go to this one
         if choice.small_decode is not None:
@@ -46,8 +48,8 @@ class DecodeBySize(AttentionBackend):
     def prepare(self, fb: ForwardBatch) -> None:
         return self.owner(fb.batch_size).prepare(fb)
 
-    def forward(self, q, cache, fb: ForwardBatch):
-        return self.owner(fb.batch_size).forward(q, cache, fb)
+    def forward(self, q, cache, fb: ForwardBatch, variant=None, sink=None):
+        return self.owner(fb.batch_size).forward(q, cache, fb, variant, sink)
 
     def expands_latents(self, fb: ForwardBatch) -> bool:
         return self.owner(fb.batch_size).expands_latents(fb)

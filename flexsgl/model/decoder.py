@@ -37,13 +37,18 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.kv_store = None  # DecoderForCausalLM.bind_kv_pool sets it, and this layer's K/V:
         self.cache: tuple[torch.Tensor, ...] = ()
+        # bind_variants sets the layer's attention variant (bound_variant.py; None: plain causal)
+        # and, where the variant has a sink, its per-head logits
+        self.variant = None
+        self.sink: torch.Tensor | None = None
 
     def attend(self, qkv, positions, rope: RotaryEmbedding, fb):
         """qkv_proj's output -> attention output `[tokens, Hq * D]`, the input of o_proj."""
         norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         q = self.kv_store.norm_rope_store(self.cache, qkv, norms, eps, rope, positions, fb.out_slots)
-        return fb.backend.forward(q, self.cache, fb).reshape(qkv.shape[0], self.hq * self.d)
+        out = fb.backend.forward(q, self.cache, fb, self.variant, self.sink)
+        return out.reshape(qkv.shape[0], self.hq * self.d)
 
 
 class DecoderLayer(nn.Module):
@@ -111,6 +116,14 @@ class DecoderForCausalLM(nn.Module):
         store = store_path(pool, self.cfg.num_heads)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_store, layer.self_attn.cache = store, pool.layer_cache(i)
+
+    def bind_variants(self, variants) -> None:
+        """Give every attention layer its attention variant from `variants` (a VariantSet, one per
+        layer) and the sink logits it reads, if any (once, before the first step)."""
+        for layer, bound in zip(self.model.layers, variants.layers):
+            attn = layer.self_attn
+            attn.variant = bound
+            attn.sink = None if bound is None else bound.layer_sink(attn)
 
     def compiled_regions(self) -> list[nn.Module]:
         """What torch.compile compiles (flexsgl/compile.py): each decoder layer, all from one code."""

@@ -54,7 +54,7 @@ class GraphManager:
             self.batches[bs] = ForwardBatch(
                 mode="decode", input_ids=torch.zeros_like(positions), positions=positions, out_slots=out_slots,
                 page_table=self.page_table[:bs], seq_lens=seq_lens, max_q_len=1, num_kv_pages=num_kv_pages,
-                backend=backend, **{k: v[:bs] for k, v in fixed.items()})
+                backend=backend, req_slots=self.token_slots[bs], **{k: v[:bs] for k, v in fixed.items()})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = None if emulate else torch.cuda.graph_pool_handle()

@@ -40,8 +40,9 @@ class StepInputs:
 
 
 def upload(plan: StepPlan, device: torch.device, tokens: TokenBuffer, counts: TokenCounts,
-           graphs: GraphManager | None) -> StepInputs:
-    """The plan's inputs on the device: into the graph's buffers where it replays one, else fresh."""
+           graphs: GraphManager | None, variants=None) -> StepInputs:
+    """The plan's inputs on the device: into the graph's buffers where it replays one, else fresh;
+    a prefill's attention-variant parameters go into `variants`' tensors at its requests' slots."""
     if plan.graphed:
         fb = _into_graph(plan, graphs, device)
         i64 = pack(device, torch.int64, **plan.sampling_i64)
@@ -52,16 +53,21 @@ def upload(plan: StepPlan, device: torch.device, tokens: TokenBuffer, counts: To
                    q_offsets=plan.offsets)
         i64 = pack(device, torch.int64, input_ids=plan.ids, positions=plan.positions, out_slots=plan.slots,
                    logits_index=plan.logits_index, decode_slots=plan.decode_slots, write_slots=plan.write_slots,
-                   **plan.sampling_i64)
+                   **plan.sampling_i64, **plan.variant_i64)
         fb = ForwardBatch(
             mode=plan.mode, input_ids=tokens.read(i64["decode_slots"]) if plan.mode == "decode" else i64["input_ids"],
             positions=i64["positions"], out_slots=i64["out_slots"],
             page_table=i32["page_table"].view(len(plan.tables), plan.width), seq_lens=i32["seq_lens"],
             q_lens=i32["q_lens"], q_offsets=i32["q_offsets"], logits_index=i64["logits_index"],
             max_q_len=max(plan.q_lens), num_kv_pages=plan.num_kv_pages,
-            host_seq_lens=plan.seq_lens, host_q_lens=plan.q_lens, host_pages=plan.tables)
+            host_seq_lens=plan.seq_lens, host_q_lens=plan.q_lens, host_pages=plan.tables,
+            req_slots=i64["decode_slots"])
         write_slots = i64["write_slots"]
-    f32 = pack(device, torch.float32, **plan.sampling_f32)
+    f32 = pack(device, torch.float32, **plan.sampling_f32, **plan.variant_f32)
+    if variants is not None and (plan.variant_i64 or plan.variant_f32):
+        n = len(next(iter({**plan.variant_i64, **plan.variant_f32}.values())))
+        values = {name.removeprefix("variant_"): t for name, t in {**i64, **f32}.items() if name.startswith("variant_")}
+        variants.write(fb.req_slots[:n], values)
     st = sampling_batch.make_tensors(plan.flags, i64, f32, counts, write_slots)
     return StepInputs(fb, st, write_slots, plan.flags.rows, plan.graphed)
 

@@ -9,7 +9,7 @@ host values, so it pickles: under tensor parallelism rank 0 makes it and every r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -41,11 +41,16 @@ class StepPlan:
     sampling_f32: dict
     flags: sampling_batch.HostFlags
     num_kv_pages: int
+    # Prefill: the attention variants' per-request parameters of its requests (bound_variant.py),
+    # written at their slots: {name: values}, integers and floats apart
+    variant_i64: dict = field(default_factory=dict)
+    variant_f32: dict = field(default_factory=dict)
 
 
 def plan_step(batch: ScheduledBatch, shape: StepShape, page_size: int, pad_slot: int,
-              rows: int | None = None) -> StepPlan:
-    """The plan of `batch`, padded as `shape` says (or to `rows` rows)."""
+              rows: int | None = None, variants=None) -> StepPlan:
+    """The plan of `batch`, padded as `shape` says (or to `rows` rows); `variants`: the engine's
+    VariantSet, whose per-request parameters a prefill step writes."""
     ps = page_size
     reqs, decode = batch.requests, batch.mode == "decode"
     n_real = len(reqs)
@@ -73,13 +78,18 @@ def plan_step(batch: ScheduledBatch, shape: StepShape, page_size: int, pad_slot:
         last = [o + n - 1 for o, n, s in zip(offsets, q_lens, batch.samples) if s]
         logits_index = last + [offsets[-1]] * (n_logits - len(last))
     sampling_i64, sampling_f32 = sampling_batch.host_parts(sampled, not decode)
+    variant_i64, variant_f32 = {}, {}
+    if variants is not None and not decode:
+        for name, values in variants.host_values(reqs).items():
+            floating = variants.request_tensors[name].is_floating_point()
+            (variant_f32 if floating else variant_i64)[f"variant_{name}"] = values
     return StepPlan(
         mode=batch.mode, graphed=shape.graphed(batch.mode, rows), tables=tables,
         width=shape.table_width(batch.mode, rows, max(map(len, tables))), seq_lens=seq_lens, q_lens=q_lens,
         offsets=offsets, ids=ids, positions=positions, slots=slots, logits_index=logits_index,
         decode_slots=[r.slot for r in reqs] + [pad_slot] * pad, write_slots=[r.slot for r in sampled],
         sampling_i64=sampling_i64, sampling_f32=sampling_f32, flags=sampling_batch.host_flags(sampled),
-        num_kv_pages=shape.kv_pages(tables))
+        num_kv_pages=shape.kv_pages(tables), variant_i64=variant_i64, variant_f32=variant_f32)
 
 
 def padding_plan(rows: int, shape: StepShape, page_size: int, pad_slot: int) -> StepPlan:
