@@ -28,7 +28,7 @@ from flexsgl.engine import LLM
 from flexsgl.errors import (CheckpointError, EngineDeadError, InputError, PromptError, RankFailedError,
                             SamplingParamsError, TensorParallelError)
 from flexsgl.request import RequestOutput
-from flexsgl.sampling_params import SamplingParams
+from flexsgl.sampling.params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "InputError", "PromptError",
            "SamplingParamsError", "CheckpointError", "EngineDeadError", "TensorParallelError", "RankFailedError"]

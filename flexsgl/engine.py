@@ -44,7 +44,7 @@ from flexsgl.errors import EngineDeadError, Health, SamplingParamsError, describ
 from flexsgl.interrupts import deferred_interrupts
 from flexsgl.request import FinishReason, Request, RequestOutput, check_callback, prompt_list, sampling_list
 from flexsgl.request_factory import RequestFactory
-from flexsgl.sampling_params import SamplingParams
+from flexsgl.sampling.params import SamplingParams
 from flexsgl.scheduler import Scheduler
 from flexsgl.tokenizer import load_tokenizer
 

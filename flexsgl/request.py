@@ -1,4 +1,4 @@
-"""Requests: prompt checks, states and outputs. SamplingParams lives in flexsgl/sampling_params.py."""
+"""Requests: prompt checks, states and outputs. SamplingParams lives in flexsgl/sampling/params.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flexsgl.errors import InputError, PromptError, SamplingParamsError, short_repr
-from flexsgl.sampling_params import SamplingParams, token_id
+from flexsgl.sampling.params import SamplingParams, token_id
 
 
 def prompt_list(prompts) -> list:

@@ -13,7 +13,7 @@ from typing import Sequence
 from flexsgl.cache.pool import KVPool
 from flexsgl.errors import PromptError, SamplingParamsError
 from flexsgl.request import Request, check_prompt
-from flexsgl.sampling_params import SamplingParams
+from flexsgl.sampling.params import SamplingParams
 from flexsgl.tokenizer import encode_prompt
 
 

@@ -24,11 +24,11 @@ from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 from flexsgl.compile import MIN_COMPILED_SIZE, compile_steps, decode_buckets
 from flexsgl.graphs import GraphManager
 from flexsgl.log import logger
-from flexsgl import sampling_batch
+from flexsgl.sampling import batch as sampling_batch
 from flexsgl.request import TokenLogprobs
-from flexsgl.sampling import sample, token_logprobs
+from flexsgl.sampling.sampler import sample, token_logprobs
 from flexsgl.scheduler import ScheduledBatch
-from flexsgl.token_counts import TokenCounts
+from flexsgl.sampling.token_counts import TokenCounts
 
 NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}  # _upload's host dtypes
 

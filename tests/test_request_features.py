@@ -16,7 +16,7 @@ from flexsgl.detokenizer import IncrementalDetokenizer, advance, finish_text
 from flexsgl.errors import CheckpointError, SamplingParamsError
 from flexsgl.model.presets import EMBEDDED
 from flexsgl.request import Request
-from flexsgl.sampling import MinTokens, Penalties, apply_penalties, block_stop_tokens, token_logprobs
+from flexsgl.sampling.sampler import MinTokens, Penalties, apply_penalties, block_stop_tokens, token_logprobs
 from flexsgl.tokenizer import ByteTokenizer
 from tests.hf_models import make_checkpoint
 

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from flexsgl.request import Request
-from flexsgl.sampling import MinTokens, Penalties, SamplingTensors
-from flexsgl.token_counts import TokenCounts
+from flexsgl.sampling.sampler import MinTokens, Penalties, SamplingTensors
+from flexsgl.sampling.token_counts import TokenCounts
 
 
 def host_parts(sampled: list[Request], prefill: bool) -> tuple[dict, dict]:
