@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from flexsgl import LLM, SamplingParams
-from flexsgl.detokenizer import IncrementalDetokenizer, advance, finish_text
 from flexsgl.errors import CheckpointError, SamplingParamsError
 from flexsgl.model.presets import EMBEDDED
-from flexsgl.request import Request
+from flexsgl.output import OutputProcessor
+from flexsgl.request import Request, TokenEvent
 from flexsgl.sampling.sampler import MinTokens, Penalties, apply_penalties, block_stop_tokens, token_logprobs
 from flexsgl.tokenizer import ByteTokenizer
 from tests.hf_models import make_checkpoint
@@ -124,17 +124,19 @@ def test_min_tokens_keeps_eos_out_until_then(tiny_docs, hf):
 
 
 def stream_text(tokenizer, prompt_ids, tokens, **sampling):
-    """Feed `tokens` one at a time as the engine does; the released deltas, the request."""
+    """Feed `tokens` one at a time as the engine does (the scheduler records each in the request,
+    the output path takes its event); the released deltas, the request."""
     req = Request(0, prompt_ids, SamplingParams(max_tokens=len(tokens) + 1, **sampling), (), 10_000)
-    req.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    outputs = OutputProcessor(tokenizer)
+    outputs.start(req, None)
     deltas = []
     for t in tokens:
-        req.append(t)
-        advance(req)
+        req.output_ids.append(t)
+        outputs.process([TokenEvent(req, t)])
         deltas.append(req.new_text)
         if req.finish_reason is not None:
             break
-    finish_text(req)
+    req.text_state.finish()
     deltas.append(req.new_text if req.finish_reason is None else "")
     return deltas, req
 
@@ -143,7 +145,7 @@ def test_incremental_text_never_breaks_a_character_and_matches_a_whole_decode():
     text = "naïve café → 日本語 😀 done"
     tok = ByteTokenizer()
     deltas, req = stream_text(tok, [65], list(text.encode("utf-8")))
-    assert "".join(deltas) == req.text == text
+    assert "".join(deltas) == req.text_state.text == text
     assert all("\ufffd" not in d for d in deltas), deltas
 
 
@@ -151,7 +153,7 @@ def test_incremental_text_of_the_embedded_tokenizer_matches_a_whole_decode(tiny_
     rng = random.Random()
     ids = [rng.randrange(1, 4096) for _ in range(200)]
     deltas, req = stream_text(tiny_docs.tokenizer, [5, 6], ids)
-    assert "".join(deltas) == req.text == tiny_docs.tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(deltas) == req.text_state.text == tiny_docs.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -161,7 +163,7 @@ def test_a_stop_string_across_tokens_ends_the_text_and_is_never_streamed(include
     deltas, req = stream_text(ByteTokenizer(), [65], list(text.encode()), stop=["zzz", stop],
                               include_stop_str_in_output=include)
     want = "alpha bet" + (stop if include else "")
-    assert req.text == want and req.finish_reason.value == "stop" and req.stop_reason == stop
+    assert req.text_state.text == want and req.finish_reason.value == "stop" and req.stop_reason == stop
     assert "".join(deltas) == want
     assert not include or all("S" not in d for d in deltas[:-2]), "held back until the stop string was settled"
     assert len(req.output_ids) == len("alpha beta STO"), "the token that completed it is the last"
@@ -169,7 +171,7 @@ def test_a_stop_string_across_tokens_ends_the_text_and_is_never_streamed(include
 
 def test_min_tokens_defers_stop_strings():
     deltas, req = stream_text(ByteTokenizer(), [65], list(b"ab ab ab"), stop=["ab"], min_tokens=4)
-    assert req.text == "ab " and "".join(deltas) == "ab "  # the first "ab" came before token 4
+    assert req.text_state.text == "ab " and "".join(deltas) == "ab "  # the first "ab" came before token 4
 
 
 def test_max_tokens_is_max_new_tokens():
