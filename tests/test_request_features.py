@@ -174,6 +174,74 @@ def test_min_tokens_defers_stop_strings():
     assert req.text_state.text == "ab " and "".join(deltas) == "ab "  # the first "ab" came before token 4
 
 
+def run_output_path(tokens: bytes, eos=(), on_token=None, **sampling):
+    """Byte tokens (id = byte) through the output path until it ends the request: (its output, the
+    Ending, a callback's interrupt)."""
+    req = Request(0, [65], SamplingParams(**sampling), eos, 10_000)
+    outputs = OutputProcessor(ByteTokenizer())
+    outputs.start(req, on_token)
+    ending = interrupt = None
+    for t in tokens:
+        req.output_ids.append(t)
+        endings, interrupt = outputs.process([TokenEvent(req, t)])
+        if endings or interrupt:
+            ending = endings[0] if endings else None
+            break
+    return outputs.request_output(req), ending, interrupt
+
+
+@pytest.mark.parametrize("tokens, eos, sampling, want", [
+    (b"abXcd", (), dict(stop_token_ids=[ord("X")]), (b"abX", "abX", "stop", ord("X"))),
+    (b"ab!cd", (ord("!"),), {}, (b"ab!", "ab!", "stop", None)),
+    (b"ab!cd", (ord("!"),), dict(ignore_eos=True, max_tokens=4), (b"ab!c", "ab!c", "length", None)),
+    (b"abcd", (), dict(max_tokens=3, stop="bc"), (b"abc", "a", "stop", "bc")),
+    (b"abcd", (), dict(max_tokens=3, stop="bc", include_stop_str_in_output=True), (b"abc", "abc", "stop", "bc")),
+    (b"aabab", (), dict(min_tokens=3, stop="a"), (b"aaba", "aab", "stop", "a")),
+    (b"abcd", (), dict(stop_token_ids=[ord("c")], stop="bc"), (b"abc", "abc", "stop", ord("c"))),
+], ids=["stop-token-id", "eos", "ignore-eos", "stop-string-on-the-last-token", "include-stop-string",
+        "min-tokens-then-stop-string", "stop-token-before-stop-string"])
+def test_output_path_stop_decisions(tokens, eos, sampling, want):
+    """Each stop rule of flexsgl/output.py on a hand-worked byte sequence."""
+    out, ending, _ = run_output_path(tokens, eos, **{"max_tokens": 10, **sampling})
+    assert (bytes(out.token_ids), out.text, out.finish_reason, out.stop_reason) == want
+    assert ending.reason.value == out.finish_reason and ending.error is None
+
+
+def test_output_path_callback_faults():
+    def fails_at_2(req):
+        if len(req.output_ids) == 2:
+            raise ValueError("no")
+    out, ending, interrupt = run_output_path(b"abcd", on_token=fails_at_2)
+    assert ending.reason.value == "error" and ending.error == "The on_token callback raised ValueError: no."
+    assert bytes(out.token_ids) == b"ab" and interrupt is None
+
+    def interrupts_at_3(req):
+        if len(req.output_ids) == 3:
+            raise KeyboardInterrupt
+    out, ending, interrupt = run_output_path(b"abcd", on_token=interrupts_at_3)
+    assert isinstance(interrupt, KeyboardInterrupt) and ending is None and out.finish_reason is None
+
+
+def test_text_that_cannot_be_decoded_stops_the_text_not_the_request(monkeypatch):
+    """After a failed decode the request runs on, streams no more text, and reports the error."""
+    deltas = []
+    tok = ByteTokenizer()
+    req = Request(0, [65], SamplingParams(max_tokens=5), (), 10_000)
+    outputs = OutputProcessor(tok)
+    outputs.start(req, lambda r: deltas.append(r.new_text))
+    real = tok.decode
+    for t in b"abcde":
+        if t == ord("c"):
+            monkeypatch.setattr(tok, "decode", lambda ids, skip_special_tokens=True: 1 / 0)
+        req.output_ids.append(t)
+        endings, _ = outputs.process([TokenEvent(req, t)])
+    monkeypatch.setattr(tok, "decode", real)
+    out = outputs.request_output(req)
+    assert [e.reason.value for e in endings] == ["length"] and out.token_ids == list(b"abcde")
+    assert deltas == ["a", "b", "", "", ""]
+    assert out.text is None and out.finish_reason == "error" and "ZeroDivisionError" in out.error
+
+
 def test_max_tokens_is_max_new_tokens():
     assert SamplingParams(max_tokens=7).max_new_tokens == 7
     assert SamplingParams(max_tokens=7, max_new_tokens=7).max_new_tokens == 7
