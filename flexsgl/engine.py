@@ -43,8 +43,8 @@ from flexsgl.log import logger, progress
 from flexsgl.errors import EngineDeadError, Health, SamplingParamsError, UnknownRequestError, describe, short_repr
 from flexsgl.interrupts import deferred_interrupts
 from flexsgl.output import OutputProcessor
-from flexsgl.request import FinishReason, Request, RequestOutput, check_callback, prompt_list, sampling_list
-from flexsgl.request_factory import RequestFactory
+from flexsgl.request import FinishReason, Request, RequestOutput
+from flexsgl.request_factory import RequestFactory, check_callback, prompt_list, sampling_list
 from flexsgl.sampling.params import SamplingParams
 from flexsgl.scheduler import Scheduler
 from flexsgl.tokenizer import load_tokenizer

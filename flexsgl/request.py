@@ -1,83 +1,18 @@
-"""Requests: prompt checks, Request (what was asked, its scheduling state, its output), the token
-events a step hands on, and RequestOutput. SamplingParams lives in flexsgl/sampling/params.py."""
+"""Requests: Request (what was asked, its scheduling state, its output), the token events a step
+hands on, RequestOutput and finish reasons. Prompts are checked and made into Requests in
+flexsgl/request_factory.py; SamplingParams lives in flexsgl/sampling/params.py."""
 
 from __future__ import annotations
 
 import enum
-import numbers
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from flexsgl.errors import InputError, PromptError, SamplingParamsError, short_repr
-from flexsgl.sampling.params import SamplingParams, token_id
+from flexsgl.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from flexsgl.output import TextState
-
-
-def prompt_list(prompts) -> list:
-    """generate()'s `prompts` as a list of prompts: one string, one list of token ids, or a list of those."""
-    if prompts is None:
-        raise PromptError("No prompts given.")
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Iterable):
-        raise PromptError(f"prompts must be a string, a list of token ids, or a list of those, "
-                          f"got {type(prompts).__name__}.")
-    prompts = list(prompts)
-    if not prompts:
-        raise PromptError("No prompts given.")
-    first = prompts[0]
-    one_prompt = token_id(first) is not None or isinstance(first, numbers.Number) or getattr(first, "ndim", None) == 0
-    return [prompts] if one_prompt else prompts
-
-
-def sampling_list(sampling, n: int) -> list:
-    """generate()'s `sampling` as one SamplingParams per prompt: None (the defaults), one for all, or a list."""
-    if sampling is None or isinstance(sampling, SamplingParams):
-        return [SamplingParams() if sampling is None else sampling] * n
-    if isinstance(sampling, (str, bytes, Mapping)) or not isinstance(sampling, Sequence):
-        raise SamplingParamsError(f"sampling must be a SamplingParams or a list of them, one per prompt, "
-                                  f"got {type(sampling).__name__}.")
-    if len(sampling) != n:
-        raise SamplingParamsError(f"Got {len(sampling)} SamplingParams for {n} prompts.")
-    return list(sampling)
-
-
-def check_callback(on_token) -> None:
-    if on_token is not None and not callable(on_token):
-        raise InputError(f"on_token must be a function of the request, or None, got {type(on_token).__name__}.")
-
-
-def check_prompt(prompt, index: int) -> str | list[int]:
-    """One prompt as text or a list of token ids, checked for type; raises PromptError saying why not."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise PromptError(f"Prompt {index} is empty.")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise PromptError(f"Prompt {index} is not valid Unicode text: it holds a lone surrogate at character "
-                              f"{e.start} (on a command line: bytes that are not UTF-8).") from None
-        return prompt
-    if isinstance(prompt, (bytes, bytearray)):
-        raise PromptError(f"Prompt {index} is bytes; pass text (a str) or a list of token ids.")
-    if not isinstance(prompt, Iterable) or isinstance(prompt, Mapping):
-        raise PromptError(f"Prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}.")
-    try:
-        items = list(prompt)
-    except TypeError:  # iterable by type but not by value, e.g. a 0-d tensor
-        raise PromptError(f"Prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}.") from None
-    ids = [token_id(t) for t in items]
-    if None in ids:
-        pos = ids.index(None)
-        raise PromptError(f"Prompt {index} has {short_repr(items[pos])} at position {pos}, where a token "
-                          "id (an integer) belongs.")
-    if not ids:
-        raise PromptError(f"Prompt {index} is empty.")
-    return ids
 
 
 class FinishReason(str, enum.Enum):
