@@ -162,7 +162,7 @@ def test_compile_cache_keys_carry_the_source_hash_unless_set(tmp_path, monkeypat
     assert compile_cache.source_hash() == before
     edited = tmp_path / "flexsgl"
     shutil.copytree(Path(compile_cache.__file__).parent, edited, ignore=shutil.ignore_patterns("__pycache__"))
-    (edited / "sampling.py").write_text((edited / "sampling.py").read_text() + "\n# edited\n")
+    (edited / "sampling" / "sampler.py").write_text((edited / "sampling" / "sampler.py").read_text() + "\n# edited\n")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(compile_cache.importlib.util, "find_spec", lambda name: types.SimpleNamespace(
         submodule_search_locations=[str(edited)]) if name == "flexsgl" else real_find_spec(name))

@@ -83,10 +83,10 @@ def engine_pid(server_pid: int) -> int:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-            cmdline = open(f"/proc/{pid}/cmdline").read()
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()  # bytes: another process's argv need not be UTF-8
         except OSError:
             continue
-        if ppid == server_pid and "spawn_main" in cmdline:
+        if ppid == server_pid and b"spawn_main" in cmdline:
             return int(pid)
     raise AssertionError("the server has no engine process")
 
