@@ -19,7 +19,7 @@ from flexsgl.distributed import launcher
 from flexsgl.distributed.layers import kv_heads, vocab_rows
 from flexsgl.distributed.worker import agree
 from flexsgl.errors import EngineDeadError, RankFailedError, TensorParallelError
-from flexsgl.model.loader import resolve
+from flexsgl.model.source import resolve
 import flexsgl.runner
 from tests.hf_models import capture_logits, hf_reference, make_checkpoint
 
