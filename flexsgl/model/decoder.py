@@ -1,9 +1,10 @@
 """The dense GQA decoder that serves Qwen3 and, with q/k norm off (ModelConfig.qk_norm), Llama 3.
 
 Parameter names follow HF's except that q/k/v and gate/up projections are fused; each parameter's
-weight loader (flexsgl/model/weight_loaders.py) puts an HF tensor into its part of the fused weight. Tokens arrive packed, `[tokens]`. Each attention
-layer stores its K/V through the KV pool the engine binds to the model (`bind_kv_pool`), then
-attends through the backend that the ForwardBatch carries.
+weight loader (flexsgl/model/weight_loaders.py) puts an HF tensor into its part of the fused
+weight. Tokens arrive packed, `[tokens]`. Each attention layer stores its K/V through the KV pool
+the engine binds to the model (`bind_kv_pool`), then attends through the backend that the
+ForwardBatch carries.
 """
 
 from __future__ import annotations

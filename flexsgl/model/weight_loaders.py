@@ -1,39 +1,46 @@
 """How checkpoint tensors land in a parameter: the per-parameter weight loader.
 
-Each parameter may carry a `weight_loader` (`param.weight_loader`, set by the model that owns it;
+Each parameter may carry a WeightLoader (`param.weight_loader`, set by the model that owns it;
 `weight_loader(param)` gives the one that applies, WHOLE by default). A checkpoint tensor fills a
 *part* of a parameter: the whole of it (part None), one of the fused parts of a fused projection
-(q, k, v of `qkv_proj`; gate and up of `gate_up_proj`: parts 0, 1, 2), or one expert's slice of a
-stacked expert parameter. The model maps an HF tensor name to (parameter name, part)
-(`checkpoint_name`); flexsgl/model/loader.py checks every tensor against the loaders of the whole
-model and then calls each one's `load`. A loader says
-
-- `parts`: the parts a checkpoint gives one tensor each, when it does not give the whole;
-- `part_of(full, part)`: the view of the whole model's parameter `full` (at TP=1 shapes) that
-  the tensor of `part` fills, whose shape the checkpoint's tensor must have;
-- `load(param, read, part)`: copies the tensor of `part` into this rank's `param`. `read(index)`
-  gives the tensor (index None) or the slice `index` (a tuple of slices) of it, read from the
-  safetensors file only where asked, so a tensor-parallel rank reads only its slices;
-- `sliced`: whether this rank's parameter holds only part of the whole (tensor parallelism).
+(q, k, v of `qkv_proj` are parts 0, 1, 2; gate and up of `gate_up_proj` parts 0, 1), or one
+expert's slice of a stacked expert parameter. The model maps an HF tensor name to (parameter
+name, part) (`checkpoint_name`); flexsgl/model/loader.py checks every tensor against the loaders
+of the whole model, then hands each to its parameter's `load`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
 from typing import Callable
 
 import torch
 
 from flexsgl.distributed.layers import Piece, Split
 
+# read(index): the checkpoint tensor (index None) or its slice `index` (a tuple of slices), read
+# from the safetensors file only where asked, so a tensor-parallel rank reads only its slices.
 Reader = Callable[[tuple | None], torch.Tensor]
 
 
-class Whole:
-    """A parameter filled by one checkpoint tensor of its own shape."""
+class WeightLoader(ABC):
+    """How a checkpoint fills one parameter."""
 
-    parts: tuple = ()
-    sliced = False
+    parts: tuple = ()  # the parts a checkpoint gives one tensor each, where it does not give the whole
+    sliced = False  # whether this rank's parameter holds only part of the whole (tensor parallelism)
+
+    @abstractmethod
+    def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
+        """The view of the whole model's parameter `full` (its TP=1 shape) that the tensor of `part`
+        fills: the shape the checkpoint's tensor must have."""
+
+    @abstractmethod
+    def load(self, param: torch.Tensor, read: Reader, part) -> None:
+        """Copy the checkpoint tensor of `part` (`read`) into this rank's `param`."""
+
+
+class Whole(WeightLoader):
+    """A parameter filled by one checkpoint tensor of its own shape."""
 
     def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
         return full
@@ -45,12 +52,12 @@ class Whole:
 WHOLE = Whole()
 
 
-def weight_loader(param: torch.Tensor):
+def weight_loader(param: torch.Tensor) -> WeightLoader:
     """The loader of `param`: its own `weight_loader`, or WHOLE."""
     return getattr(param, "weight_loader", WHOLE)
 
 
-class Parts:
+class Parts(WeightLoader):
     """A parameter made of parts along one dimension (`split`, flexsgl/distributed/layers.py): the
     fused parts of a fused projection, each given as its own tensor, and under tensor parallelism
     this rank's piece of each. Rows (or columns) that no piece fills, the padding of a
@@ -113,26 +120,20 @@ def allocate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -
             p.weight_loader = loaders[name]
 
 
-def split_loader(split: Split | None):
+def split_loader(split: Split | None) -> WeightLoader:
     """The loader of a parameter split as `split` describes (None: held whole)."""
     return WHOLE if split is None else Parts(split)
 
 
-@dataclass(frozen=True)
-class StackedExperts:
+class StackedExperts(WeightLoader):
     """Routed experts stacked along dimension 0 (`[E, rows, cols]`), from one tensor per expert and
     projection, or from the whole stack: part (expert, half) fills half `half` (0 gate, 1 up) of
     expert `expert`'s rows, or all of them when `half` is None (one projection per expert)."""
 
-    num_experts: int
-    halves: int  # 2: gate and up fused; 1: one projection
-
-    sliced = False
-
-    @property
-    def parts(self) -> tuple:
-        halves = (0, 1) if self.halves == 2 else (None,)
-        return tuple((e, h) for e in range(self.num_experts) for h in halves)
+    def __init__(self, num_experts: int, halves: int):
+        """halves: 2 where gate and up are fused, 1 for one projection."""
+        each = (0, 1) if halves == 2 else (None,)
+        self.parts = tuple((e, h) for e in range(num_experts) for h in each)
 
     def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
         if part is None:
