@@ -67,7 +67,8 @@ class LLM:
             self.engine_config = cfg = EngineConfig.from_options(model, **options)
         self.device = cfg.torch_device
         # Refuses before the model loads, with the reason.
-        self.src, self.dtype, choice = prepare(cfg, self.device)
+        self.src, self.resolved = prepare(cfg, self.device)
+        self.dtype = self.resolved.dtype
         self.config = mcfg = self.src.config
         self._channel = None  # to the other tensor-parallel ranks
         if cfg.tensor_parallel_size > 1:
@@ -79,7 +80,7 @@ class LLM:
         t0 = time.perf_counter()
         try:
             core = build_core(cfg, None if self._channel is None else self._channel.group,
-                              (self.src, self.dtype, choice))
+                              (self.src, self.resolved))
         except BaseException:
             self.shutdown()
             raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from flexsgl.errors import CheckpointError
-from flexsgl.model.loader import ModelSource
+from flexsgl.model.source import ModelSource
 from flexsgl.sampling.params import SamplingParams
 
 # generation_config.json key -> SamplingParams field; the keys vLLM takes as a model's defaults.
