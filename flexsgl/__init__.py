@@ -26,10 +26,11 @@ _map_source_overrides()
 from flexsgl.config import EngineConfig
 from flexsgl.engine import LLM
 from flexsgl.errors import (CheckpointError, EngineDeadError, InputError, PromptError, RankFailedError,
-                            SamplingParamsError, TensorParallelError)
+                            SamplingParamsError, TensorParallelError, UnknownRequestError)
 from flexsgl.request import RequestOutput
-from flexsgl.sampling_params import SamplingParams
+from flexsgl.sampling.params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "InputError", "PromptError",
-           "SamplingParamsError", "CheckpointError", "EngineDeadError", "TensorParallelError", "RankFailedError"]
+           "SamplingParamsError", "CheckpointError", "UnknownRequestError", "EngineDeadError", "TensorParallelError",
+           "RankFailedError"]
 __version__ = "0.1.0"

@@ -22,11 +22,22 @@ def main() -> None:
     """flexsgl's commands: generate, serve, bench, backends."""
 
 
+def shows_text(llm) -> bool:
+    """Whether the outputs of `llm` read as text: not for a model without a tokenizer, nor for a
+    preset's byte tokenizer, which comes with dummy weights (their tokens are random, and ids of
+    256 and up are no byte at all)."""
+    from flexsgl.tokenizer import ByteTokenizer
+
+    return llm.tokenizer is not None and not isinstance(llm.tokenizer, ByteTokenizer)
+
+
 class TokenPrinter:
-    """Streams one request's prompt and text to stdout as tokens arrive."""
+    """Streams one request's prompt and text to stdout as tokens arrive (token ids, where the
+    output has no text: shows_text)."""
 
     def __init__(self, llm, prompt: str):
         self.llm, self.prompt, self.shown = llm, prompt, ""
+        self.text = shows_text(llm)
         self.first_token_at: float | None = None  # perf_counter() when the first token arrived
 
     def __call__(self, req) -> None:
@@ -35,7 +46,7 @@ class TokenPrinter:
         if self.prompt is not None:
             sys.stdout.write(self.prompt)
             self.prompt = None
-        text = self.llm.decode_text(req.output_ids)
+        text = self.llm.decode_text(req.output_ids) if self.text else None
         if text is None:
             sys.stdout.write(f" {req.output_ids[-1]}")
         elif not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
@@ -45,9 +56,8 @@ class TokenPrinter:
 
     def finish(self, token_ids: list[int]) -> None:
         """Write what was held back (a character cut short by the end of generation)."""
-        text = self.llm.decode_text(token_ids)
-        if text is not None:
-            sys.stdout.write(text[len(self.shown):])
+        if self.text:
+            sys.stdout.write(self.llm.decode_text(token_ids)[len(self.shown):])
         sys.stdout.write("\n")
 
 
@@ -68,10 +78,13 @@ def generate(
     """Generate continuations of PROMPTS; one prompt streams its tokens as they come."""
     from flexsgl import LLM, SamplingParams
     from flexsgl.errors import EngineDeadError
+    from flexsgl.request import check_prompt
 
     if not prompts:
         fail("Give at least one prompt, e.g. flexsgl generate \"Return the\".")
     try:
+        for i, p in enumerate(prompts):
+            check_prompt(p, i)  # what needs no tokenizer, before the model loads
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                   top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos)
         t0 = time.perf_counter()
@@ -83,6 +96,9 @@ def generate(
                     + (f", CUDA graphs {ready['capture_s']:.1f}s with {ready['compile_s']:.1f}s of compiling"
                        if ready["capture_s"] else "") + ")")
         stream = len(prompts) == 1 and not json_out
+        if not json_out and llm.tokenizer is not None and not shows_text(llm):
+            logger.info(f"{llm.src.name} has dummy (random) weights and a byte tokenizer, which give no readable "
+                        "text: its token ids are shown instead")
         t1 = time.perf_counter()
         printer = TokenPrinter(llm, prompts[0]) if stream else None
         outs = llm.generate(prompts, sampling, on_token=printer)
@@ -106,7 +122,7 @@ def generate(
             logger.info(f"first token {printer.first_token_at - t0:.1f}s after start")
     else:
         for p, o in zip(prompts, outs):
-            shown = o.text if o.text is not None else " " + " ".join(map(str, o.token_ids))
+            shown = o.text if o.text is not None and shows_text(llm) else " " + " ".join(map(str, o.token_ids))
             typer.echo(f"{p} [{o.error}]" if o.error else f"{p}{shown}")
             typer.echo("---")
     n = sum(len(o.token_ids) for o in outs)
@@ -185,13 +201,12 @@ def serve(
     if not 0 < port < 65536:
         fail(f"--port must be from 1 to 65535, got {port}.")
     try:
-        from flexsgl.attention.registry import resolve_override
-        from flexsgl.model.loader import resolve
         from flexsgl.model.presets import DEFAULT_MODEL
+        from flexsgl.model.source import resolve
 
         config = engine.replace(model=model)
-        resolve(config.model or DEFAULT_MODEL, config.load_format)  # a model that cannot be found: say so now
-        resolve_override(config.override, config.torch_device, "gqa", config.page_size)
+        # A model that cannot be found, options that cannot run together: say so now.
+        config.resolve(resolve(config.model or DEFAULT_MODEL, config.load_format).config)
     except ValueError as e:
         fail(str(e))
     run_server(config, host=host, port=port, served_model_name=served_model_name)

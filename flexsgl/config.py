@@ -1,9 +1,14 @@
-"""EngineConfig: every engine option, once, with its default, its check and its help text.
+"""EngineConfig: every engine option, once, with its default, its check and its help text, and
+its resolution for one model on one device (ResolvedConfig).
 
 `LLM(model, **options)`, `flexsgl generate` and `flexsgl bench` are all built from it; the command
 line makes one flag per field (`--max-total-tokens`, ...) from the field's name, type and help, so a
 new option is one field here. Names follow SGLang's server arguments where one exists. The names
 flexsgl used before are still taken, with a FutureWarning, for one release (DEPRECATED).
+
+Each field's own check (type, range) runs when the config is made. `resolve` then turns the
+defaults that depend on the device and the model ("auto", None) into values and checks the rules
+between fields, all before anything loads; the engine builds from what it returns.
 """
 
 from __future__ import annotations
@@ -11,12 +16,19 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+from flexsgl.model.source import LOAD_FORMATS
+
+if TYPE_CHECKING:
+    from flexsgl.attention.registry import Choice
+    from flexsgl.model.config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = ("auto", *DTYPES)
 
 
 def option(default, help: str, **kw):
@@ -89,10 +101,69 @@ class EngineConfig:
         """The device the engine runs on: the one asked for, else CUDA when there is one."""
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
-    @property
-    def cuda_graphs(self) -> bool:
-        """Whether decode steps are captured as CUDA graphs."""
-        return self.torch_device.type == "cuda" and not self.disable_cuda_graph
+    def resolve(self, model: ModelConfig, device: torch.device | str | None = None) -> ResolvedConfig:
+        """Every default made concrete for `model` on `device` (default: torch_device), and every
+        rule between options checked, before anything loads; ValueError in one sentence if they
+        cannot run together (ResolvedConfig says what each value becomes)."""
+        from flexsgl.attention.registry import backend_class, resolve_override
+        from flexsgl.step_shape import decode_buckets
+
+        device = self.torch_device if device is None else torch.device(device)
+        cpu = device.type == "cpu"
+        if self.dtype != "auto":
+            dtype = DTYPES[self.dtype]
+        else:
+            dtype = torch.float32 if cpu else torch.float16 if model.torch_dtype == "float16" else torch.bfloat16
+        attention = resolve_override(self.override, device, model.attention, self.page_size, model.kv_layout[2],
+                                     str(dtype).removeprefix("torch."))
+        graphs = device.type == "cuda" and not self.disable_cuda_graph
+        if self.cuda_graph_bs is not None and not graphs:
+            raise ValueError("cuda_graph_bs was given, but CUDA graphs are off: they need a CUDA device "
+                             f"(this engine runs on {device.type}) and disable_cuda_graph unset.")
+        sizes = ()
+        if graphs:
+            per_shape = any(backend_class(s, model.attention).compiles_per_shape
+                            for s in (attention.decode, attention.small_decode) if s is not None)
+            sizes = tuple(sorted(set(self.cuda_graph_bs or decode_buckets(per_shape, self.max_running_requests))))
+            if sizes[-1] > self.max_running_requests:
+                raise ValueError(f"CUDA graph batch sizes go up to max_running_requests ({self.max_running_requests}), "
+                                 f"got {sizes[-1]}.")
+        kv_tokens = self.max_total_tokens
+        if kv_tokens is None and cpu:
+            kv_tokens = CPU_KV_TOKENS
+        if kv_tokens is not None:
+            check_kv_tokens(kv_tokens, self.page_size)
+        compile = device.type == "cuda" if self.compile is None else self.compile
+        return ResolvedConfig(self, device, dtype, attention, compile, sizes, kv_tokens)
+
+
+CPU_KV_TOKENS = 16384  # the KV cache's size on the CPU unless max_total_tokens is given
+
+
+def check_kv_tokens(tokens: int, page_size: int) -> None:
+    """ValueError unless a KV cache of `tokens` tokens holds at least one page."""
+    if tokens < page_size:
+        raise ValueError(f"The KV cache must hold at least one page ({page_size} tokens); it would hold "
+                         f"{max(tokens, 0)}.")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An EngineConfig made concrete for one model on one device (EngineConfig.resolve): what the
+    engine builds. `options` holds the options as given; the rest are the values they resolve to."""
+
+    options: EngineConfig
+    device: torch.device
+    dtype: torch.dtype  # dtype "auto": float32 on the CPU; on a GPU float16 for a float16 checkpoint, else bfloat16
+    attention: Choice  # the backends of `override` ("auto": the fastest that run here, attention/registry.py)
+    compile: bool  # compile None: on CUDA, off on the CPU
+    # Decode batch sizes captured as CUDA graphs: cuda_graph_bs, else the decode buckets up to
+    # max_running_requests (flexsgl/compile.py); () where graphs are off (not CUDA, or disable_cuda_graph).
+    cuda_graph_bs: tuple[int, ...]
+    # KV cache tokens: max_total_tokens, else CPU_KV_TOKENS on the CPU; None on a GPU, where the
+    # pool takes mem_fraction_static of the memory free once the weights are loaded, less one step's
+    # activations (flexsgl/cache/sizing.py measures it then).
+    max_total_tokens: int | None
 
 
 # ---- checks: one sentence each, types as well as ranges

@@ -4,8 +4,8 @@ Errors (flexsgl/errors.py has the types):
 
 - Bad input raises a ValueError that says why in one sentence, before anything runs: malformed
   prompts (PromptError), sampling parameters of the wrong type or range (SamplingParamsError), a
-  model directory that cannot be served (CheckpointError, from the constructor). The engine is
-  untouched by them.
+  model directory that cannot be served (CheckpointError, from the constructor), an id that names
+  no request (UnknownRequestError, from abort). The engine is untouched by them.
 - A request that can never run here (longer than the context or the whole KV cache) is not an
   error of the call: it finishes at once with reason "refused" and the reason in `error`.
 - Per-request faults are not raised either: the requests they concern finish with reason "error"
@@ -29,6 +29,7 @@ Errors (flexsgl/errors.py has the types):
 
 from __future__ import annotations
 
+import numbers
 import time
 import weakref
 from functools import cached_property
@@ -36,15 +37,15 @@ from typing import Callable, Sequence
 
 from flexsgl.cache.pool import PageAllocator
 from flexsgl.config import EngineConfig
-from flexsgl.detokenizer import IncrementalDetokenizer, advance, finish_text
 from flexsgl.engine_core import build_core, prepare
 from flexsgl.generation_config import default_sampling
 from flexsgl.log import logger, progress
-from flexsgl.errors import EngineDeadError, Health, SamplingParamsError, describe
+from flexsgl.errors import EngineDeadError, Health, SamplingParamsError, UnknownRequestError, describe, short_repr
 from flexsgl.interrupts import deferred_interrupts
-from flexsgl.request import FinishReason, Request, RequestOutput, check_callback, prompt_list, sampling_list
-from flexsgl.request_factory import RequestFactory
-from flexsgl.sampling_params import SamplingParams
+from flexsgl.output import OutputProcessor
+from flexsgl.request import FinishReason, Request, RequestOutput
+from flexsgl.request_factory import RequestFactory, check_callback, prompt_list, sampling_list
+from flexsgl.sampling.params import SamplingParams
 from flexsgl.scheduler import Scheduler
 from flexsgl.tokenizer import load_tokenizer
 
@@ -53,8 +54,6 @@ PROGRESS_PROMPTS, PROGRESS_TOKENS = 8, 1024
 
 
 class LLM:
-    _interrupt: BaseException | None = None  # raised by a callback in the step being processed
-
     def __init__(self, model: str | EngineConfig | None = None, **options):
         """Load `model` (a preset, a local HF directory or a hub id; None for the embedded default)
         with engine `options`: the fields of EngineConfig (flexsgl/config.py), e.g.
@@ -68,7 +67,8 @@ class LLM:
             self.engine_config = cfg = EngineConfig.from_options(model, **options)
         self.device = cfg.torch_device
         # Refuses before the model loads, with the reason.
-        self.src, self.dtype, choice = prepare(cfg, self.device)
+        self.src, self.resolved = prepare(cfg, self.device)
+        self.dtype = self.resolved.dtype
         self.config = mcfg = self.src.config
         self._channel = None  # to the other tensor-parallel ranks
         if cfg.tensor_parallel_size > 1:
@@ -80,13 +80,14 @@ class LLM:
         t0 = time.perf_counter()
         try:
             core = build_core(cfg, None if self._channel is None else self._channel.group,
-                              (self.src, self.dtype, choice))
+                              (self.src, self.resolved))
         except BaseException:
             self.shutdown()
             raise
         self.model, self.pool, self.runner, self.backends = core.model, core.pool, core.runner, core.backends
         self.compile = core.compile
         self.tokenizer = load_tokenizer(self.src)
+        self.outputs = OutputProcessor(self.tokenizer)  # text, stop decisions, callbacks
         self.load_s = core.load_s + time.perf_counter() - t0 - core.build_s  # weights and tokenizer
         self.default_sampling = default_sampling(self.src)
         self.allocator = PageAllocator(core.num_pages)
@@ -98,6 +99,7 @@ class LLM:
             self._finalizer = weakref.finalize(self, self._channel.close)
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity)
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
+        self._next_id = 0  # above every id added (abort tells a finished request from an unknown one)
         self._done: list[Request] = []  # finished, to be returned by the next step()
         self._pending = None  # the launched step not yet read back
 
@@ -179,10 +181,9 @@ class LLM:
         return [self._add(r, on_token) for r in reqs]
 
     def _add(self, req: Request, on_token) -> int:
-        req.on_token = on_token
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+        self.outputs.start(req, on_token)
         self._live[req.request_id] = req
+        self._next_id = max(self._next_id, req.request_id + 1)
         reason = self.scheduler.refusal(req)
         if reason is None:
             self.scheduler.add(req)
@@ -192,10 +193,20 @@ class LLM:
         return req.request_id
 
     def abort(self, request_id: int) -> None:
-        """Stop a request; it finishes with reason "abort" and keeps the tokens it has."""
+        """Stop a request; it finishes with reason "abort" and keeps the tokens it has, and its
+        output comes back from the next step(). A request that has finished already is left as it
+        is: ids are handed out in increasing order, so an id up to the highest one added that is no
+        longer running or waiting is taken as finished. Any other id (one never handed out, or not
+        an integer) raises UnknownRequestError."""
         self.health.check()
-        req = self._live.get(request_id)
-        if req is not None and not req.finished:
+        rid = int(request_id) if isinstance(request_id, numbers.Integral) and not isinstance(request_id, bool) else None
+        req = None if rid is None else self._live.get(rid)
+        if req is None:
+            if rid is not None and 0 <= rid < self._next_id:
+                return
+            raise UnknownRequestError(f"abort takes an id that add_request, add_requests or submit returned; "
+                                      f"no request has id {short_repr(request_id)}.")
+        if not req.finished:
             self.scheduler.finish(req, FinishReason.ABORT)
             self._done.append(req)
 
@@ -222,7 +233,7 @@ class LLM:
         done, self._done = self._done, []
         for r in done:
             del self._live[r.request_id]
-        return [self._output(r) for r in done]
+        return [self.outputs.request_output(r) for r in done]
 
     def _advance(self) -> BaseException | None:
         """Schedule and launch the next step, then read back and hand out the previous one. Every
@@ -241,16 +252,18 @@ class LLM:
                 failure = f"The step that ran this request failed: {describe(e)}."
                 logger.debug("step failed for requests %s", [r.request_id for r in batch.requests], exc_info=True)
         pending, self._pending = self._pending, launched
-        self._interrupt = None
+        interrupt = None
         if pending is not None:  # read the previous step while this one runs
-            self._read_back(pending)
+            interrupt = self._read_back(pending)
         elif batch is None and self.scheduler.has_unfinished:
             raise self.health.kill("the scheduler has unfinished requests but nothing it can run")
         if failure is not None:  # after the previous step's tokens, which these requests may have
             self._finish_all(batch.requests, failure)
-        return self._interrupt
+        return interrupt
 
-    def _read_back(self, pending) -> None:
+    def _read_back(self, pending) -> BaseException | None:
+        """Hand the tokens of a launched step to the output path (flexsgl/output.py) and finish the
+        requests it ends; returns an interrupt raised by a callback."""
         try:
             tokens = pending.tokens()
         except EngineDeadError as e:  # a tensor-parallel rank died while rank 0 waited
@@ -259,29 +272,13 @@ class LLM:
             self.health.check_device(e, self.device)
             self._finish_all(pending.batch.requests, f"Reading back the step that ran this request failed: "
                                                      f"{describe(e)}.")
-            return
-        self._done += self.scheduler.process(pending.batch, tokens, self._notify, pending.logprobs)
-
-    def _notify(self, req: Request) -> str | None:
-        """Detokenize req's new token (ending it at a stop string) and run its on_token callback;
-        returns why req must end with an error, if the callback raised. A request whose text cannot
-        be decoded runs on without text (and stop strings), and reports the error at its end."""
-        if req.detokenizer is not None:
-            try:
-                advance(req)
-            except Exception as e:
-                self._text_failed(req, e)
-        if req.on_token is None:
             return None
-        try:
-            req.on_token(req)
-        except Exception as e:
-            logger.debug("on_token callback of request %d raised", req.request_id, exc_info=True)
-            return f"The on_token callback raised {describe(e)}."
-        except BaseException as e:  # KeyboardInterrupt, SystemExit: raised once the step is complete
-            if self._interrupt is None:
-                self._interrupt = e
-        return None
+        events = self.scheduler.process(pending.batch, tokens, pending.logprobs)
+        endings, interrupt = self.outputs.process(events)
+        for req, reason, error in endings:
+            self.scheduler.finish(req, reason, error)
+            self._done.append(req)
+        return interrupt
 
     def _finish_all(self, reqs: list[Request], error: str) -> None:
         for r in reqs:
@@ -337,23 +334,6 @@ class LLM:
             req = self._live.pop(i, None)
             if req is not None and req in self._done:
                 self._done.remove(req)
-
-    def _text_failed(self, req: Request, e: Exception) -> None:
-        logger.debug("detokenizing request %d failed", req.request_id, exc_info=True)
-        req.detokenizer, req.text_error = None, f"Detokenizing the output failed: {describe(e)}."
-
-    def _output(self, req: Request) -> RequestOutput:
-        if req.detokenizer is not None:
-            try:
-                finish_text(req)  # what the detokenizer held back, for a request that ended otherwise
-            except Exception as e:
-                self._text_failed(req, e)
-        out = req.output()
-        if self.tokenizer is not None:
-            out.text = req.text
-        if req.text_error is not None:
-            out.text, out.finish_reason, out.error = None, FinishReason.ERROR.value, out.error or req.text_error
-        return out
 
     def decode_text(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,7 +1,8 @@
 """The errors flexsgl raises, by who has to act on them.
 
-- `InputError` and its kinds (`PromptError`, `SamplingParamsError`, `CheckpointError`) are
-  `ValueError`s: the caller's input is wrong, and the message says what and why in one sentence.
+- `InputError` and its kinds (`PromptError`, `SamplingParamsError`, `CheckpointError`,
+  `UnknownRequestError`) are `ValueError`s: the caller's input is wrong, and the message says what
+  and why in one sentence.
   The engine is untouched by them. (The CLI prints them as `error: ...` and exits 2.)
 - `EngineDeadError` is a `RuntimeError`: the engine can never run again, because the device failed
   (a CUDA error), a tensor-parallel rank died, or its state can no longer be trusted. Every later
@@ -29,6 +30,10 @@ class PromptError(InputError):
 
 class SamplingParamsError(InputError):
     """Sampling parameters of the wrong type or out of range."""
+
+
+class UnknownRequestError(InputError):
+    """A request id that names no request of this engine (`LLM.abort`)."""
 
 
 class CheckpointError(InputError):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from flexsgl.errors import CheckpointError
-from flexsgl.model.loader import ModelSource
-from flexsgl.sampling_params import SamplingParams
+from flexsgl.model.source import ModelSource
+from flexsgl.sampling.params import SamplingParams
 
 # generation_config.json key -> SamplingParams field; the keys vLLM takes as a model's defaults.
 KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",

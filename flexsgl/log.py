@@ -2,7 +2,8 @@
 
 The level comes from `--log-level` on the command line or the FLEXSGL_LOG_LEVEL environment
 variable (debug, info, warning, error; default info). Progress bars (loading, graph capture,
-long `generate` calls, benchmarks) show on stderr while the level is info or lower.
+long `generate` calls, benchmarks) show on stderr while the level is info or lower, and only
+where stderr is a terminal.
 """
 
 from __future__ import annotations
@@ -36,12 +37,21 @@ def _install() -> None:
         logger.warning(str(e))
 
 
+def on_terminal(stream) -> bool:
+    """Whether `stream` is a terminal (not a file or a pipe)."""
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
 def progress(iterable=None, disable: bool = False, **kw):
-    """A tqdm bar on stderr, shown while the log level is info or lower (and `disable` is False)."""
+    """A tqdm bar on stderr, shown while stderr is a terminal and the log level is info or lower
+    (and `disable` is False): a log written to a file or a pipe gets no bars."""
     from tqdm import tqdm
 
-    return tqdm(iterable, file=sys.stderr, leave=False, disable=disable or not logger.isEnabledFor(logging.INFO),
-                **kw)
+    shown = not disable and on_terminal(sys.stderr) and logger.isEnabledFor(logging.INFO)
+    return tqdm(iterable, file=sys.stderr, leave=False, disable=not shown, **kw)
 
 
 _install()

@@ -1,4 +1,5 @@
-"""Prompts and sampling parameters to Requests, and whether a Request can ever run here.
+"""Prompts and sampling parameters to Requests: the checks of what a caller passes (one sentence
+and a ValueError on bad input), and whether a Request can ever run here.
 
 The LLM makes its requests through a RequestFactory; so does the server's HTTP process, which
 holds a copy of the engine's (it pickles without its id counter) and checks input there, so that
@@ -8,13 +9,77 @@ bad input is answered at once while the engine process runs steps.
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 
 from flexsgl.cache.pool import KVPool
-from flexsgl.errors import PromptError, SamplingParamsError
-from flexsgl.request import Request, check_prompt
-from flexsgl.sampling_params import SamplingParams
+from flexsgl.errors import InputError, PromptError, SamplingParamsError, short_repr
+from flexsgl.request import Request
+from flexsgl.sampling.params import SamplingParams, token_id
 from flexsgl.tokenizer import encode_prompt
+
+
+def prompt_list(prompts) -> list:
+    """generate()'s `prompts` as a list of prompts: one string, one list of token ids, or a list of those."""
+    if prompts is None:
+        raise PromptError("No prompts given.")
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Iterable):
+        raise PromptError(f"prompts must be a string, a list of token ids, or a list of those, "
+                          f"got {type(prompts).__name__}.")
+    prompts = list(prompts)
+    if not prompts:
+        raise PromptError("No prompts given.")
+    first = prompts[0]
+    one_prompt = token_id(first) is not None or isinstance(first, numbers.Number) or getattr(first, "ndim", None) == 0
+    return [prompts] if one_prompt else prompts
+
+
+def sampling_list(sampling, n: int) -> list:
+    """generate()'s `sampling` as one SamplingParams per prompt: None (the defaults), one for all, or a list."""
+    if sampling is None or isinstance(sampling, SamplingParams):
+        return [SamplingParams() if sampling is None else sampling] * n
+    if isinstance(sampling, (str, bytes, Mapping)) or not isinstance(sampling, Sequence):
+        raise SamplingParamsError(f"sampling must be a SamplingParams or a list of them, one per prompt, "
+                                  f"got {type(sampling).__name__}.")
+    if len(sampling) != n:
+        raise SamplingParamsError(f"Got {len(sampling)} SamplingParams for {n} prompts.")
+    return list(sampling)
+
+
+def check_callback(on_token) -> None:
+    if on_token is not None and not callable(on_token):
+        raise InputError(f"on_token must be a function of the request, or None, got {type(on_token).__name__}.")
+
+
+def check_prompt(prompt, index: int) -> str | list[int]:
+    """One prompt as text or a list of token ids, checked for type; raises PromptError saying why not."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise PromptError(f"Prompt {index} is empty.")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PromptError(f"Prompt {index} is not valid Unicode text: it holds a lone surrogate at character "
+                              f"{e.start} (on a command line: bytes that are not UTF-8).") from None
+        return prompt
+    if isinstance(prompt, (bytes, bytearray)):
+        raise PromptError(f"Prompt {index} is bytes; pass text (a str) or a list of token ids.")
+    if not isinstance(prompt, Iterable) or isinstance(prompt, Mapping):
+        raise PromptError(f"Prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}.")
+    try:
+        items = list(prompt)
+    except TypeError:  # iterable by type but not by value, e.g. a 0-d tensor
+        raise PromptError(f"Prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}.") from None
+    ids = [token_id(t) for t in items]
+    if None in ids:
+        pos = ids.index(None)
+        raise PromptError(f"Prompt {index} has {short_repr(items[pos])} at position {pos}, where a token "
+                          "id (an integer) belongs.")
+    if not ids:
+        raise PromptError(f"Prompt {index} is empty.")
+    return ids
 
 
 class RequestFactory:

@@ -26,13 +26,13 @@ from flexsgl.compile import compile_steps
 from flexsgl.step.graphs import GraphManager
 from flexsgl.log import logger, progress
 from flexsgl.request import TokenLogprobs
-from flexsgl.sampling import sample, token_logprobs
+from flexsgl.sampling.sampler import sample, token_logprobs
 from flexsgl.scheduler import ScheduledBatch
 from flexsgl.step.inputs import StepInputs, upload
 from flexsgl.step.plan import StepPlan, padding_plan, plan_step
 from flexsgl.step_shape import StepShape
 from flexsgl.step.token_buffer import TokenBuffer
-from flexsgl.token_counts import TokenCounts
+from flexsgl.sampling.token_counts import TokenCounts
 
 
 @dataclass

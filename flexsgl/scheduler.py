@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from flexsgl.cache.pool import KVPool, PageAllocator
 from flexsgl.cache.radix import RadixCache
-from flexsgl.request import FinishReason, Request, State
+from flexsgl.request import FinishReason, Request, State, TokenEvent
 from flexsgl.request_factory import refusal
 
 
@@ -203,29 +203,25 @@ class Scheduler:
 
     # ---- results and endings
 
-    def process(self, batch: ScheduledBatch, tokens: list[int], notify=None, logprobs=None) -> list[Request]:
-        """Hand a step's sampled tokens (and log-probabilities, if asked for) to their requests;
-        returns the requests that finished. notify(request), called after each token, returns None,
-        or why the request must end with an error (a callback that raised)."""
-        done = []
+    def process(self, batch: ScheduledBatch, tokens: list[int], logprobs=None) -> list[TokenEvent]:
+        """Record a step's sampled tokens in their requests (`output_ids`), and put a leader's prompt
+        pages in the prefix cache once its first token is back; returns a TokenEvent per token, in
+        batch order, with its log-probabilities if asked for. Whether a request ends is the output
+        path's to decide (flexsgl/output.py); the engine then finishes it here. A request that has
+        finished gets no event: its token was computed one step ahead."""
+        events = []
         sampled = (r for r, s in zip(batch.requests, batch.samples) if s)
         for i, (r, tok) in enumerate(zip(sampled, tokens)):
             if r.finished:
-                continue  # it finished in an earlier step; this token was computed one step ahead
-            r.append(tok, None if logprobs is None else logprobs[i])
+                continue
+            r.output_ids.append(tok)
             if r.shares_prompt:
                 self._share_prompt(r)
             if len(r.output_ids) == 1:
                 self.counters["prompt_tokens"] += r.prompt_len
                 self.counters["prefix_hit_tokens"] += r.cached_tokens
-            failure = notify(r) if notify is not None else None
-            if failure is not None:
-                self.finish(r, FinishReason.ERROR, failure)
-                done.append(r)
-            elif r.finish_reason is not None:
-                self.finish(r, r.finish_reason)
-                done.append(r)
-        return done
+            events.append(TokenEvent(r, tok, None if logprobs is None else logprobs[i]))
+        return events
 
     def _share_prompt(self, r: Request) -> None:
         """Put a leader's computed prompt pages in the prefix cache (its first token is back, so they

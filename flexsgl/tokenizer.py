@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flexsgl.errors import CheckpointError, PromptError, describe
-from flexsgl.model.loader import ModelSource
+from flexsgl.model.source import ModelSource
 
 
 class ByteTokenizer:

@@ -33,3 +33,21 @@ def triton_interpreter():
         pytest.skip("runs on machines without a GPU; here the GPU variant runs the kernel compiled")
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install -e '.[dev]' brings it)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test reports the seeds it drew: every integer local named `seed` or `..._seed` in the
+    frames of its traceback (the test, its fixtures' and helpers' frames), so that any failure can be
+    replayed, not only those whose assertion message names the seed."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or call.excinfo is None:
+        return
+    seeds = {}
+    for entry in call.excinfo.traceback:
+        for name, value in entry.frame.f_locals.items():
+            if (name == "seed" or name.endswith("_seed")) and isinstance(value, int) and not isinstance(value, bool):
+                seeds.setdefault(f"{entry.name}: {name}={value}", None)
+    if seeds:
+        report.sections.append(("seeds drawn", "\n".join(seeds)))

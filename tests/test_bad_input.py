@@ -8,7 +8,7 @@ import pytest
 from transformers import Qwen3Config
 
 from flexsgl import LLM, SamplingParams
-from flexsgl.errors import InputError, PromptError, SamplingParamsError
+from flexsgl.errors import InputError, PromptError, SamplingParamsError, UnknownRequestError
 
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0)
 
@@ -136,6 +136,24 @@ def test_bad_call_is_refused_and_the_engine_still_works(llm, reference, args, er
     prompt, tokens = reference
     assert llm.generate([prompt], GREEDY)[0].token_ids == tokens, f"prompt={prompt}"
     assert not llm.has_unfinished
+
+
+@pytest.mark.parametrize("bad", ["no-such-id", None, 1.0, True, -1, "next"],
+                         ids=["str", "none", "float", "bool", "negative", "not-handed-out"])
+def test_abort_of_an_unknown_id_is_refused_and_of_a_finished_one_does_nothing(llm, reference, bad):
+    prompt, tokens = reference
+    running = llm.add_request(prompt, GREEDY)
+    bad = running + 1 if bad == "next" else bad
+    with pytest.raises(UnknownRequestError) as e:
+        llm.abort(bad)
+    assert isinstance(e.value, ValueError) and "abort" in one_sentence(e)
+    outs = {}
+    while llm.has_unfinished:
+        outs.update((o.request_id, o) for o in llm.step())
+    assert list(outs) == [running], f"prompt={prompt}"
+    assert outs[running].token_ids == tokens and outs[running].finish_reason == "length", f"prompt={prompt}"
+    llm.abort(running)  # finished and returned: nothing happens
+    assert not llm.has_unfinished and llm.step() == []
 
 
 def test_token_ids_of_any_integer_type_are_accepted(llm, reference):

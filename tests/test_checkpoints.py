@@ -176,3 +176,50 @@ def test_cli_refuses_a_corrupt_model_directory_with_one_line(source, tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "hidden_size" in errors[0] and "config.json" in errors[0], r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def fuse_qkv(tensors, layer: int) -> dict:
+    """`tensors` with layer `layer`'s q, k and v projections given as one fused qkv_proj tensor."""
+    prefix = f"model.layers.{layer}.self_attn."
+    parts = [tensors.pop(f"{prefix}{p}_proj.weight") for p in "qkv"]
+    return {**tensors, f"{prefix}qkv_proj.weight": torch.cat(parts)}
+
+
+@pytest.mark.parametrize("rank, size", [(0, 1), (0, 2), (1, 2)])
+def test_a_fused_tensor_loads_as_its_parts_do(source, tmp_path, rank, size):
+    """A checkpoint may give a fused parameter whole (qkv_proj) rather than in parts (q, k, v
+    proj): each rank gets the same weights from either."""
+    from flexsgl.model.loader import build_model
+    from flexsgl.model.source import resolve
+
+    _, config, tensors, seed = source
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "fused").mkdir()
+    layer = random.Random(seed).randrange(3)
+    parts = build_model(resolve(write(tmp_path / "parts", config, tensors)), torch.device("cpu"), torch.float32,
+                        rank=rank, size=size)
+    fused = build_model(resolve(write(tmp_path / "fused", config, fuse_qkv(dict(tensors), layer))),
+                        torch.device("cpu"), torch.float32, rank=rank, size=size)
+    a, b = parts.state_dict(), fused.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), (name, f"seed={seed}")
+
+
+def test_a_weight_given_whole_and_in_parts_is_refused(source, tmp_path):
+    _, config, tensors, seed = source
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    msg = refused(write(tmp_path, config, {**tensors, name: fuse_qkv(dict(tensors), 1)[name]}))
+    assert name in msg and "same part" in msg and "model.layers.1.self_attn." in msg, (msg, f"seed={seed}")
+
+
+def test_an_expert_beyond_the_models_is_refused(tmp_path):
+    from tests.hf_models import make_deepseek_checkpoint
+
+    seed = random.randrange(1 << 30)
+    make_deepseek_checkpoint(tmp_path, seed)  # 8 routed experts
+    tensors = load_file(tmp_path / WEIGHTS)
+    extra = "model.layers.1.mlp.experts.8.gate_proj.weight"
+    tensors[extra] = tensors["model.layers.1.mlp.experts.7.gate_proj.weight"].clone()
+    msg = refused(write(tmp_path, json.loads((tmp_path / "config.json").read_text()), tensors))
+    assert extra in msg and "no place" in msg, (msg, f"seed={seed}")

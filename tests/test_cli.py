@@ -29,6 +29,7 @@ BAD = {
     "no-prompt": [],
     "unknown-device": ["Hello", "--device", "tpu"],
     "kv-cache-beyond-memory": ["Hello", "--max-total-tokens", "99999999999"],
+    "kv-cache-below-a-page": ["Hello", "--max-total-tokens", "10"],
     "unknown-log-level": ["Hello", "--log-level", "loud"],
     "bad-graph-sizes": ["Hello", "--cuda-graph-bs", "1,x"],
     "old-and-new-flag": ["Hello", "--kv-cache-tokens", "4096", "--max-total-tokens", "8192"],
@@ -37,9 +38,13 @@ BAD = {
     "tp-heads-do-not-split": ["Hello", "--tp", "3"],
     "tp-size-0": ["Hello", "--tp-size", "0"],
 }
+# Refused once the model has loaded: what needs its tokenizer, or the memory left after its weights.
+# Every other refusal comes before the model loads.
+AFTER_LOADING = ("prompt-too-long", "prompt-plus-output-too-long", "kv-cache-beyond-memory")
 GOOD = {
     "json": ["Hello", "--max-new-tokens", "4", "--json"],
     "stream": ["Hello", "--max-new-tokens", "4"],
+    "two-prompts": ["Hello", "Hi", "--max-new-tokens", "3"],
     "deprecated-flag": ["Hello", "--max-new-tokens", "4", "--json", "--kv-cache-tokens", "4096"],
     "tp-2": ["Hello", "--max-new-tokens", "4", "--json", "--tp", "2"],
 }
@@ -70,11 +75,23 @@ def test_json_output(runs):
     assert api.text == out["text"]
 
 
-def test_stream_prints_prompt_then_text(runs):
-    r, text = runs["stream"], json.loads(runs["json"].stdout)[0]["text"]
+def test_stream_prints_prompt_then_the_token_ids_of_dummy_weights(runs):
+    """tiny has dummy weights and a byte tokenizer (ids of 256 and up are no byte): the stream shows
+    its token ids after the prompt, and the log says why."""
+    r, ids = runs["stream"], json.loads(runs["json"].stdout)[0]["token_ids"]
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("Hello"), r.stdout
-    assert r.stdout == "Hello" + text + "\n", r.stdout
+    assert r.stdout == "Hello" + "".join(f" {t}" for t in ids) + "\n", r.stdout
+    note = "[flexsgl] tiny has dummy (random) weights and a byte tokenizer, which give no readable text: its token " \
+           "ids are shown instead"
+    assert note in r.stderr.splitlines(), r.stderr
+
+
+def test_several_prompts_print_each_with_its_token_ids(runs):
+    r = runs["two-prompts"]
+    assert r.returncode == 0, r.stderr
+    api = LLM("tiny", device="cpu").generate(["Hello", "Hi"], SamplingParams(max_new_tokens=3, temperature=0))
+    want = "".join(f"{p} {' '.join(map(str, o.token_ids))}\n---\n" for p, o in zip(["Hello", "Hi"], api))
+    assert r.stdout == want, r.stdout
 
 
 def test_deprecated_flag_warns_and_still_works(runs):
@@ -98,6 +115,16 @@ def test_bad_input_exits_2_with_one_error_line(runs, name):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and len(errors[0]) > len("error: "), r.stderr
     assert "Traceback" not in r.stdout + r.stderr, r.stderr
+    loaded = any(line.startswith("[flexsgl] loading ") for line in r.stderr.splitlines())
+    assert loaded == (name in AFTER_LOADING), r.stderr
+
+
+@pytest.mark.parametrize("name, error", [
+    ("empty-prompt", "error: Prompt 0 is empty."),
+    ("kv-cache-below-a-page", "error: The KV cache must hold at least one page (64 tokens); it would hold 10."),
+])
+def test_refused_before_loading_with_the_reason(runs, name, error):
+    assert error in runs[name].stderr.splitlines(), runs[name].stderr
 
 
 def test_stream_reports_startup_and_first_token(runs):
@@ -162,7 +189,7 @@ def test_compile_cache_keys_carry_the_source_hash_unless_set(tmp_path, monkeypat
     assert compile_cache.source_hash() == before
     edited = tmp_path / "flexsgl"
     shutil.copytree(Path(compile_cache.__file__).parent, edited, ignore=shutil.ignore_patterns("__pycache__"))
-    (edited / "sampling.py").write_text((edited / "sampling.py").read_text() + "\n# edited\n")
+    (edited / "sampling" / "sampler.py").write_text((edited / "sampling" / "sampler.py").read_text() + "\n# edited\n")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(compile_cache.importlib.util, "find_spec", lambda name: types.SimpleNamespace(
         submodule_search_locations=[str(edited)]) if name == "flexsgl" else real_find_spec(name))

@@ -1,15 +1,21 @@
 """EngineConfig: every option once, checked with one sentence, old names still taken with a warning,
-and a command-line flag for every field."""
+a command-line flag for every field, and its resolution for a model and a device (defaults made
+concrete, rules between options refused before anything loads)."""
 
 import dataclasses
 import warnings
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
+import flexsgl.attention.registry as registry
 from flexsgl import LLM
+from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.registry import BackendSpec
 from flexsgl.cli import app
 from flexsgl.config import DEPRECATED, EngineConfig
+from flexsgl.model.source import resolve as resolve_source
 
 
 def one_sentence(e: pytest.ExceptionInfo) -> str:
@@ -76,3 +82,87 @@ def test_every_option_has_a_flag_and_old_flags_stay_hidden():
         if old != "seed":  # generate's own --seed is the sampling seed
             assert f"--{old.replace('_', '-')} " not in r.output, old
     assert "--log-level" in r.output
+
+
+# ---- EngineConfig.resolve: every default made concrete, every rule between options checked
+
+
+TINY = resolve_source("tiny", "dummy").config
+CPU, GPU = torch.device("cpu"), torch.device("cuda")  # resolve only reads the GPU's kind: no GPU is needed
+
+
+class FineBucketFlex(FlexAttentionBackend):
+    """Flex under another name, as a backend that compiles once for every batch size (a kernel override)."""
+
+    name = "flex-fine"
+    compiles_per_shape = False
+
+
+@pytest.fixture
+def fine_decode(monkeypatch):
+    spec = BackendSpec("flex-fine", f"{__name__}:FineBucketFlex", ("decode",), None, None)
+    monkeypatch.setitem(registry.SPECS, "flex-fine", spec)
+
+
+def test_cpu_defaults_resolve_to_float32_eager_no_graphs_and_16k_tokens():
+    rc = EngineConfig(model="tiny").resolve(TINY, CPU)
+    assert (rc.device, rc.dtype, rc.compile, rc.cuda_graph_bs, rc.max_total_tokens) == \
+        (CPU, torch.float32, False, (), 16384)
+    assert rc.attention.label == "flex"
+    rc = EngineConfig(dtype="bf16", compile=True, max_total_tokens=640).resolve(TINY, CPU)
+    assert (rc.dtype, rc.compile, rc.max_total_tokens) == (torch.bfloat16, True, 640)
+
+
+@pytest.mark.parametrize("checkpoint_dtype, dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16),
+                                                      ("float32", torch.bfloat16), (None, torch.bfloat16)])
+def test_gpu_dtype_auto_is_the_checkpoints_half_type(checkpoint_dtype, dtype):
+    model = dataclasses.replace(TINY, torch_dtype=checkpoint_dtype)
+    rc = EngineConfig(override="flex").resolve(model, GPU)
+    assert rc.dtype == dtype and rc.compile and rc.max_total_tokens is None  # None: sized after the weights load
+
+
+@pytest.mark.parametrize("decode, sizes", [
+    ("flex", (1, 2, 4, 8, 16, 32, 40)),  # flex compiles per batch size: few buckets
+    ("flex-fine", (1, 2, 4, 8, 16, 24, 32, 40)),  # one compile for all sizes: SGLang's spacing, 8 apart
+])
+def test_gpu_graph_sizes_default_to_the_decode_buckets(fine_decode, decode, sizes):
+    rc = EngineConfig(override=f"flex,{decode}", max_running_requests=40).resolve(TINY, GPU)
+    assert rc.cuda_graph_bs == sizes
+
+
+def test_given_graph_sizes_are_sorted_once_each_and_off_without_graphs():
+    assert EngineConfig(override="flex", cuda_graph_bs=[8, 2, 2, 1]).resolve(TINY, GPU).cuda_graph_bs == (1, 2, 8)
+    assert EngineConfig(override="flex", disable_cuda_graph=True).resolve(TINY, GPU).cuda_graph_bs == ()
+
+
+@pytest.mark.parametrize("options, device, sentence", [
+    ({"cuda_graph_bs": (1, 2, 8), "max_running_requests": 4}, GPU,
+     "CUDA graph batch sizes go up to max_running_requests (4), got 8."),
+    ({"cuda_graph_bs": (1, 2)}, CPU, "cuda_graph_bs was given, but CUDA graphs are off: they need a CUDA device "
+                                     "(this engine runs on cpu) and disable_cuda_graph unset."),
+    ({"cuda_graph_bs": (1, 2), "disable_cuda_graph": True}, GPU, "cuda_graph_bs was given, but CUDA graphs are "
+     "off: they need a CUDA device (this engine runs on cuda) and disable_cuda_graph unset."),
+    ({"max_total_tokens": 10}, CPU, "The KV cache must hold at least one page (64 tokens); it would hold 10."),
+    ({"max_total_tokens": 31, "page_size": 32}, GPU,
+     "The KV cache must hold at least one page (32 tokens); it would hold 31."),
+], ids=["graphs-beyond-max-running", "graphs-on-cpu", "graphs-disabled", "kv-below-a-page", "kv-below-a-page-gpu"])
+def test_rules_between_options_are_refused_in_one_sentence(options, device, sentence):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(override="flex", **options).resolve(TINY, device)
+    assert one_sentence(e) == sentence
+
+
+@pytest.mark.parametrize("options", [{"max_total_tokens": 10}, {"max_total_tokens": 63, "page_size": 64}])
+def test_llm_refuses_a_kv_cache_below_a_page_before_loading(monkeypatch, options):
+    import flexsgl.engine_core
+
+    monkeypatch.setattr(flexsgl.engine_core, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match=r"^The KV cache must hold at least one page \(64 tokens\)"):
+        LLM("tiny", device="cpu", **options)
+
+
+def test_the_engine_builds_what_the_config_resolves_to():
+    llm = LLM("tiny", device="cpu", max_total_tokens=640, page_size=32, dtype="bfloat16")
+    assert llm.resolved == llm.engine_config.resolve(llm.config, CPU)
+    assert llm.dtype == llm.model.lm_head.weight.dtype == torch.bfloat16 and llm.compile is False
+    assert (llm.pool.num_pages - 1) * llm.pool.page_size == 640 and llm.runner.graphs is None

@@ -85,7 +85,7 @@ def check_kernel(device, n, k, prologue, extras, dtype, use_pdl):
 def test_fused_projections_at_batch_1_and_beyond():
     """norm_linear, linear and silu_linear through the kernel (batch 1) and through PyTorch
     (batch 3), eager and compiled with fullgraph, against the same expressions in float64."""
-    torch.manual_seed(random.randrange(1 << 30))
+    torch.manual_seed(seed := random.randrange(1 << 30))
     norm = RMSNorm(512, 1e-6).cuda()
     norm.weight.data.uniform_(0.5, 1.5)
     proj, down = nn.Linear(512, 256, bias=True).cuda(), nn.Linear(256, 512, bias=False).cuda()

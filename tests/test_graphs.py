@@ -52,10 +52,10 @@ def test_decode_through_graph_buffers_matches_hf(checkpoint, monkeypatch, compil
 
     llm.runner.graphs.replay = counting_replay
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=s, temperature=0.0) for s in steps])
-    assert replays >= max(steps) - 1  # every decode step went through the static buffers
+    assert replays >= max(steps) - 1, f"seed={seed}"  # every decode step went through the static buffers
     for p, s, o in zip(prompts, steps, outs):
         want, _ = hf_reference(hf, p, s)
-        assert o.token_ids == want
+        assert o.token_ids == want, f"seed={seed}"
 
 
 def test_sampled_rows_through_graph_buffers_match_the_direct_path(checkpoint):
@@ -76,9 +76,9 @@ def test_sampled_rows_through_graph_buffers_match_the_direct_path(checkpoint):
         if graphed:
             llm.runner.capture_graphs([1, 2, 4, 8], emulate=True)
         outs[graphed] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert outs[True] == outs[False]
+    assert outs[True] == outs[False], f"seed={seed}"
     for p, sp, o in zip(prompts[:3], params[:3], outs[True][:3]):
-        assert o == hf_reference(hf, p, sp.max_new_tokens)[0]
+        assert o == hf_reference(hf, p, sp.max_new_tokens)[0], f"seed={seed}"
 
 
 def test_graph_sizes_beyond_max_running_are_refused(checkpoint):
@@ -137,7 +137,7 @@ def test_small_batch_decode_backend_serves_its_sizes(checkpoint, monkeypatch):
     llm.runner.capture_graphs([1, 2, 4, 8], emulate=True)
     assert sorted(SmallBatchFlex.bound) == [1, 2]
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=s, temperature=0.0) for s in steps])
-    assert SmallBatchFlex.served and max(SmallBatchFlex.served) <= 2
+    assert SmallBatchFlex.served and max(SmallBatchFlex.served) <= 2, f"seed={seed}"
     for p, s, o in zip(prompts, steps, outs):
         want, _ = hf_reference(hf, p, s)
-        assert o.token_ids == want
+        assert o.token_ids == want, f"seed={seed}"

@@ -145,7 +145,6 @@ def test_engine_refuses_a_gqa_kernel_for_an_mla_model_before_loading(monkeypatch
 
     fake_gpu(90)
     monkeypatch.setattr(flexsgl.engine_core, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
-    monkeypatch.setattr(flexsgl.engine_core, "pick_dtype", lambda dtype, device, mcfg: torch.bfloat16)
     monkeypatch.setattr(flexsgl.engine.EngineConfig, "torch_device", property(lambda self: GPU))
     with pytest.raises(ValueError, match="^Override 'fi-decode' cannot run here: it serves GQA models, and this "
                                          "model is MLA.$"):

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from flexsgl import LLM, SamplingParams
-from flexsgl.detokenizer import IncrementalDetokenizer, advance, finish_text
 from flexsgl.errors import CheckpointError, SamplingParamsError
 from flexsgl.model.presets import EMBEDDED
-from flexsgl.request import Request
-from flexsgl.sampling import MinTokens, Penalties, apply_penalties, block_stop_tokens, token_logprobs
+from flexsgl.output import OutputProcessor
+from flexsgl.request import Request, TokenEvent
+from flexsgl.sampling.sampler import MinTokens, Penalties, apply_penalties, block_stop_tokens, token_logprobs
 from flexsgl.tokenizer import ByteTokenizer
 from tests.hf_models import make_checkpoint
 
@@ -105,8 +105,8 @@ def hf_greedy(hf, prompt, steps, penalties=(0.0, 0.0, 1.0), min_tokens=0, eos=0)
 
 
 def test_engine_penalties_follow_a_float64_greedy_reference(tiny_docs, hf):
-    rng = random.Random()
-    seed = rng.randrange(2**31)
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
     prompt = [rng.randrange(1, 4096) for _ in range(rng.randrange(5, 40))]
     pen = (rng.uniform(0.5, 2.0), rng.uniform(0.2, 1.0), rng.uniform(1.1, 1.6))
     out = tiny_docs.generate([prompt], SamplingParams(max_tokens=16, temperature=0, presence_penalty=pen[0],
@@ -124,17 +124,19 @@ def test_min_tokens_keeps_eos_out_until_then(tiny_docs, hf):
 
 
 def stream_text(tokenizer, prompt_ids, tokens, **sampling):
-    """Feed `tokens` one at a time as the engine does; the released deltas, the request."""
+    """Feed `tokens` one at a time as the engine does (the scheduler records each in the request,
+    the output path takes its event); the released deltas, the request."""
     req = Request(0, prompt_ids, SamplingParams(max_tokens=len(tokens) + 1, **sampling), (), 10_000)
-    req.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    outputs = OutputProcessor(tokenizer)
+    outputs.start(req, None)
     deltas = []
     for t in tokens:
-        req.append(t)
-        advance(req)
+        req.output_ids.append(t)
+        outputs.process([TokenEvent(req, t)])
         deltas.append(req.new_text)
         if req.finish_reason is not None:
             break
-    finish_text(req)
+    req.text_state.finish()
     deltas.append(req.new_text if req.finish_reason is None else "")
     return deltas, req
 
@@ -143,15 +145,16 @@ def test_incremental_text_never_breaks_a_character_and_matches_a_whole_decode():
     text = "naïve café → 日本語 😀 done"
     tok = ByteTokenizer()
     deltas, req = stream_text(tok, [65], list(text.encode("utf-8")))
-    assert "".join(deltas) == req.text == text
+    assert "".join(deltas) == req.text_state.text == text
     assert all("\ufffd" not in d for d in deltas), deltas
 
 
 def test_incremental_text_of_the_embedded_tokenizer_matches_a_whole_decode(tiny_docs):
-    rng = random.Random()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     ids = [rng.randrange(1, 4096) for _ in range(200)]
     deltas, req = stream_text(tiny_docs.tokenizer, [5, 6], ids)
-    assert "".join(deltas) == req.text == tiny_docs.tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(deltas) == req.text_state.text == tiny_docs.tokenizer.decode(ids, skip_special_tokens=True), f"seed={seed}"
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -161,7 +164,7 @@ def test_a_stop_string_across_tokens_ends_the_text_and_is_never_streamed(include
     deltas, req = stream_text(ByteTokenizer(), [65], list(text.encode()), stop=["zzz", stop],
                               include_stop_str_in_output=include)
     want = "alpha bet" + (stop if include else "")
-    assert req.text == want and req.finish_reason.value == "stop" and req.stop_reason == stop
+    assert req.text_state.text == want and req.finish_reason.value == "stop" and req.stop_reason == stop
     assert "".join(deltas) == want
     assert not include or all("S" not in d for d in deltas[:-2]), "held back until the stop string was settled"
     assert len(req.output_ids) == len("alpha beta STO"), "the token that completed it is the last"
@@ -169,7 +172,75 @@ def test_a_stop_string_across_tokens_ends_the_text_and_is_never_streamed(include
 
 def test_min_tokens_defers_stop_strings():
     deltas, req = stream_text(ByteTokenizer(), [65], list(b"ab ab ab"), stop=["ab"], min_tokens=4)
-    assert req.text == "ab " and "".join(deltas) == "ab "  # the first "ab" came before token 4
+    assert req.text_state.text == "ab " and "".join(deltas) == "ab "  # the first "ab" came before token 4
+
+
+def run_output_path(tokens: bytes, eos=(), on_token=None, **sampling):
+    """Byte tokens (id = byte) through the output path until it ends the request: (its output, the
+    Ending, a callback's interrupt)."""
+    req = Request(0, [65], SamplingParams(**sampling), eos, 10_000)
+    outputs = OutputProcessor(ByteTokenizer())
+    outputs.start(req, on_token)
+    ending = interrupt = None
+    for t in tokens:
+        req.output_ids.append(t)
+        endings, interrupt = outputs.process([TokenEvent(req, t)])
+        if endings or interrupt:
+            ending = endings[0] if endings else None
+            break
+    return outputs.request_output(req), ending, interrupt
+
+
+@pytest.mark.parametrize("tokens, eos, sampling, want", [
+    (b"abXcd", (), dict(stop_token_ids=[ord("X")]), (b"abX", "abX", "stop", ord("X"))),
+    (b"ab!cd", (ord("!"),), {}, (b"ab!", "ab!", "stop", None)),
+    (b"ab!cd", (ord("!"),), dict(ignore_eos=True, max_tokens=4), (b"ab!c", "ab!c", "length", None)),
+    (b"abcd", (), dict(max_tokens=3, stop="bc"), (b"abc", "a", "stop", "bc")),
+    (b"abcd", (), dict(max_tokens=3, stop="bc", include_stop_str_in_output=True), (b"abc", "abc", "stop", "bc")),
+    (b"aabab", (), dict(min_tokens=3, stop="a"), (b"aaba", "aab", "stop", "a")),
+    (b"abcd", (), dict(stop_token_ids=[ord("c")], stop="bc"), (b"abc", "abc", "stop", ord("c"))),
+], ids=["stop-token-id", "eos", "ignore-eos", "stop-string-on-the-last-token", "include-stop-string",
+        "min-tokens-then-stop-string", "stop-token-before-stop-string"])
+def test_output_path_stop_decisions(tokens, eos, sampling, want):
+    """Each stop rule of flexsgl/output.py on a hand-worked byte sequence."""
+    out, ending, _ = run_output_path(tokens, eos, **{"max_tokens": 10, **sampling})
+    assert (bytes(out.token_ids), out.text, out.finish_reason, out.stop_reason) == want
+    assert ending.reason.value == out.finish_reason and ending.error is None
+
+
+def test_output_path_callback_faults():
+    def fails_at_2(req):
+        if len(req.output_ids) == 2:
+            raise ValueError("no")
+    out, ending, interrupt = run_output_path(b"abcd", on_token=fails_at_2)
+    assert ending.reason.value == "error" and ending.error == "The on_token callback raised ValueError: no."
+    assert bytes(out.token_ids) == b"ab" and interrupt is None
+
+    def interrupts_at_3(req):
+        if len(req.output_ids) == 3:
+            raise KeyboardInterrupt
+    out, ending, interrupt = run_output_path(b"abcd", on_token=interrupts_at_3)
+    assert isinstance(interrupt, KeyboardInterrupt) and ending is None and out.finish_reason is None
+
+
+def test_text_that_cannot_be_decoded_stops_the_text_not_the_request(monkeypatch):
+    """After a failed decode the request runs on, streams no more text, and reports the error."""
+    deltas = []
+    tok = ByteTokenizer()
+    req = Request(0, [65], SamplingParams(max_tokens=5), (), 10_000)
+    outputs = OutputProcessor(tok)
+    outputs.start(req, lambda r: deltas.append(r.new_text))
+    real = tok.decode
+    for t in b"abcde":
+        if t == ord("c"):
+            monkeypatch.setattr(tok, "decode", lambda ids, skip_special_tokens=True: 1 / 0)
+        req.output_ids.append(t)
+        endings, _ = outputs.process([TokenEvent(req, t)])
+    monkeypatch.setattr(tok, "decode", real)
+    out = outputs.request_output(req)
+    assert [e.reason.value for e in endings] == ["length"] and out.token_ids == list(b"abcde")
+    assert deltas == ["a", "b", "", "", ""]
+    assert out.text is None and out.finish_reason == "error" and "ZeroDivisionError" in out.error
 
 
 def test_max_tokens_is_max_new_tokens():

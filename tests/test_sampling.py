@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexsgl.sampling import SamplingTensors, exponential_noise, row_argmax, sample
+from flexsgl.sampling.sampler import SamplingTensors, exponential_noise, row_argmax, sample
 
 N = 20_000  # draws per distribution check
 V = 8  # small vocab for distribution checks
@@ -203,7 +203,7 @@ def test_exponential_noise_is_exp1_and_keyed():
 def test_uniform_noise_stays_inside_the_open_interval():
     """Regression: the largest hash value once mapped to u = 1.0, Exp noise 0, and a token that
     min-p had filtered out (p = 0) was drawn as 0/0 = NaN."""
-    from flexsgl.sampling import UNIFORM_BITS, uniform_from_bits
+    from flexsgl.sampling.sampler import UNIFORM_BITS, uniform_from_bits
 
     extremes = torch.tensor([0, 1, (1 << UNIFORM_BITS) - 2, (1 << UNIFORM_BITS) - 1])
     u = uniform_from_bits(extremes)

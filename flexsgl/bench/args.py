@@ -107,7 +107,7 @@ def parse_lengths(text: str, what: str) -> list[int]:
 def plan(args: BenchArgs) -> Plan:
     """Check every argument and every override before anything loads; ValueError says what is wrong."""
     from flexsgl.attention.registry import resolve_override
-    from flexsgl.model.loader import resolve
+    from flexsgl.model.source import resolve
     from flexsgl.model.presets import DEFAULT_MODEL, PRESETS
 
     w = args.workload

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import random
-import sys
 import time
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from flexsgl.bench.roofline import sync
 from flexsgl.log import progress as log_progress
 
-BAR_INTERVAL = 0.1 if sys.stderr.isatty() else 10.0  # seconds between progress updates; fewer in a log
+BAR_INTERVAL = 0.1  # seconds between progress updates (bars show on a terminal only: flexsgl/log.py)
 
 
 def freeze_heap() -> None:

@@ -173,6 +173,6 @@ def _free_port() -> int:
 
 
 def _vocab(p: Plan) -> int:
-    from flexsgl.model.loader import resolve
+    from flexsgl.model.source import resolve
 
     return resolve(p.engine.model, p.engine.load_format).config.vocab_size

@@ -13,7 +13,8 @@
 KV heads are split like q heads when there are at least as many as ranks; with fewer, each is
 replicated: rank r uses KV head r * num_kv_heads // tp (its q heads are the ones that read it).
 `split_of` gives, for each parameter, which slice of the full (TP=1) tensor a rank holds; the
-loader reads only that slice from safetensors, and dummy weights take it from the full tensor.
+parameter's weight loader (flexsgl/model/weight_loaders.py Parts) reads only that slice from
+safetensors, and takes it from the full tensor for dummy weights.
 """
 
 from __future__ import annotations
@@ -80,26 +81,6 @@ def split_of(name: str, cfg, rank: int, size: int) -> Split | None:
         start = min(rank * rows, v)
         return Split(0, [Piece(start, min(rows, v - start), 0)], [v])
     return None
-
-
-def take(split: Split, full: torch.Tensor, out: torch.Tensor) -> None:
-    """Copy this rank's slice of the full parameter `full` into its own `out` (rows or columns it
-    does not fill, the vocabulary padding, are zeroed)."""
-    out.zero_()
-    at = 0
-    for piece, size in zip(split.pieces, split.full_parts):
-        src = full.narrow(split.dim, at, size).narrow(split.dim, piece.start, piece.length)
-        out.narrow(split.dim, piece.at, piece.length).copy_(src)
-        at += size
-
-
-def slice_index(split: Split, shard: int | None, ndim: int) -> tuple[tuple, Piece]:
-    """The index into an HF tensor (one full part: `shard` of a fused parameter, or the whole) that
-    reads this rank's slice of it, for safetensors' get_slice, and the piece it fills."""
-    piece = split.pieces[shard or 0]
-    index = [slice(None)] * ndim
-    index[split.dim] = slice(piece.start, piece.start + piece.length)
-    return tuple(index), piece
 
 
 class VocabParallelEmbedding(nn.Module):

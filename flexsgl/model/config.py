@@ -68,9 +68,10 @@ class ModelConfig:
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2); None: GQA
     moe: MoEConfig | None = None
     hf: dict = field(default_factory=dict, compare=False, repr=False)
-    # Under tensor parallelism (shard below): this rank and the number of ranks.
+    # Under tensor parallelism (shard below): this rank, the number of ranks, and the whole model's config.
     tp_rank: int = 0
     tp_size: int = 1
+    unsharded: ModelConfig | None = field(default=None, compare=False, repr=False)
 
     def shard(self, rank: int, size: int) -> "ModelConfig":
         """The config of rank `rank`'s part of the model among `size` ranks: its q heads, its KV heads
@@ -80,7 +81,8 @@ class ModelConfig:
             return self
         return dataclasses.replace(self, num_heads=self.num_heads // size,
                                    num_kv_heads=max(1, self.num_kv_heads // size),
-                                   intermediate_size=self.intermediate_size // size, tp_rank=rank, tp_size=size)
+                                   intermediate_size=self.intermediate_size // size, tp_rank=rank, tp_size=size,
+                                   unsharded=self)
 
     @property
     def qk_norm(self) -> bool:

@@ -1,10 +1,10 @@
 """The dense GQA decoder that serves Qwen3 and, with q/k norm off (ModelConfig.qk_norm), Llama 3.
 
-Parameter names follow HF's except that q/k/v and gate/up projections are fused; the loader maps
-HF tensors into slices of the fused weights. Tokens arrive packed, `[tokens]`. Each attention
-layer stores its K/V into its part of the KV pool the engine binds to the model (`bind_kv_pool`),
-through the pool layout's store path (flexsgl/cache/store.py), then attends through the backend
-that the ForwardBatch carries.
+Parameter names follow HF's except that q/k/v and gate/up projections are fused; each parameter's
+weight loader (flexsgl/model/weight_loaders.py) puts an HF tensor into its part of the fused
+weight. Tokens arrive packed, `[tokens]`. Each attention layer stores its K/V into its part of the
+KV pool the engine binds to the model (`bind_kv_pool`), through the pool layout's store path
+(flexsgl/cache/store.py), then attends through the backend that the ForwardBatch carries.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from flexsgl.distributed import layers as tp
 from flexsgl.kernels import gemv
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from flexsgl.model.weight_loaders import allocate, packed_name, split_loader
 
 
 class Attention(nn.Module):
@@ -87,13 +88,12 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
 
 
-class DecoderForCausalLM(nn.Module):
-    # HF checkpoint name fragment -> (our fused parameter fragment, shard index)
-    packed_weights = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+# HF module name -> (the fused module holding it, its part there)
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
+
+class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -103,12 +103,23 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Each parameter's weight loader: the fused parts (q, k, v; gate, up), and under tensor
+        # parallelism this rank's slices of them (flexsgl/distributed/layers.py split_of).
+        whole = cfg.unsharded or cfg
+        for name, p in self.named_parameters():
+            p.weight_loader = split_loader(tp.split_of(name, whole, cfg.tp_rank, cfg.tp_size))
 
-    def shard_sizes(self, fused: str) -> list[int]:
-        c = self.cfg
-        if fused == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+    def checkpoint_name(self, hf_name: str) -> tuple[str, int | None]:
+        """The parameter an HF tensor fills and its part there (None: all of it)."""
+        return packed_name(hf_name, FUSED)
+
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the parameters of this model, built on the meta device (their values come from
+        flexsgl/model/loader.py), and compute its rotary tables."""
+        allocate(self, device, dtype)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.rotary.build(device)
 
     def bind_kv_pool(self, pool) -> None:
         """Give every attention layer its K/V in the pool and the store path that writes them (once,

@@ -18,7 +18,9 @@ softmax scale carries YaRN's mscale_all_dim factor (MLAConfig.softmax_scale).
 
 Parameter names follow HF's, except that the projections reading the normed hidden state are fused
 (`qkv_a_proj`: q_proj or q_a_proj, then kv_a_proj_with_mqa) and so are gate/up (`gate_up_proj`);
-routed experts are stacked (flexsgl/model/moe.py). `checkpoint_*` map HF tensor names onto them.
+routed experts are stacked (flexsgl/model/moe.py). `checkpoint_name` maps an HF tensor name to the
+parameter and part it fills, and each parameter's weight loader puts it there
+(flexsgl/model/weight_loaders.py).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from flexsgl.kernels import gemv, latent_query
 from flexsgl.kernels.latent_query import latent_query_reference
 from flexsgl.kernels.norm_rope import rotate_pairs
 from flexsgl.model.config import ModelConfig
-from flexsgl.model.layers import GatedMLP, RMSNorm
+from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from flexsgl.model.mla_config import yarn_mscale
 from flexsgl.model.moe import MoE
+from flexsgl.model.weight_loaders import allocate, fused_rows, packed_name
 
 LATENT_NORM_EPS = 1e-6  # HF's DeepseekV2RMSNorm default, used for q_a_layernorm and kv_a_layernorm
 
@@ -63,20 +66,19 @@ def yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]
     return inv_freq, float(attention_factor)
 
 
-class InterleavedRotary(nn.Module):
+class InterleavedRotary(RotaryEmbedding):
     """cos/sin tables `[positions, D/2]` of DeepSeek's RoPE (the attention factor folded in), for
-    the rotation of pairs (x[2i], x[2i+1]) (rotate_pairs, flexsgl/kernels/norm_rope.py). Same
-    constructor as layers.RotaryEmbedding."""
+    the rotation of pairs (x[2i], x[2i+1]) (rotate_pairs, flexsgl/kernels/norm_rope.py). Built as
+    layers.RotaryEmbedding."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
-        super().__init__()
-        if scaling is None:
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        head_dim, theta = self.head_dim, self.theta
+        if self.scaling is None:
             inv_freq, factor = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
         else:
-            inv_freq, factor = yarn_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos() * factor, persistent=False)
-        self.register_buffer("sin", freqs.sin() * factor, persistent=False)
+            inv_freq, factor = yarn_inv_freq(head_dim, theta, self.scaling)
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
+        return freqs.cos() * factor, freqs.sin() * factor
 
 
 class MLAttention(nn.Module):
@@ -87,6 +89,7 @@ class MLAttention(nn.Module):
         self.q_dim = cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
         self.q_a_dim = self.q_dim if m.q_lora_rank is None else m.q_lora_rank
         self.qkv_a_proj = nn.Linear(cfg.hidden_size, self.q_a_dim + m.latent_dim, bias=False)
+        self.qkv_a_proj.weight.weight_loader = fused_rows([self.q_a_dim, m.latent_dim])
         if m.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(m.q_lora_rank, self.q_dim, bias=False)
@@ -162,7 +165,7 @@ class DeepseekV2Model(nn.Module):
         self.rotary = InterleavedRotary(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
 
 
-# HF tensor name fragment -> (fused parameter fragment, shard)
+# HF module name -> (the fused module holding it, its part there)
 FUSED = {"q_proj": ("qkv_a_proj", 0), "q_a_proj": ("qkv_a_proj", 0), "kv_a_proj_with_mqa": ("qkv_a_proj", 1),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -177,40 +180,23 @@ class DeepseekV2ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    # ---- checkpoint names (flexsgl/model/loader.py)
-
     def checkpoint_name(self, hf_name: str) -> tuple[str, object]:
-        """The parameter an HF tensor fills and which part of it (None: all)."""
+        """The parameter an HF tensor fills and its part there (None: all of it): a fused part, or
+        (expert, 0 gate / 1 up / None down) of a stacked expert parameter."""
         expert = EXPERT.match(hf_name)
         if expert:
             prefix, e, proj = expert.groups()
             return (f"{prefix}.down_proj", (int(e), None)) if proj == "down_proj" else \
                 (f"{prefix}.gate_up_proj", (int(e), int(proj == "up_proj")))
-        for frag, (fused, shard) in FUSED.items():
-            if f".{frag}." in hf_name:
-                return hf_name.replace(f".{frag}.", f".{fused}."), shard
-        return hf_name, None
+        return packed_name(hf_name, FUSED)
 
-    def checkpoint_shard(self, param: torch.Tensor, target: str, shard) -> torch.Tensor:
-        if isinstance(shard, tuple):  # (expert, 0 gate / 1 up / None down)
-            expert, part = shard
-            p = param[expert]
-            return p if part is None else p.narrow(0, part * (p.shape[0] // 2), p.shape[0] // 2)
-        if target.endswith("qkv_a_proj.weight"):
-            q = param.shape[0] - self.cfg.mla.latent_dim
-            return param[:q] if shard == 0 else param[q:]
-        half = param.shape[0] // 2
-        return param.narrow(0, shard * half, half)
-
-    def checkpoint_shards(self, name: str) -> list | None:
-        """Every part of parameter `name` a checkpoint fills separately (None: it comes whole)."""
-        if name.endswith("experts.gate_up_proj"):
-            return [(e, p) for e in range(self.cfg.moe.n_routed_experts) for p in (0, 1)]
-        if name.endswith("experts.down_proj"):
-            return [(e, None) for e in range(self.cfg.moe.n_routed_experts)]
-        if name.endswith(("qkv_a_proj.weight", "gate_up_proj.weight")):
-            return [0, 1]
-        return None
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the parameters of this model, built on the meta device (their values come from
+        flexsgl/model/loader.py), and compute its rotary tables."""
+        allocate(self, device, dtype)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.rotary.build(device)
 
     def bind_kv_pool(self, pool) -> None:
         """Give every attention layer its latents in the pool and the store path that writes them (once,

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from flexsgl.kernels.norm_rope import rms_norm
+from flexsgl.model.weight_loaders import fused_rows
 
 
 class RMSNorm(nn.Module):
@@ -39,14 +40,29 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 class RotaryEmbedding(nn.Module):
     """The cos/sin tables of non-interleaved (rotate-half) RoPE, indexed by absolute position;
     flexsgl/kernels/norm_rope.py's `rotate` applies them (or the fused kernel in
-    flexsgl/kernels/rope_store.py)."""
+    flexsgl/kernels/rope_store.py).
+
+    The tables are buffers computed from the config, not weights: a model built on the meta device
+    computes them once its parameters are allocated (`build`)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
+        cos, sin = self.tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[max_position, head_dim / 2]`, float32, on the default device."""
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
+        return freqs.cos(), freqs.sin()
+
+    def build(self, device: torch.device) -> None:
+        """Compute the tables (in float32 on the CPU, as HF does) and place them on `device`."""
+        with torch.device("cpu"):
+            cos, sin = self.tables()
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
 
 class GatedMLP(nn.Module):
@@ -56,4 +72,5 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.gate_up_proj.weight.weight_loader = fused_rows([inter, inter])  # gate_proj, up_proj
         self.down_proj = nn.Linear(inter, hidden, bias=False)

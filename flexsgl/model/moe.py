@@ -18,7 +18,8 @@ gathers its expert's weights and multiplies them batched: also one launch per pr
 host sync, but it copies an expert's weights once per pair, so it is only fit for small models.
 
 Expert weights are stacked, `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]` (HF's layout in
-transformers 5); checkpoints with one tensor per expert load into slices of them.
+transformers 5); checkpoints with one tensor per expert load into slices of them (their weight
+loaders, flexsgl/model/weight_loaders.py StackedExperts).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from flexsgl.kernels import gemv, moe_layer
 from flexsgl.model.layers import GatedMLP
 from flexsgl.model.mla_config import MoEConfig
+from flexsgl.model.weight_loaders import StackedExperts
 
 # torch.nn.functional.grouped_mm (torch 2.9+) wraps torch._grouped_mm (2.8+), which CUDA builds of 2.8 have.
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -40,6 +42,8 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.gate_up_proj.weight_loader = StackedExperts(num_experts, halves=2)
+        self.down_proj.weight_loader = StackedExperts(num_experts, halves=1)
         self.sm90 = False  # on an SM90+ GPU: set once by `place`, outside compiled code
 
     def place(self, device: torch.device) -> None:

@@ -17,7 +17,7 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
-from flexsgl.errors import describe
+from flexsgl.errors import UnknownRequestError, describe
 from flexsgl.log import logger
 from flexsgl.request import Request
 from flexsgl.serve.messages import Abort, Add, EngineInfo, Failed, Ready, StartFailed, Step, Stop
@@ -75,7 +75,10 @@ class _Loop:
                 self.llm.submit(msg.requests, self._on_token)
             elif isinstance(msg, Abort):
                 for i in msg.request_ids:
-                    self.llm.abort(i)
+                    try:
+                        self.llm.abort(i)
+                    except UnknownRequestError:  # never submitted here: nothing to stop
+                        logger.debug("abort of unknown request %r", i)
             elif isinstance(msg, Stop):
                 return False
         return True

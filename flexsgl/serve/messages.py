@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from flexsgl.request import Request, RequestOutput, TokenLogprobs
 from flexsgl.request_factory import RequestFactory
-from flexsgl.sampling_params import SamplingParams
+from flexsgl.sampling.params import SamplingParams
 
 # ---- to the engine process
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from flexsgl.errors import PromptError, SamplingParamsError
-from flexsgl.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from flexsgl.sampling.params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 
 Number = StrictFloat  # ints too; not strings or booleans
 

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flexsgl import sampling_batch
+from flexsgl.sampling import batch as sampling_batch
 from flexsgl.attention.base import ForwardBatch
 from flexsgl.cache.pool import DUMMY_PAGE
 from flexsgl.step.graphs import GraphManager
-from flexsgl.sampling import SamplingTensors
+from flexsgl.sampling.sampler import SamplingTensors
 from flexsgl.step.plan import StepPlan
 from flexsgl.step.token_buffer import TokenBuffer
-from flexsgl.token_counts import TokenCounts
+from flexsgl.sampling.token_counts import TokenCounts
 
 NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}  # pack's host dtypes
 

@@ -14,7 +14,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from flexsgl import sampling_batch
+from flexsgl.sampling import batch as sampling_batch
 from flexsgl.cache.pool import DUMMY_PAGE
 from flexsgl.scheduler import ScheduledBatch
 from flexsgl.step_shape import StepShape

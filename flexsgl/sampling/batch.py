@@ -9,13 +9,16 @@ parameters themselves where every row is greedy and nothing changes its logits: 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from flexsgl.request import Request
-from flexsgl.sampling import MinTokens, Penalties, SamplingTensors
-from flexsgl.token_counts import TokenCounts
+from flexsgl.sampling.sampler import MinTokens, Penalties, SamplingTensors
+from flexsgl.sampling.token_counts import TokenCounts
+
+if TYPE_CHECKING:  # the requests are read, never made here: no import of flexsgl.request at run time
+    from flexsgl.request import Request
 
 
 def host_parts(sampled: list[Request], prefill: bool) -> tuple[dict, dict]:

@@ -1,0 +1,146 @@
+"""How checkpoint tensors land in a parameter: the per-parameter weight loader.
+
+Each parameter may carry a WeightLoader (`param.weight_loader`, set by the model that owns it;
+`weight_loader(param)` gives the one that applies, WHOLE by default). A checkpoint tensor fills a
+*part* of a parameter: the whole of it (part None), one of the fused parts of a fused projection
+(q, k, v of `qkv_proj` are parts 0, 1, 2; gate and up of `gate_up_proj` parts 0, 1), or one
+expert's slice of a stacked expert parameter. The model maps an HF tensor name to (parameter
+name, part) (`checkpoint_name`); flexsgl/model/loader.py checks every tensor against the loaders
+of the whole model, then hands each to its parameter's `load`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from flexsgl.distributed.layers import Piece, Split
+
+# read(index): the checkpoint tensor (index None) or its slice `index` (a tuple of slices), read
+# from the safetensors file only where asked, so a tensor-parallel rank reads only its slices.
+Reader = Callable[[tuple | None], torch.Tensor]
+
+
+class WeightLoader(ABC):
+    """How a checkpoint fills one parameter."""
+
+    parts: tuple = ()  # the parts a checkpoint gives one tensor each, where it does not give the whole
+    sliced = False  # whether this rank's parameter holds only part of the whole (tensor parallelism)
+
+    @abstractmethod
+    def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
+        """The view of the whole model's parameter `full` (its TP=1 shape) that the tensor of `part`
+        fills: the shape the checkpoint's tensor must have."""
+
+    @abstractmethod
+    def load(self, param: torch.Tensor, read: Reader, part) -> None:
+        """Copy the checkpoint tensor of `part` (`read`) into this rank's `param`."""
+
+
+class Whole(WeightLoader):
+    """A parameter filled by one checkpoint tensor of its own shape."""
+
+    def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
+        return full
+
+    def load(self, param: torch.Tensor, read: Reader, part) -> None:
+        param.copy_(read(None))
+
+
+WHOLE = Whole()
+
+
+def weight_loader(param: torch.Tensor) -> WeightLoader:
+    """The loader of `param`: its own `weight_loader`, or WHOLE."""
+    return getattr(param, "weight_loader", WHOLE)
+
+
+class Parts(WeightLoader):
+    """A parameter made of parts along one dimension (`split`, flexsgl/distributed/layers.py): the
+    fused parts of a fused projection, each given as its own tensor, and under tensor parallelism
+    this rank's piece of each. Rows (or columns) that no piece fills, the padding of a
+    vocabulary-parallel rank, are zeroed."""
+
+    def __init__(self, split: Split):
+        self.split = split
+        self.parts = tuple(range(len(split.pieces))) if len(split.pieces) > 1 else ()
+        self.sliced = any(p.start or p.length != n for p, n in zip(split.pieces, split.full_parts))
+
+    def _start(self, part: int) -> int:
+        return sum(self.split.full_parts[:part])
+
+    def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
+        if part is None:
+            return full
+        return full.narrow(self.split.dim, self._start(part), self.split.full_parts[part])
+
+    def load(self, param: torch.Tensor, read: Reader, part) -> None:
+        s = self.split
+        whole = part is None and len(s.pieces) > 1  # one tensor of every part (a fused checkpoint tensor)
+        for i in range(len(s.pieces)) if part is None else (part,):
+            piece, size = s.pieces[i], s.full_parts[i]
+            at = self._start(i) if whole else 0  # where part i starts in the tensor read
+            dst = param.narrow(s.dim, piece.at, piece.length)
+            if not whole and piece.start == 0 and piece.length == size:
+                dst.copy_(read(None))
+            else:
+                index = [slice(None)] * param.dim()
+                index[s.dim] = slice(at + piece.start, at + piece.start + piece.length)
+                dst.copy_(read(tuple(index)))
+        end = max(p.at + p.length for p in s.pieces)
+        if end < param.shape[s.dim]:
+            param.narrow(s.dim, end, param.shape[s.dim] - end).zero_()
+
+
+def fused_rows(sizes: list[int]) -> Parts:
+    """The loader of a parameter that stacks `sizes` rows from one tensor each (no tensor parallelism)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return Parts(Split(0, [Piece(0, n, at) for n, at in zip(sizes, starts)], list(sizes)))
+
+
+def packed_name(hf_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """(parameter name, part) of HF tensor `hf_name`, where `packed` maps an HF module name to the
+    fused module holding it and its part there (q_proj -> (qkv_proj, 0)); other names map to themselves."""
+    for frag, (fused, part) in packed.items():
+        if f".{frag}." in hf_name:
+            return hf_name.replace(f".{frag}.", f".{fused}."), part
+    return hf_name, None
+
+
+def allocate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Allocate the parameters and buffers of `model`, built on the meta device, on `device` in
+    `dtype`, uninitialised, keeping each parameter's weight loader (to_empty makes new parameters).
+    Parameters tied before are separate after; the model ties them again."""
+    loaders = {name: p.weight_loader for name, p in model.named_parameters() if hasattr(p, "weight_loader")}
+    model.to_empty(device=device).to(dtype)
+    for name, p in model.named_parameters():
+        if name in loaders:
+            p.weight_loader = loaders[name]
+
+
+def split_loader(split: Split | None) -> WeightLoader:
+    """The loader of a parameter split as `split` describes (None: held whole)."""
+    return WHOLE if split is None else Parts(split)
+
+
+class StackedExperts(WeightLoader):
+    """Routed experts stacked along dimension 0 (`[E, rows, cols]`), from one tensor per expert and
+    projection, or from the whole stack: part (expert, half) fills half `half` (0 gate, 1 up) of
+    expert `expert`'s rows, or all of them when `half` is None (one projection per expert)."""
+
+    def __init__(self, num_experts: int, halves: int):
+        """halves: 2 where gate and up are fused, 1 for one projection."""
+        each = (0, 1) if halves == 2 else (None,)
+        self.parts = tuple((e, h) for e in range(num_experts) for h in each)
+
+    def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
+        if part is None:
+            return full
+        expert, half = part
+        rows = full[expert]
+        return rows if half is None else rows.narrow(0, half * (rows.shape[0] // 2), rows.shape[0] // 2)
+
+    def load(self, param: torch.Tensor, read: Reader, part) -> None:
+        self.part_of(param, part).copy_(read(None))
