@@ -23,6 +23,7 @@ def _map_source_overrides() -> None:
 
 _map_source_overrides()
 
+from flexsgl.attention.variant import AttentionVariant, PerHead, PerRequest, PromptLength, VariantError
 from flexsgl.config import EngineConfig
 from flexsgl.engine import LLM
 from flexsgl.errors import (CheckpointError, EngineDeadError, InputError, PromptError, RankFailedError,
@@ -30,7 +31,8 @@ from flexsgl.errors import (CheckpointError, EngineDeadError, InputError, Prompt
 from flexsgl.request import RequestOutput
 from flexsgl.sampling.params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "InputError", "PromptError",
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "AttentionVariant", "PerHead", "PerRequest",
+           "PromptLength", "VariantError", "InputError", "PromptError",
            "SamplingParamsError", "CheckpointError", "UnknownRequestError", "EngineDeadError", "TensorParallelError",
            "RankFailedError"]
 __version__ = "0.1.0"

@@ -24,7 +24,8 @@ from flexsgl.log import LEVELS, set_level
 
 # A field's annotation (a string under `from __future__ import annotations`) -> the type typer parses.
 CLI_TYPES = {"str": str, "str | None": Optional[str], "int": int, "int | None": Optional[int], "float": float,
-             "bool": bool, "bool | None": Optional[bool], "tuple[int, ...] | None": Optional[str]}
+             "bool": bool, "bool | None": Optional[bool], "tuple[int, ...] | None": Optional[str],
+             "object": Optional[str]}
 
 
 def fail(message: str, code: int = 2) -> None:

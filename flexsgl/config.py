@@ -60,6 +60,11 @@ class EngineConfig:
     random_seed: int = option(0, "Seed of dummy weights.")
     tensor_parallel_size: int = option(1, "GPUs (ranks) to split the model across, one process each "
                                           "(--tp, --tp-size; flexsgl starts them, or torchrun does).")
+    attention: object = option(None, "Attention variant(s), composed with the model's own: a name with "
+                                     "arguments, e.g. sliding_window:window=4096, NAME@LAYERS (layers: all, i,j or "
+                                     "a slice like 0::2), several separated by ';', or module:attribute; from "
+                                     "Python also an AttentionVariant or a dict of layers to variants "
+                                     "(docs/ATTENTION.md).")
 
     def __post_init__(self):
         if self.cuda_graph_bs is not None and not isinstance(self.cuda_graph_bs, (str, bytes)):
@@ -114,8 +119,9 @@ class EngineConfig:
             dtype = DTYPES[self.dtype]
         else:
             dtype = torch.float32 if cpu else torch.float16 if model.torch_dtype == "float16" else torch.bfloat16
+        variants = resolve_variants(self.attention, model)
         attention = resolve_override(self.override, device, model.attention, self.page_size, model.kv_layout[2],
-                                     str(dtype).removeprefix("torch."))
+                                     str(dtype).removeprefix("torch."), variants)
         graphs = device.type == "cuda" and not self.disable_cuda_graph
         if self.cuda_graph_bs is not None and not graphs:
             raise ValueError("cuda_graph_bs was given, but CUDA graphs are off: they need a CUDA device "
@@ -134,7 +140,7 @@ class EngineConfig:
         if kv_tokens is not None:
             check_kv_tokens(kv_tokens, self.page_size)
         compile = device.type == "cuda" if self.compile is None else self.compile
-        return ResolvedConfig(self, device, dtype, attention, compile, sizes, kv_tokens)
+        return ResolvedConfig(self, device, dtype, attention, compile, sizes, kv_tokens, variants)
 
 
 CPU_KV_TOKENS = 16384  # the KV cache's size on the CPU unless max_total_tokens is given
@@ -164,6 +170,22 @@ class ResolvedConfig:
     # pool takes mem_fraction_static of the memory free once the weights are loaded, less one step's
     # activations (flexsgl/cache/sizing.py measures it then).
     max_total_tokens: int | None
+    # Each layer's attention variant: the model's own composed with `attention`'s (None: plain
+    # causal attention; flexsgl/attention/layer_variants.py)
+    variants: tuple = ()
+
+
+def resolve_variants(spec, model: ModelConfig) -> tuple:
+    """Each layer's attention variant for `model` with the user's `spec` (the `attention` option),
+    or ValueError (a VariantError) in one sentence where one cannot run."""
+    from flexsgl.attention.layer_variants import layer_variants, user_variants
+    from flexsgl.attention.variant import VariantError
+
+    own = model.attention_variants()
+    user = user_variants(spec, model.num_layers)
+    if model.attention == "mla" and any(v is not None for v in (*own, *user)):
+        raise VariantError("Attention variants are not served on MLA models (DeepSeek-V2) yet.")
+    return tuple(layer_variants(own, user, model.num_heads))
 
 
 # ---- checks: one sentence each, types as well as ranges
@@ -217,6 +239,14 @@ def _batch_sizes(name, value):
         raise ValueError(f"{name} must be one or more batch sizes of at least 1, got {value!r}.")
 
 
+def _attention(value):
+    from flexsgl.attention.variant import AttentionVariant
+
+    if not (value is None or isinstance(value, (str, dict, AttentionVariant))):
+        raise ValueError(f"attention must be a variant's name, an AttentionVariant or a dict of layers to "
+                         f"variants, got {type(value).__name__}.")
+
+
 def _seed(name, value):
     if not _is_int(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
@@ -228,6 +258,7 @@ CHECKS = {
     "dtype": _one_of(DTYPE_NAMES),
     "load_format": _one_of(LOAD_FORMATS),
     "override": _of_type(str, "a backend name, auto, or PREFILL,DECODE"),
+    "attention": lambda name, value: _attention(value),
     "page_size": _positive_int,
     "max_total_tokens": _optional(_positive_int),
     "mem_fraction_static": _fraction,

@@ -36,6 +36,8 @@ from functools import cached_property
 from typing import Callable, Sequence
 
 from flexsgl.cache.pool import PageAllocator
+from flexsgl.attention.layer_variants import kv_window
+from flexsgl.attention.variant import PerRequest
 from flexsgl.config import EngineConfig
 from flexsgl.engine_core import build_core, prepare
 from flexsgl.generation_config import default_sampling
@@ -92,12 +94,15 @@ class LLM:
         self.default_sampling = default_sampling(self.src)
         self.allocator = PageAllocator(core.num_pages)
         self.scheduler = Scheduler(cfg.page_size, self.allocator, cfg.max_num_batched_tokens,
-                                   cfg.max_running_requests)
+                                   cfg.max_running_requests, kv_window(self.resolved.variants))
         if self._channel is not None:
             self.runner.tp = self._channel
             self.runner.wait = self._channel.wait
             self._finalizer = weakref.finalize(self, self._channel.close)
-        self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity)
+        takes = tuple(n for v in self.resolved.variants if v is not None for n, p in v.params.items()
+                      if isinstance(p, PerRequest))
+        self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity,
+                                       tuple(dict.fromkeys(takes)), self.scheduler.held_tokens)
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._next_id = 0  # above every id added (abort tells a finished request from an unknown one)
         self._done: list[Request] = []  # finished, to be returned by the next step()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexsgl.attention.bound_variant import VariantSet, describe_variants
 from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import build_kv_pool
 from flexsgl.cache.sizing import kv_cache_pages
@@ -84,10 +85,16 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
         if rc.compile and rank == 0:
             logger.info("torch.compile on: the first step of each new batch shape compiles kernels first "
                         "(tens of seconds for a large model)")
-        backends = PhaseRouter(rc.attention, pool, mcfg.num_heads, rc.compile)
+        variants = VariantSet(list(rc.variants) or [None] * mcfg.num_layers, mcfg.num_heads,
+                              mcfg.tp_rank * mcfg.num_heads, mcfg.num_heads * mcfg.tp_size,
+                              cfg.max_running_requests + 1, device)
+        if variants.bound:
+            model.bind_variants(variants)
+        backends = PhaseRouter(rc.attention, pool, mcfg.num_heads, rc.compile, variants)
         if rank == 0:
-            logger.info(f"attention: {rc.attention.label}")
-        runner = ModelRunner(model, pool, backends, device, cfg.max_running_requests, mcfg.max_position, rc.compile)
+            logger.info(f"attention: {rc.attention.label}" + describe_variants(rc.variants))
+        runner = ModelRunner(model, pool, backends, device, cfg.max_running_requests, mcfg.max_position, rc.compile,
+                             variants if variants.request_params else None)
         if rc.cuda_graph_bs:
             runner.capture_graphs(rc.cuda_graph_bs)
     except Exception as e:

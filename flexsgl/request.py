@@ -67,7 +67,8 @@ class Request:
     are the tokens to prefill when (re)admitted, the prompt or, after a preemption, the prompt plus
     every output so far; `num_computed` counts tokens whose K/V have been scheduled into the pool
     (fill chunks and decode inputs); `num_scheduled_outputs` counts tokens the device has been asked
-    to sample, which runs one step ahead of `output_ids` (tokens read back).
+    to sample, which runs one step ahead of `output_ids` (tokens read back). Where every layer attends
+    within a window, pages wholly behind it go back to the pool and read as the dummy page in `pages`.
 
     The output: the tokens read back (`output_ids`, the scheduler's too, since a preempted request
     recomputes them) and their log-probabilities, how it ended, and the output path's
@@ -92,6 +93,8 @@ class Request:
     num_computed: int = 0
     num_scheduled_outputs: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    shared_pages: int = 0  # leading pages it holds through the prefix cache (since its last admission)
+    dropped_pages: int = 0  # leading pages behind every layer's attention window, given back to the pool
     shares_prompt: bool = False  # a leader: its prompt pages go to the prefix cache once prefilled
     # The output
     output_ids: list[int] = field(default_factory=list)

@@ -83,14 +83,19 @@ def check_prompt(prompt, index: int) -> str | list[int]:
 
 
 class RequestFactory:
-    def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int):
-        """`config`: the model's ModelConfig; `capacity`: KV pages a request may ever use."""
+    def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int,
+                 attention_params: tuple[str, ...] = (), held_tokens: int | None = None):
+        """`config`: the model's ModelConfig; `capacity`: KV pages a request may ever use;
+        `attention_params`: the per-request parameters the engine's attention variants take;
+        `held_tokens`: the most KV slots a request holds at once (refusal)."""
         self.model_name, self.config, self.tokenizer = model_name, config, tokenizer
-        self.page_size, self.capacity = page_size, capacity
+        self.page_size, self.capacity, self.attention_params = page_size, capacity, attention_params
+        self.held_tokens = held_tokens
         self._ids = itertools.count()
 
     def __reduce__(self):
-        return RequestFactory, (self.model_name, self.config, self.tokenizer, self.page_size, self.capacity)
+        return RequestFactory, (self.model_name, self.config, self.tokenizer, self.page_size, self.capacity,
+                                self.attention_params, self.held_tokens)
 
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> Request:
         """Check one prompt and its sampling parameters and turn them into a Request (not queued);
@@ -113,6 +118,11 @@ class RequestFactory:
                               "leaving no room for a new token.")
         if any(t >= vocab for t in sampling.stop_token_ids):
             raise SamplingParamsError(f"stop_token_ids of prompt {index} hold ids outside the vocabulary [0, {vocab}).")
+        unknown = sorted(set(sampling.attention_params or ()) - set(self.attention_params))
+        if unknown:
+            takes = f"it takes {', '.join(self.attention_params)}" if self.attention_params else "it takes none"
+            raise SamplingParamsError(f"attention_params of prompt {index} name {unknown[0]!r}, which no attention "
+                                      f"variant of this engine takes ({takes}).")
         eos = self.config.eos_token_ids
         if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -129,15 +139,19 @@ class RequestFactory:
 
     def refusal(self, req: Request) -> str | None:
         """Why `req` can never run here (longer than the context or the whole KV cache), or None."""
-        return refusal(req, self.page_size, self.capacity)
+        return refusal(req, self.page_size, self.capacity, self.held_tokens)
 
 
-def refusal(req: Request, page_size: int, capacity: int) -> str | None:
+def refusal(req: Request, page_size: int, capacity: int, held_tokens: int | None = None) -> str | None:
+    """Why `req` can never run: longer than the context, or needing more pages at once than the whole
+    cache holds (held_tokens: the most KV slots a request holds at once where every layer attends
+    within a window, flexsgl/scheduler.py; None: its whole length)."""
     ctx = req.max_len
     if req.target_len > ctx:
         return (f"the prompt ({req.prompt_len} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
                 f"exceeds the model's context of {ctx} tokens")
-    need = KVPool.num_pages_for(req.target_len, page_size)
+    need = KVPool.num_pages_for(req.target_len if held_tokens is None else min(req.target_len, held_tokens),
+                                page_size)
     if need > capacity:
         return (f"the prompt plus max_new_tokens needs {need * page_size} KV slots, more than the whole "
                 f"cache holds ({capacity * page_size})")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from flexsgl.cache.pool import KVPool, PageAllocator
+from flexsgl.cache.pool import DUMMY_PAGE, KVPool, PageAllocator
 from flexsgl.cache.radix import RadixCache
 from flexsgl.request import FinishReason, Request, State, TokenEvent
 from flexsgl.request_factory import refusal
@@ -39,7 +39,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, page_size: int, allocator: PageAllocator, max_batch_tokens: int, max_running: int):
+    def __init__(self, page_size: int, allocator: PageAllocator, max_batch_tokens: int, max_running: int,
+                 kv_window: int | None = None):
+        """kv_window: where every layer attends only to its last kv_window keys, pages wholly behind
+        the window of a request's next query go back to the pool as it proceeds."""
+        self.kv_window = kv_window
+        # The most KV slots a request holds at once with a window: the window, a prefill chunk, and the
+        # pages they straddle (None: its whole length)
+        self.held_tokens = None if kv_window is None else kv_window + max_batch_tokens + 2 * page_size
         self.allocator = allocator
         self.ps = page_size
         self.cache = RadixCache(self.ps)
@@ -55,7 +62,7 @@ class Scheduler:
 
     def refusal(self, req: Request) -> str | None:
         """Why `req` can never run here, or None."""
-        return refusal(req, self.ps, self.allocator.capacity)
+        return refusal(req, self.ps, self.allocator.capacity, self.held_tokens)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -102,10 +109,19 @@ class Scheduler:
         return True
 
     def _release(self, r: Request) -> None:
-        """Hand r's computed whole pages to the cache, free the rest, drop its lock and slot."""
+        """Hand r's computed whole pages to the cache, free the rest, drop its lock and slot. Pages r
+        gave back behind the window are cached already; what follows them is cached too where the
+        tree still holds them."""
         computed = r.all_ids[: r.num_computed]
-        n_full = min(len(computed) // self.ps, len(r.pages))
-        self.allocator.free(self.cache.insert(computed, r.pages[:n_full]) + r.pages[n_full:])
+        start = max(r.dropped_pages, r.shared_pages)
+        own, prefix = r.pages[start:], self._held_prefix(r)
+        if prefix is None:  # the pages behind the window were evicted: nothing after them can be cached
+            self.allocator.free(own)
+        else:
+            n_full = min(len(computed) // self.ps, start + len(own))
+            cached = prefix + own[:n_full - start]
+            self.allocator.free(self.cache.insert(computed[:n_full * self.ps], cached) + own[n_full - start:])
+        r.dropped_pages = r.shared_pages = 0
         if r.prefix_node is not None:
             self.cache.unlock(r.prefix_node)
         r.pages, r.prefix_node = [], None
@@ -137,6 +153,7 @@ class Scheduler:
             nonlocal budget
             n = min(len(r.fill_ids) - r.num_computed, budget)
             if self._grow_or_preempt(r, r.num_computed + n):
+                self._drop_behind_window(r, r.num_computed)
                 reqs.append(r), starts.append(r.num_computed), num_new.append(n)
                 budget -= n
 
@@ -158,7 +175,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.cache.lock(node)
-            r.prefix_node, r.pages = node, list(pages)
+            r.prefix_node, r.pages, r.shared_pages = node, list(pages), len(pages)
             r.num_computed = len(pages) * self.ps
             r.num_scheduled_outputs = len(r.output_ids)
             if not r.output_ids:  # a first admission, not a readmission after preemption
@@ -189,10 +206,38 @@ class Scheduler:
             return None
         starts = [r.num_computed for r in reqs]
         for r in reqs:
+            self._drop_behind_window(r, r.num_computed)
             r.num_computed += 1  # the last sampled token's K/V
             r.num_scheduled_outputs += 1
         n = len(reqs)
         return ScheduledBatch("decode", reqs, starts, [1] * n, [True] * n)
+
+    def _drop_behind_window(self, r: Request, first_query: int) -> None:
+        """With a window on every layer: r's pages wholly behind the window of its query at
+        `first_query`, which no later query of r reads either, go from r to the prefix cache (as
+        pages nobody holds, which it evicts when pages run short), or back to the pool where the
+        cache no longer holds the pages before them. A step already launched reads them before a
+        later step can write them: the device runs steps in order."""
+        if self.kv_window is None:
+            return
+        behind = min(max(first_query - self.kv_window + 1, 0) // self.ps, len(r.pages), len(r.all_ids) // self.ps)
+        start = max(r.dropped_pages, r.shared_pages)
+        if behind <= start:
+            return
+        new, prefix = r.pages[start:behind], self._held_prefix(r)
+        self.allocator.free(new if prefix is None else self.cache.insert(r.all_ids[:behind * self.ps], prefix + new))
+        r.pages[start:behind] = [DUMMY_PAGE] * (behind - start)
+        r.dropped_pages = behind
+        self.counters["window_pages_freed"] += behind - start
+
+    def _held_prefix(self, r: Request) -> list[int] | None:
+        """The pages of r's first max(dropped, shared) pages: r's own where it gave none back beyond
+        what it shares, else the tree's for those tokens, or None where the tree no longer holds them."""
+        n = max(r.dropped_pages, r.shared_pages)
+        if r.dropped_pages <= r.shared_pages:
+            return r.pages[:n]
+        held, _ = self.cache.match(r.all_ids[:n * self.ps])
+        return held if len(held) == n else None
 
     def _preempt(self, r: Request) -> None:
         self._release(r)
@@ -228,8 +273,9 @@ class Scheduler:
         are computed), and hold them through the cache, so that its n - 1 samples reuse them."""
         r.shares_prompt = False
         n_full = min(r.prompt_len // self.ps, len(r.pages))
-        if r.state is not State.RUNNING or n_full == 0:
-            return  # preempted with this token in flight: its release cached what it computed
+        if r.state is not State.RUNNING or n_full == 0 or r.dropped_pages > r.shared_pages:
+            return  # preempted with this token in flight (its release cached what it computed), or its
+            # prompt's first pages are gone behind the window
         tokens = r.prompt_ids[: n_full * self.ps]
         self.cache.insert(tokens, r.pages[:n_full])  # a page the tree already holds in another stays r's own
         _, node = self.cache.match(tokens)

@@ -96,12 +96,6 @@ class VariantSet:
     def non_plain(self) -> list[BoundVariant]:
         return [b for b in self.bound if not b.plain]
 
-    @property
-    def kv_window(self) -> int | None:
-        """The window every layer keeps to, if every layer has one: keys further back are never read again."""
-        windows = [None if b is None else b.window for b in self.layers]
-        return None if not windows or None in windows else max(windows)
-
     def host_values(self, requests) -> dict[str, list]:
         """Each per-request parameter's value for each of `requests` (their slots get them at prefill)."""
         out = {}
@@ -118,5 +112,14 @@ class VariantSet:
             tensor.index_copy_(0, slots, values[name].to(tensor.dtype))
 
 
-def plain_variants(num_layers: int) -> list[None]:
-    return [None] * num_layers
+def describe_variants(per_layer) -> str:
+    """For the log: which layers run which variant ('' where every layer is plain causal)."""
+    groups: dict[str, list[int]] = {}
+    for i, v in enumerate(per_layer):
+        if v is not None:
+            groups.setdefault(v.name, []).append(i)
+    if not groups:
+        return ""
+    n = len(per_layer)
+    return "; variants: " + ", ".join(f"{name} on {'all layers' if len(ls) == n else f'{len(ls)} of {n} layers'}"
+                                      for name, ls in groups.items())

@@ -89,3 +89,10 @@ def layer_variants(own: list[AttentionVariant | None], user: list[AttentionVaria
             composed[key] = v
         out.append(composed[key])
     return out
+
+
+def kv_window(per_layer) -> int | None:
+    """The window every layer keeps to, where every layer has one (the largest of them): keys
+    further behind a query are never read again. None where a layer sees its whole context."""
+    windows = [None if v is None else v.window for v in per_layer]
+    return None if not windows or None in windows else max(windows)

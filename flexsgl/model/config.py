@@ -23,14 +23,19 @@ class Architecture:
     rope_types: tuple[str, ...] = ("default", "llama3")
     # "module:function" reading the architecture's own config keys into ModelConfig fields
     extra_fields: str | None = None
+    sliding: bool = False  # reads `sliding_window` (and `layer_types`): windowed attention layers
+    # "module:function" giving each layer's attention variant from the ModelConfig (default:
+    # window_variants, the sliding windows the config names)
+    variants: str | None = None
 
 
 DECODER = "flexsgl.model.decoder:DecoderForCausalLM"
 # The one architecture registry: HF architecture name -> what flexsgl builds for it. Llama 3 is the
-# Qwen3 decoder without q/k norm.
+# Qwen3 decoder without q/k norm; Mistral is Llama with a sliding window on every layer.
 ARCHITECTURES = {
     "Qwen3ForCausalLM": Architecture("qwen3", DECODER, qk_norm=True),
     "LlamaForCausalLM": Architecture("llama", DECODER, qk_norm=False),
+    "MistralForCausalLM": Architecture("mistral", DECODER, qk_norm=False, sliding=True),
     "DeepseekV2ForCausalLM": Architecture("deepseek_v2", "flexsgl.model.deepseek_v2:DeepseekV2ForCausalLM",
                                           qk_norm=False, rope_types=("default", "yarn"),
                                           extra_fields="flexsgl.model.mla_config:deepseek_v2_fields"),
@@ -65,6 +70,10 @@ class ModelConfig:
     rope_scaling: dict | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    # A sliding window of this many keys on the layers `layer_types` marks "sliding_attention" (on
+    # every layer where it marks none)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2); None: GQA
     moe: MoEConfig | None = None
     hf: dict = field(default_factory=dict, compare=False, repr=False)
@@ -157,6 +166,8 @@ class ModelConfig:
         fields = {} if extra is None else _load(extra)(get, d, rope, source)
         fields.setdefault("rope_scaling", rope if rope_type != "default" else None)
         fields.setdefault("head_dim", head_dim)
+        if ARCHITECTURES[arch].sliding:
+            fields.update(_windows(get, d, get.positive("num_hidden_layers"), source))
         return cls(
             architecture=arch,
             vocab_size=get.positive("vocab_size"),
@@ -192,6 +203,11 @@ class ModelConfig:
                                   f"{e.colno}.") from None
         return cls.from_hf(d, f"Config file {str(file)!r}")
 
+    def attention_variants(self) -> list:
+        """Each layer's own attention variant (flexsgl/attention/variant.py; None: plain causal)."""
+        target = ARCHITECTURES[self.architecture].variants
+        return window_variants(self) if target is None else _load(target)(self)
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
         tensors, heads, dim = self.kv_layout
         return tensors * self.num_layers * heads * dim * itemsize
@@ -204,6 +220,31 @@ class ModelConfig:
         layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * layer + self.vocab_size * h + head + h
+
+
+def window_variants(cfg: ModelConfig) -> list:
+    """A sliding window on the layers cfg.layer_types marks "sliding_attention", or on every layer where
+    it has no layer_types; one variant object for all of them."""
+    from flexsgl.attention.variants import sliding_window
+
+    if cfg.sliding_window is None:
+        return [None] * cfg.num_layers
+    window = sliding_window(cfg.sliding_window)
+    types = cfg.layer_types or ("sliding_attention",) * cfg.num_layers
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _windows(get, d: dict, num_layers: int, source: str) -> dict:
+    """`sliding_window` and `layer_types` of an architecture with windowed layers."""
+    window = get.positive("sliding_window", None)
+    types = get.typed("layer_types", list, None)
+    if types is not None and (len(types) != num_layers or not all(t in LAYER_TYPES for t in types)):
+        raise CheckpointError(f"{source}: 'layer_types' must name {' or '.join(LAYER_TYPES)} for each of the "
+                              f"{num_layers} layers.")
+    return {"sliding_window": window, "layer_types": None if types is None else tuple(types)}
 
 
 # config.json settings flexsgl's decoder does not implement, and the values it does.

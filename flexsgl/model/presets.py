@@ -16,6 +16,16 @@ def _qwen3(hidden, layers, heads, kv, inter, tie, vocab=151936, max_pos=40960, h
     }
 
 
+def _mistral(hidden, layers, heads, kv, inter, window, vocab=32000, max_pos=32768, head_dim=128):
+    return {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": max_pos, "sliding_window": window,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    }
+
+
 def _deepseek_v2(hidden, layers, heads, inter, kv_rank, nope, rope, v, experts, shared, top_k, moe_inter,
                  vocab=102400, max_pos=163840, yarn_factor=40.0, original_max_pos=4096, mscale=0.707):
     return {
@@ -66,9 +76,14 @@ PRESETS: dict[str, dict] = {
     # DeepSeek-V2-Lite's own config: MLA (512 + 64 latent dims per token), 64 routed experts, 6 per token.
     "deepseek-v2-lite": {"hub": "deepseek-ai/DeepSeek-V2-Lite",
                          "config": _deepseek_v2(2048, 27, 16, 10944, 512, 128, 64, 128, 64, 2, 6, 1408)},
+    # Mistral-7B-v0.1's shape: a sliding window of 4,096 keys on every layer.
+    "mistral-7b": {"hub": "mistralai/Mistral-7B-v0.1", "config": _mistral(4096, 32, 32, 8, 14336, window=4096)},
     # A few hundred thousand parameters: seeded random weights, runs anywhere in a blink.
     "tiny": {"hub": None, "config": {**_qwen3(128, 2, 4, 2, 256, True, vocab=512, max_pos=4096, head_dim=32),
                                      "eos_token_id": None, "torch_dtype": "float32"}},
+    # Mistral's shape in miniature: a window of 48 keys on every layer.
+    "tiny-mistral": {"hub": None, "config": {**_mistral(128, 2, 4, 2, 256, window=48, vocab=512, max_pos=4096,
+                                                        head_dim=32), "eos_token_id": None, "torch_dtype": "float32"}},
     # DeepSeek-V2's shape in miniature: MLA, YaRN, a dense layer then a MoE layer with a shared expert.
     "tiny-mla": {"hub": None, "config": {**_deepseek_v2(128, 2, 4, 256, 64, 32, 16, 32, 8, 1, 2, 64, vocab=512,
                                                          max_pos=4096, yarn_factor=4.0, original_max_pos=1024,

@@ -42,6 +42,8 @@ class SamplingParams:
       holds, by a constant and per occurrence; repetition_penalty (> 0; 1 is off) divides positive
       and multiplies negative logits of tokens in the prompt or output.
     - min_tokens: EOS and stop_token_ids cannot be sampled before this many output tokens.
+    - attention_params: values of the engine's attention variants' per-request parameters
+      (PerRequest, docs/ATTENTION.md), by name.
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -61,6 +63,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    attention_params: dict | None = None
 
     def __post_init__(self):
         put = partial(object.__setattr__, self)
@@ -108,6 +111,13 @@ class SamplingParams:
         put("repetition_penalty", repetition)
         put("min_tokens", _integer("min_tokens", self.min_tokens, 0, self.max_new_tokens,
                                    f"an integer from 0 to max_new_tokens ({self.max_new_tokens})"))
+        if self.attention_params is not None:
+            bad = not isinstance(self.attention_params, dict) or any(
+                not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v != v
+                for k, v in self.attention_params.items())
+            if bad:
+                raise SamplingParamsError(f"attention_params must map parameter names to numbers, got "
+                                          f"{short_repr(self.attention_params)}.")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,70 @@
+"""A model family against HF transformers' own modeling code on a tiny random checkpoint (float32,
+CPU), through the engine paths attention variants change: prompts longer than the window, a ragged
+batch, pages of 16, chunked prefill whose chunks cross the window, a prefix-cache hit, and
+preemption with recompute. Every step's logits (each prompt's last token, then each decode step)
+within 1e-4 relative error of HF's over the same sequence, and 32 greedy tokens equal to HF's
+generate."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from flexsgl import LLM, SamplingParams
+from tests.hf_models import capture_logits, hf_reference
+
+STEPS = 32
+PAGE = 16
+# Fewer KV pages than the batch needs at once, so that the scheduler preempts (and recomputes)
+KV_PAGES_UNDER_PRESSURE = 9
+
+
+def prompts_for(rng: random.Random, vocab: int, window: int) -> list[list[int]]:
+    """A ragged batch: shorter than a page, about one window, beyond two windows, and in between."""
+    lengths = [3, window + 5, 2 * window + 17, 70]
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def check_outputs(hf, llm, seen, prompts, outs, seed, what: str) -> None:
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = hf_reference(hf, prompt, STEPS)
+        assert outs[i].finish_reason == "length", f"{what}: seed={seed}"
+        assert outs[i].token_ids == ref_tokens, f"{what}: prompt {i} (len {len(prompt)}), seed={seed}"
+        ours = torch.stack(seen[outs[i].request_id])
+        assert ours.shape == ref_logits.shape, f"{what}: seed={seed}"
+        rel = ((ours - ref_logits).abs().max(-1).values / ref_logits.abs().max(-1).values).max().item()
+        assert rel < 1e-4, f"{what}: prompt {i}: logits relative error {rel:.2e}, seed={seed}"
+
+
+def check_family(tmp_path, monkeypatch, make_hf, window: int, compile: bool = False, **options) -> LLM:
+    """make_hf(path, seed) saves a tiny random HF model at path and returns it (eval, float32).
+    Runs the batch, then a prompt sharing the first pages of one of them (a prefix-cache hit), then
+    the batch again in a KV cache too small for it (preemption); returns the first engine."""
+    seed = random.randrange(1 << 30)
+    hf = make_hf(tmp_path, seed)
+    hf.config._attn_implementation = "eager"
+    rng = random.Random(seed)
+    vocab = hf.config.vocab_size
+    prompts = prompts_for(rng, vocab, window)
+    sampling = SamplingParams(max_new_tokens=STEPS, temperature=0.0)
+
+    llm = LLM(str(tmp_path), device="cpu", page_size=PAGE, max_num_batched_tokens=40, compile=compile, **options)
+    llm.allocator.shuffle(seed)
+    seen = capture_logits(llm, monkeypatch)
+    check_outputs(hf, llm, seen, prompts, llm.generate(prompts, sampling), seed, "ragged batch, chunked prefill")
+
+    shared = prompts[1][:2 * PAGE]  # two whole pages of a prompt the cache holds
+    again = [shared + [rng.randrange(vocab) for _ in range(window // 2 + 3)]]
+    outs = llm.generate(again, sampling)
+    assert outs[0].cached_tokens >= PAGE, f"no prefix-cache hit: seed={seed}"
+    check_outputs(hf, llm, seen, again, outs, seed, "prefix-cache hit")
+
+    monkeypatch.undo()  # capture_logits patches the sampler for one engine at a time
+    small = LLM(str(tmp_path), device="cpu", page_size=PAGE, max_num_batched_tokens=40, compile=compile,
+                max_total_tokens=KV_PAGES_UNDER_PRESSURE * PAGE, **options)
+    small.allocator.shuffle(seed + 1)
+    seen_small = capture_logits(small, monkeypatch)
+    check_outputs(hf, small, seen_small, prompts, small.generate(prompts, sampling), seed, "preemption")
+    assert small.scheduler.counters["preemptions"] > 0, f"no preemption happened: seed={seed}"
+    return llm
