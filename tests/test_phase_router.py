@@ -14,7 +14,7 @@ class Recording(AttentionBackend):
     def prepare(self, fb):
         self.calls.append("prepare")
 
-    def forward(self, q, cache, fb):
+    def forward(self, q, cache, fb, variant=None, sink=None):
         self.calls.append("forward")
         return q * (2 if self.expands else 3)
 

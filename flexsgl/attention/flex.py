@@ -115,9 +115,11 @@ class FlexAttentionBackend(AttentionBackend):
         self.kernel_options = self.cuda_kernel_options() if cuda else None
         self.packed_kernel_options = self.packed_cuda_kernel_options() if cuda and self.packs_prefill else None
         # A variant's mods run on the Triton kernels (flex_ops.triton_prefill_options says why)
-        dim, dtype = self.kv_shape()[1], self.pool.k[0].dtype
-        self.variant_kernel_options = triton_prefill_options(dim, self.pool.page_size, dtype) if cuda else None
-        self.variant_packed_options = triton_prefill_options(dim, 64, dtype) if cuda else None
+        self.variant_kernel_options = self.variant_packed_options = None
+        if cuda and self.variants:
+            dim, dtype = self.kv_shape()[1], self.pool.k[0].dtype
+            self.variant_kernel_options = triton_prefill_options(dim, self.pool.page_size, dtype)
+            self.variant_packed_options = triton_prefill_options(dim, 64, dtype)
 
     def decode_full_blocks(self, batch: int) -> bool:
         """Whether decode at this batch size lists full KV blocks (see the module docstring)."""
