@@ -225,12 +225,14 @@ def backends(device: str = typer.Option(None, help="cpu, cuda or cuda:N (default
         fail(str(e))
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     typer.echo(f"attention backends on {where} (models: GQA = Qwen3, Llama; MLA = DeepSeek-V2)")
-    rows = [("name", "phases", "models", "runs here", "about (and why not)")]
-    rows += [(r["name"], r["phases"], r["models"], "yes" if r["runs_here"] else "no",
+    rows = [("name", "phases", "models", "variants", "runs here", "about (and why not)")]
+    rows += [(r["name"], r["phases"], r["models"], r["variants"], "yes" if r["runs_here"] else "no",
               r["about"] + (f"; not here: {r['why_not']}" if r["why_not"] else "")) for r in table(dev)]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5])
+    typer.echo("variants: the attention-variant features a backend runs (docs/ATTENTION.md); all: any variant, "
+               "its Python mods included")
 
 
 @app.command()
