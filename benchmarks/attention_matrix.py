@@ -1,7 +1,12 @@
 """The attention kernel matrix: every backend on the same paged batches, beside the hardware floor.
 
     python benchmarks/attention_matrix.py [--pages 16,64,128] [--gqa 4,8] [--phases decode,prefill]
-        [--batches 1,8,32,128,256] [--contexts 1024,4096,16384] [--backends ...] [--json PATH]   (a GPU)
+        [--batches 1,8,32,128,256] [--contexts 1024,4096,16384] [--backends ...] [--window W] [--json PATH]
+        (a GPU)
+
+`--window W` runs every backend with a sliding window of W keys (the `sliding_window` attention
+variant; FA3 as its window_size), against a float64 reference with the same window, and the decode
+floor counts the keys in the window only.
 
 Shapes: decode at batch 1, 8, 32, 128, 256 with contexts of 1k, 4k and 16k tokens; ragged prefill
 of 8k and 32k new tokens in all (requests of 512 to 4096 new tokens, drawn with a fixed seed),
@@ -40,6 +45,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexsgl.attention.base import ForwardBatch  # noqa: E402
+from flexsgl.attention.bound_variant import VariantSet  # noqa: E402
+from flexsgl.attention.variants import sliding_window  # noqa: E402
 from flexsgl.attention.registry import SPECS, backend_class, sm_version, why_not  # noqa: E402
 from flexsgl.bench import copy_bandwidth  # noqa: E402
 from flexsgl.bench.cuda_timing import graph_median_s  # noqa: E402
@@ -101,14 +108,15 @@ def gathered(pool: KVPool, tables, seq_lens) -> list[tuple[torch.Tensor, torch.T
     return out
 
 
-def reference_rows(q, kv, specs, rows) -> torch.Tensor:
-    """float64 attention of the packed query rows `rows`."""
+def reference_rows(q, kv, specs, rows, window: int | None = None) -> torch.Tensor:
+    """float64 attention of the packed query rows `rows` (over the last `window` keys where given)."""
     starts = [0, *torch.tensor([n for _, n in specs]).cumsum(0).tolist()]
     out = []
     for row in rows:
         r = next(i for i in range(len(specs)) if starts[i] <= row < starts[i + 1])
         pos = specs[r][0] + row - starts[r]
-        k, v = (x[:pos + 1].double() for x in kv[r])
+        first = 0 if window is None else max(0, pos - window + 1)
+        k, v = (x[first:pos + 1].double() for x in kv[r])
         qi = q[row].double()  # [Hq, D]
         g = qi.shape[0] // k.shape[1]
         s = torch.einsum("hd,khd->hk", qi, k.repeat_interleave(g, 1)) / D ** 0.5
@@ -179,9 +187,16 @@ def flex_dense(fb, q, kv, specs):
                             kernel_options=options)[0].transpose(0, 1)
 
 
-def attend_fn(name: str, pool, fb, q, hq: int, kv):
-    """A callable running `name` on this batch, or the reason it cannot run here."""
+def attend_fn(name: str, pool, fb, q, hq: int, kv, window: int | None = None):
+    """A callable running `name` on this batch (with a sliding window of `window` keys), or the reason
+    it cannot run here."""
     specs = [(s - n, n) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]  # (cached prefix, new) per request
+    variants = None if window is None else VariantSet([sliding_window(window)], hq, 0, hq, len(specs) + 1,
+                                                      torch.device("cuda"))
+    bound = None if variants is None else variants.layers[0]
+    if window is not None and name not in ("flex", "fa3", "fa3-prefill"):
+        return "it runs no window here"
+    fb.req_slots = torch.arange(len(specs), device="cuda")
     if name == "sdpa":
         return lambda: sdpa(q, kv, specs)
     if name == "fa4":
@@ -192,19 +207,19 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv):
     if flash and fb.mode != "prefill":
         return "it runs prefill only"
     spec = SPECS["flex" if flash else name]
-    reason = why_not(spec, torch.device("cuda"), "gqa")
+    reason = why_not(spec, torch.device("cuda"), "gqa", variants=() if variants is None else variants.layers)
     if reason is None and fb.mode not in spec.phases:
         reason = f"it runs {', '.join(spec.phases)} only"
     cls = backend_class(spec) if reason is None else None
     reason = reason or cls.unsupported(pool.page_size, torch.device("cuda"))
     if reason:
         return reason
-    backend = cls(pool, num_heads=hq, compiled=True)
+    backend = cls(pool, num_heads=hq, compiled=True, variants=variants)
     if flash:
         backend.kernel_options = backend.packed_kernel_options = {"BACKEND": "FLASH"}
     fb.backend = backend
     backend.prepare(fb)
-    fn = lambda: backend.forward(q, pool.layer_cache(0), fb)  # noqa: E731
+    fn = lambda: backend.forward(q, pool.layer_cache(0), fb, bound)  # noqa: E731
     if spec.name == "flex" and fb.mode == "prefill":  # decode compiles inside its op (flex_ops.py); prefill here
         torch._dynamo.reset()
         fn = torch.compile(fn, dynamic=False)
@@ -224,10 +239,14 @@ def cases(pages, gqas, batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS):
                     yield "prefill", label, specs, page, gqa
 
 
-def floor_us(phase, specs, hq, bandwidth, peak_tflops) -> float:
+def floor_us(phase, specs, hq, bandwidth, peak_tflops, window: int | None = None) -> float:
+    """Decode: every key read once (those in the window); prefill: every visible (query, key) pair."""
     if phase == "decode":
-        return sum(p + n for p, n in specs) * 2 * KV_HEADS * D * 2 / bandwidth * 1e6
-    pairs = sum(n * p + n * (n + 1) / 2 for p, n in specs)
+        return sum(min(p + n, window or p + n) for p, n in specs) * 2 * KV_HEADS * D * 2 / bandwidth * 1e6
+    if window is None:
+        pairs = sum(n * p + n * (n + 1) / 2 for p, n in specs)
+    else:
+        pairs = sum(min(pos + 1, window) for p, n in specs for pos in range(p, p + n))
     return 4 * hq * D * pairs / (peak_tflops * 1e12) * 1e6
 
 
@@ -240,6 +259,7 @@ def main() -> None:
     ap.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)), help="decode contexts")
     ap.add_argument("--backends", default="flex,fa3,fi-decode,triton-decode,sdpa")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
+    ap.add_argument("--window", type=int, default=None, help="a sliding window of this many keys")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     name = torch.cuda.get_device_name()
@@ -259,12 +279,12 @@ def main() -> None:
             pool, fb, q, tables = paged_batch(specs, page, hq)
             check = torch.randperm(fb.num_tokens, generator=torch.Generator().manual_seed(0))[:CHECK_ROWS].sort().values
             kv = gathered(pool, tables, fb.host_seq_lens)
-            ref = reference_rows(q, kv, specs, check.tolist())
-            floor = floor_us(phase, specs, hq, bandwidth, peak)
+            ref = reference_rows(q, kv, specs, check.tolist(), a.window)
+            floor = floor_us(phase, specs, hq, bandwidth, peak, a.window)
             cells = {}
             for b in backends:
                 try:
-                    fn = attend_fn(b, pool, fb, q, hq, kv)
+                    fn = attend_fn(b, pool, fb, q, hq, kv, a.window)
                     if isinstance(fn, str):
                         continue  # cannot run here (the registry's reason)
                     err = (fn()[check.cuda()].double() - ref).abs().max().item()
@@ -273,7 +293,8 @@ def main() -> None:
                     cells[b] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
             del pool, fb, q, kv
             torch.cuda.empty_cache()
-        row = {"phase": phase, "shape": label, "page_size": page, "gqa": gqa, "floor_us": floor, "cells": cells}
+        row = {"phase": phase, "shape": label, "page_size": page, "gqa": gqa, "window": a.window, "floor_us": floor,
+               "cells": cells}
         rows.append(row)
         shown = "  ".join(f"{b} {c['us']:,.1f} ({c['us'] / floor:.2f}x){'!' if c['err'] > TOLERANCE else ''}"
                           if "us" in c else f"{b} failed: {c['error']}" for b, c in cells.items())

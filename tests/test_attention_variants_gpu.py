@@ -1,0 +1,97 @@
+"""Attention variants on the GPU: every shipped variant and the two written in
+tests/test_attention_variants.py, compiled, in bfloat16, with pages of 16 and 64, against float64
+attention; decode replayed from a CUDA graph (its block mask rebuilt inside the graph). And whole
+engines with per-layer variants, compiled with CUDA graphs, against the same engines run eagerly."""
+
+import random
+
+import pytest
+import torch
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.attention.bound_variant import VariantSet
+from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.variants import alibi, sliding_window, softcap
+from flexsgl.cache.pool import KVPool, PageAllocator
+from tests.attention_reference import dense_variant_attention, random_paged_batch
+from tests.test_attention_variants import CASES, REFERENCE
+
+pytestmark = pytest.mark.gpu
+HQ, HKV, D = 8, 2, 64
+
+
+def run_gpu_case(name, specs, page_size, graphed: bool, seed: int):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    variant, ref_visible, ref_score, sink = REFERENCE[name]
+    dev = torch.device("cuda")
+    pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
+    pool = KVPool(1, pages, page_size, HKV, D, torch.bfloat16, dev)
+    pool.k[0].normal_(), pool.v[0].normal_()
+    fb, q, k, v, dense = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, HQ, dev,
+                                            torch.bfloat16, rng)
+    variants = VariantSet([variant], HQ, 0, HQ, slots=2 * len(specs), device=dev)
+    bound = variants.layers[0]
+    ctx = {"prompt_len": [rng.randrange(1, p + n + 1) for p, n in specs], "win": [rng.randrange(1, 49) for _ in specs]}
+    for param in ("prompt_len", "win"):
+        if param in variants.request_tensors:
+            variants.request_tensors[param][fb.req_slots] = torch.tensor(ctx[param], device=dev)
+    backend = FlexAttentionBackend(pool, num_heads=HQ, compiled=True, variants=variants)
+    pool.store(0, k.to(dev, torch.bfloat16), v.to(dev, torch.bfloat16), fb.out_slots)
+    qd = q.to(dev, torch.bfloat16)
+    sink_t = bound.layer_sink(None)
+    if graphed:  # as the graph manager runs it: bind, then the mask rebuilt inside the recorded step
+        bs = fb.batch_size
+        backend.init_graph_state(bs, fb.page_table.shape[1])
+        backend.bind_graph(bs, fb)
+        for _ in range(2):
+            backend.graph_step(bs, fb)
+            backend.forward(qd, pool.layer_cache(0), fb, bound, sink_t)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            backend.graph_step(bs, fb)
+            out = backend.forward(qd, pool.layer_cache(0), fb, bound, sink_t)
+        out.zero_()
+        graph.replay()
+    else:
+        backend.prepare(fb)
+        torch._dynamo.reset()
+        out = torch.compile(FlexAttentionBackend.forward, dynamic=True)(backend, qd, pool.layer_cache(0), fb, bound,
+                                                                       sink_t)
+    ref = dense_variant_attention(q, dense, specs, lambda i, h, qp, kv: ref_visible(i, h, qp, kv, ctx),
+                                  None if ref_score is None else lambda s, i, h, qp, kv: ref_score(s, i, h, qp, kv, ctx),
+                                  sink)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=2e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("name", list(REFERENCE))
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_variant_decode_in_a_cuda_graph_matches_float64(name, page_size):
+    run_gpu_case(name, CASES["decode"], page_size, graphed=True, seed=random.randrange(1 << 30))
+
+
+@pytest.mark.parametrize("name", list(REFERENCE))
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend"])
+def test_variant_prefill_compiled_matches_float64(name, page_size, case):
+    run_gpu_case(name, CASES[case], page_size, graphed=False, seed=random.randrange(1 << 30))
+
+
+@pytest.mark.parametrize("model,attention", [
+    ("tiny-mistral", None),  # its own window on every layer, pages behind it given back
+    ("tiny", {"0": sliding_window(24) & softcap(20.0), "1": alibi()}),  # a user's variants per layer
+])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_engine_with_variants_graphed_matches_eager(model, attention, page_size):
+    """Greedy tokens of a compiled engine replaying CUDA graphs equal the same engine run eagerly
+    (float32 on the GPU), over prompts longer than the window and generations past it."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(500) for _ in range(n)] for n in (5, 70, 150)]
+    sampling = SamplingParams(max_new_tokens=80, temperature=0.0, ignore_eos=True)
+    outs = []
+    for compiled in (True, False):
+        llm = LLM(model, load_format="dummy", device="cuda", dtype="float32", page_size=page_size, compile=compiled,
+                  disable_cuda_graph=not compiled, max_total_tokens=8192, attention=attention)
+        outs.append([o.token_ids for o in llm.generate(prompts, sampling)])
+    assert outs[0] == outs[1], f"seed={seed}"
