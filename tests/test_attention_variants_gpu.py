@@ -95,3 +95,37 @@ def test_engine_with_variants_graphed_matches_eager(model, attention, page_size)
                   disable_cuda_graph=not compiled, max_total_tokens=8192, attention=attention)
         outs.append([o.token_ids for o in llm.generate(prompts, sampling)])
     assert outs[0] == outs[1], f"seed={seed}"
+
+
+FA3_VARIANTS = ["causal", "sliding_window", "softcap", "attention_sinks", "gemma_gpt_oss_like"]
+
+
+@pytest.mark.parametrize("name", FA3_VARIANTS)
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend", "decode"])
+def test_fa3_runs_the_variants_it_declares(name, page_size, case):
+    """FA3 (sgl_kernel) takes the window, softcap and sinks of a variant as its own arguments: against
+    the same float64 reference flex is checked with."""
+    pytest.importorskip("sgl_kernel")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FA3 runs on SM90")
+    from flexsgl.overrides.fa3 import FA3Backend
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    variant, ref_visible, ref_score, sink = REFERENCE[name]
+    dev, specs = torch.device("cuda"), CASES[case]
+    pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
+    pool = KVPool(1, pages, page_size, HKV, D, torch.bfloat16, dev)
+    fb, q, k, v, dense = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, HQ, dev,
+                                            torch.bfloat16, rng)
+    bound = VariantSet([variant], HQ, 0, HQ, slots=2 * len(specs), device=dev).layers[0]
+    backend = FA3Backend(pool, num_heads=HQ)
+    pool.store(0, k.to(dev, torch.bfloat16), v.to(dev, torch.bfloat16), fb.out_slots)
+    backend.prepare(fb)
+    out = backend.forward(q.to(dev, torch.bfloat16), pool.layer_cache(0), fb, bound, bound.layer_sink(None))
+    ref = dense_variant_attention(q, dense, specs, lambda i, h, qp, kv: ref_visible(i, h, qp, kv, {}),
+                                  None if ref_score is None else lambda s, i, h, qp, kv: ref_score(s, i, h, qp, kv, {}),
+                                  sink)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=2e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")

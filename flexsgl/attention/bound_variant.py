@@ -15,8 +15,7 @@ import itertools
 
 import torch
 
-from flexsgl.attention.variant import (AttentionVariant, Params, PerHead, PerRequest, PromptLength, call_mask,
-                                       call_score)
+from flexsgl.attention.variant import AttentionVariant, Params, PerHead, PerRequest, PromptLength, with_params
 
 _ids = itertools.count()
 BOUND: dict[int, "BoundVariant"] = {}  # by id: flex_ops' decode op finds a layer's variant by its id
@@ -31,7 +30,8 @@ class BoundVariant:
         BOUND[self.id] = self
         self.p = Params(params)
         self.window, self.causal, self.scale = variant.window, variant.causal, variant.scale
-        self.mask_mod, self.score_mod = variant.mask_mod, variant.score_mod
+        # the mods as functions of their coordinates and p, whichever form they were written in
+        self.mask_mod, self.score_mod = with_params(variant.mask_mod, 4), with_params(variant.score_mod, 5)
         self.sink_name = variant.sink if isinstance(variant.sink, str) else None
         self.sink = sink  # a PerHead sink's values (this rank's heads); a named one comes from the layer
         self.plain = variant.plain
@@ -54,11 +54,11 @@ class BoundVariant:
         if self.window is not None:
             vis = vis & (q_pos - kv_pos < self.window)
         if self.mask_mod is not None:
-            vis = vis & call_mask(self.mask_mod, slot, h, q_pos, kv_pos, self.p)
+            vis = vis & self.mask_mod(slot, h, q_pos, kv_pos, self.p)
         return vis
 
     def score(self, s, slot, h, q_pos, kv_pos):
-        return s if self.score_mod is None else call_score(self.score_mod, s, slot, h, q_pos, kv_pos, self.p)
+        return s if self.score_mod is None else self.score_mod(s, slot, h, q_pos, kv_pos, self.p)
 
     def layer_sink(self, attn) -> torch.Tensor | None:
         """The sink logits `[heads]` an attention layer attends with (None: no sink)."""

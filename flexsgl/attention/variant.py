@@ -196,34 +196,42 @@ def takes_params(mod: Callable, n: int) -> bool:
     return len(positional) == n + 1
 
 
+def with_params(mod: Callable | None, n: int) -> Callable | None:
+    """`mod` as a function of its n coordinates and `p`, whichever form it was written in: decided
+    once here, so that nothing inspects it while a compiler traces it."""
+    if mod is None or takes_params(mod, n):
+        return mod
+    return lambda *args: mod(*args[:n])
+
+
 def call_mask(mod: Callable, b, h, q_pos, kv_pos, p):
-    return mod(b, h, q_pos, kv_pos, p) if takes_params(mod, 4) else mod(b, h, q_pos, kv_pos)
+    return with_params(mod, 4)(b, h, q_pos, kv_pos, p)
 
 
 def call_score(mod: Callable, score, b, h, q_pos, kv_pos, p):
-    return mod(score, b, h, q_pos, kv_pos, p) if takes_params(mod, 5) else mod(score, b, h, q_pos, kv_pos)
+    return with_params(mod, 5)(score, b, h, q_pos, kv_pos, p)
 
 
 def _and_masks(a: AttentionVariant, b: AttentionVariant):
-    masks = [m for m in (a.mask_mod, b.mask_mod) if m is not None]
+    masks = [with_params(m, 4) for m in (a.mask_mod, b.mask_mod) if m is not None]
     if len(masks) < 2:
         return masks[0] if masks else None
     first, second = masks
 
     def mask(b_, h, q_pos, kv_pos, p):
-        return call_mask(first, b_, h, q_pos, kv_pos, p) & call_mask(second, b_, h, q_pos, kv_pos, p)
+        return first(b_, h, q_pos, kv_pos, p) & second(b_, h, q_pos, kv_pos, p)
 
     return mask
 
 
 def _chain_scores(a: AttentionVariant, b: AttentionVariant):
-    scores = [s for s in (a.score_mod, b.score_mod) if s is not None]
+    scores = [with_params(s, 5) for s in (a.score_mod, b.score_mod) if s is not None]
     if len(scores) < 2:
         return scores[0] if scores else None
     first, second = scores
 
     def score(s, b_, h, q_pos, kv_pos, p):
-        return call_score(second, call_score(first, s, b_, h, q_pos, kv_pos, p), b_, h, q_pos, kv_pos, p)
+        return second(first(s, b_, h, q_pos, kv_pos, p), b_, h, q_pos, kv_pos, p)
 
     return score
 
