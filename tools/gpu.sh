@@ -42,6 +42,16 @@
 #   tp-latency     (2 GPUs) bench latency, Qwen3-8B dummy, batch 1, --tp 1 then --tp 2 (TPOT, floor per rank)
 #   tp-throughput  (2 GPUs) bench throughput, Qwen3-0.6B dummy, --tp 1 then --tp 2
 #   tp-70b         (2 GPUs) bench latency, llama3-70b dummy (141 GB in bf16: 70 GB per rank), --tp 2
+#   variants       the attention-variant GPU tests: every variant in bf16 with pages of 16 and 64 (decode in a CUDA
+#                  graph), FA3's window/softcap/sinks, engines with per-layer variants graphed against eager
+#   mistral        bench latency of the mistral-7b dummy (a 4,096-key window on every layer), flex, batch 1 and 32
+#                  at 4k and 32k tokens of context: decode TPOT at 32k against 4k
+#   window-kernels benchmarks/attention_matrix.py --window 4096: flex's windowed decode and prefill beside FA3's
+#                  window_size, pages of 64, GQA 4, decode at batch 1 and 32 with 4k and 32k contexts
+#   variant-cost   a user's variant (alibi, a score_mod; and a mask_mod with a window) against plain causal
+#                  attention: bench throughput of the Qwen3-0.6B dummy and latency of the Qwen3-8B dummy, flex
+#   families       bench throughput of the gemma-2-9b dummy (softcap and windows), flex and fa3; bench latency of
+#                  the gpt-oss-20b dummy (sinks, windows, MoE) at batch 1 with its floor, flex and fa3
 #   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
 #                  whole matrix, pages 16/64/128 and GQA 4/8, takes several calls: split it by --pages/--gqa).
 #                  FlexAttention's FLASH backend (flash-attn-4): stage it with tools/stage_flash.sh, then e.g.
@@ -80,7 +90,8 @@ suite() {  # NAME, then pytest's arguments
 }
 declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
-                   [tp-tests]=200 [tp-latency]=240 [tp-throughput]=200 [tp-70b]=200)
+                   [tp-tests]=200 [tp-latency]=240 [tp-throughput]=200 [tp-70b]=200
+                   [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
 for s in "${steps[@]}"; do
@@ -140,6 +151,26 @@ for s in "${steps[@]}"; do
                    done ;;
     tp-70b) timeout "$LIMIT" "${BENCH[@]}" "${TP_LATENCY[@]}" --model llama3-70b --load-format dummy --tp 2 \
               --max-total-tokens 65536 --json "$OUT/tp-70b-tp2.json" ;;
+    variants) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_attention_variants_gpu.py ;;
+    mistral) for b in 1 32; do
+               for ctx in 4096 32000; do
+                 timeout 100 "${BENCH[@]}" --workload latency --model mistral-7b --batch-size "$b" --input-len "$ctx" \
+                   --output-len 64 --repeats 1 --cuda-graph-bs "$b" --override flex --json "$OUT/mistral-b$b-$ctx.json"
+               done
+             done ;;
+    window-kernels) timeout "$LIMIT" python benchmarks/attention_matrix.py --window 4096 --pages 64 --gqa 4 \
+                      --batches 1,32 --contexts 4096,32768 --backends flex,fa3 --json "$OUT/window-kernels.json" ;;
+    variant-cost) for att in none alibi "tests.test_attention_variants:user_local_window"; do
+                    flag=(); [ "$att" = none ] || flag=(--attention "$att")
+                    timeout 130 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override flex "${flag[@]}" \
+                      --json "$OUT/variant-throughput-${att##*:}.json"
+                    timeout 100 "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 1 --override flex "${flag[@]}" \
+                      --json "$OUT/variant-latency-${att##*:}.json"
+                  done ;;
+    families) timeout 250 "${BENCH[@]}" --workload throughput --model gemma-2-9b --override flex --override fa3 \
+                --json "$OUT/gemma2-throughput.json"
+              timeout 220 "${BENCH[@]}" --workload latency --model gpt-oss-20b --repeats 2 --override flex \
+                --override fa3 --json "$OUT/gpt-oss-latency.json" ;;
     kernel-matrix) timeout "$LIMIT" python benchmarks/attention_matrix.py ${MATRIX_ARGS:---pages 64 --gqa 4} \
                      --json "$OUT/attention-matrix.json" ;;
     *) echo "unknown step $s"; false ;;
