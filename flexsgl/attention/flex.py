@@ -48,7 +48,7 @@ from flexsgl.attention.flex_ops import (flex_decode, kv_splits, packed_prefill_o
 from flexsgl.attention.flex_masks import (Q_BLOCK, packed_causal, packed_paged_causal, packed_paged_variant,
                                           packed_rows_variant, paged_causal, paged_decode_variant)
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
-from flexsgl.step_shape import MIN_COMPILED_SIZE
+from flexsgl.attention.flex_blocks import block_positions, block_rules, kv_blocks, packed_rows, query_blocks
 
 
 @dataclass
@@ -222,8 +222,8 @@ class FlexAttentionBackend(AttentionBackend):
         if self.compiled and self.packs_prefill and packs_kv(fb):
             return self._packed_prefill_meta(fb, bound)
         align, ps = (Q_BLOCK if self.compiled else 1), self.pool.page_size
-        req, index, first_block, n_real, n_blocks = _query_blocks(fb, align)
-        first, last = _block_positions(fb, req, index, first_block, align)
+        req, index, first_block, n_real, n_blocks = query_blocks(fb, align)
+        first, last = block_positions(fb, req, index, first_block, align)
         # int32 like the page table and page_pos: the FLASH backend's mask_mod code keeps one integer type
         mask_state = [req.int(), first.int()]
         seq_last = fb.seq_lens.long() - 1
@@ -234,8 +234,8 @@ class FlexAttentionBackend(AttentionBackend):
                                                        fb.req_slots, ps, align)
         if not self.compiled:  # a block is a token, in packed order: the queries are a plain view
             return self._dense_meta(fb, mask_mod, (1, n_blocks), compact, score_mod)
-        blocks = kv_blocks(fb.page_table, ps, req, first, last, index < n_real, *_block_rules(bound, seq_last[req]))
-        rows = _packed_rows(fb, first_block, align)
+        blocks = kv_blocks(fb.page_table, ps, req, first, last, index < n_real, *block_rules(bound, seq_last[req]))
+        rows = packed_rows(fb, first_block, align)
         return self._meta(fb, [x if x is None else x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
                           mask_state, align, score_mod=score_mod)
 
@@ -243,7 +243,7 @@ class FlexAttentionBackend(AttentionBackend):
         """Compiled prefill over the step's K/V packed into rows: request r's positions 0..seq_len-1
         from its first KV block on, so its KV blocks are consecutive and the block lists are
         kv_blocks' over a table of those (see the module docstring)."""
-        req, index, first_block, n_real, n_blocks = _query_blocks(fb, Q_BLOCK)
+        req, index, first_block, n_real, n_blocks = query_blocks(fb, Q_BLOCK)
         dev, ps = index.device, self.pool.page_size
         seq_lens = fb.seq_lens.long()
         kv_per_req = (seq_lens + Q_BLOCK - 1) // Q_BLOCK
@@ -254,14 +254,14 @@ class FlexAttentionBackend(AttentionBackend):
         pos = torch.arange(n_kv * Q_BLOCK, device=dev) - kv_first[row_req] * Q_BLOCK
         page = fb.page_table[row_req, (pos // ps).clamp_(max=fb.page_table.shape[1] - 1)].long()
         kv_rows = torch.where(pos < seq_lens[row_req], page * ps + pos % ps, -1)  # -1: a padding row
-        first, last = _block_positions(fb, req, index, first_block, Q_BLOCK)
+        first, last = block_positions(fb, req, index, first_block, Q_BLOCK)
         # Each request's KV blocks, as a page table of Q_BLOCK-row blocks. Inductor's CPU flex kernel
         # wants index rows as wide as the KV sequence has blocks.
         width = n_kv if dev.type == "cpu" else max(-(-n // Q_BLOCK) for n in fb.host_seq_lens)
         table = (kv_first[:, None] + torch.arange(width, device=dev)).clamp_(max=n_kv - 1).int()
         seq_last = seq_lens - 1
         blocks = [x if x is None else x[None, None] for x in
-                  kv_blocks(table, Q_BLOCK, req, first, last, index < n_real, *_block_rules(bound, seq_last[req]))]
+                  kv_blocks(table, Q_BLOCK, req, first, last, index < n_real, *block_rules(bound, seq_last[req]))]
         mask_state = [(kv_first[req] * Q_BLOCK).int(), first.int()]  # int32: see _prefill_meta
         if bound is None:
             mask_mod, score_mod = packed_causal(*mask_state, Q_BLOCK), None
@@ -269,7 +269,7 @@ class FlexAttentionBackend(AttentionBackend):
             mask_mod, score_mod = packed_rows_variant(bound, req, *mask_state, seq_last, fb.req_slots, Q_BLOCK)
         block_mask = BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=(Q_BLOCK, Q_BLOCK), mask_mod=mask_mod,
                                               seq_lengths=(n_blocks * Q_BLOCK, n_kv * Q_BLOCK), compute_q_blocks=False)
-        return FlexMeta(block_mask, (1, n_blocks * Q_BLOCK), _packed_rows(fb, first_block, Q_BLOCK), mask_state,
+        return FlexMeta(block_mask, (1, n_blocks * Q_BLOCK), packed_rows(fb, first_block, Q_BLOCK), mask_state,
                         kv_rows=kv_rows, score_mod=score_mod)
 
     def _dense_meta(self, fb: ForwardBatch, mask_mod, query_shape, compact: bool, score_mod=None) -> FlexMeta:
@@ -413,73 +413,3 @@ def _dense_from_mods(meta: FlexMeta, nb: int, hq: int, nq: int, n: int, device) 
     visible = meta.block_mask.mask_mod(b, h, q, kv)
     score = None if meta.score_mod is None else (lambda s: meta.score_mod(s, b, h, q, kv))
     return visible, score
-
-
-def kv_blocks(table: torch.Tensor, block: int, req, first_pos, last_pos, valid, window: int | None = None,
-              full: bool = True, hi_pos=None):
-    """For query blocks of requests `req` whose rows sit at positions first_pos..last_pos, where
-    `table[r]` lists request r's KV blocks of `block` positions each in order: which KV blocks they
-    read. Those from the first row's first visible key (position 0, or first_pos - window + 1) to the
-    last row's last (last_pos, or hi_pos where keys after the query are visible too) are visible;
-    of them, those every row sees whole (after the last row's window start, up to the first row)
-    are *full* (no mask_mod call) where `full`, and the others *partial*. Returns (partial count,
-    partial blocks, full count, full blocks), each with a leading query-block dimension; with `full`
-    False every visible block is partial and there are no full blocks (None, None)."""
-    w = table.shape[1]
-    hi = (last_pos if hi_pos is None else hi_pos) // block
-    lo = torch.zeros_like(hi) if window is None else (first_pos - window + 1).clamp(min=0) // block
-    n_visible = torch.where(valid, hi - lo + 1, 0)
-    rows = table[req]
-    cols = torch.arange(w, device=req.device)
-    if not full:
-        visible_idx = torch.gather(rows, 1, (lo[:, None] + cols).clamp_(max=w - 1))
-        return n_visible.to(torch.int32), visible_idx, None, None
-    full_lo = torch.zeros_like(hi) if window is None else -(-(last_pos - window + 1).clamp(min=0) // block)
-    n_full = torch.where(valid, ((first_pos + 1) // block - full_lo).clamp(min=0), 0)
-    n_left = torch.where(n_full > 0, full_lo - lo, n_visible)  # partial blocks before the full ones
-    partial = torch.where(cols < n_left[:, None], lo[:, None] + cols, lo[:, None] + n_full[:, None] + cols)
-    partial_idx = torch.gather(rows, 1, partial.clamp_(max=w - 1))
-    full_idx = torch.gather(rows, 1, (full_lo[:, None] + cols).clamp_(max=w - 1))
-    return (n_visible - n_full).to(torch.int32), partial_idx, n_full.to(torch.int32), full_idx
-
-
-def _block_rules(bound, seq_last) -> tuple:
-    """kv_blocks' (window, full, hi_pos) for a prefill of `bound`'s variant (None: plain causal);
-    seq_last: each query block's request's last position so far."""
-    if bound is None:
-        return None, True, None
-    return bound.window, bound.full_blocks, None if bound.causal else seq_last
-
-
-def _query_blocks(fb: ForwardBatch, align: int):
-    """Packed prefill's query blocks of `align` rows, each request starting a block of its own:
-    (request of each block, block index, each request's first block, real blocks, all blocks). Compiled,
-    at least MIN_COMPILED_SIZE blocks; padding blocks belong to the last request and see nothing."""
-    dev = fb.page_table.device
-    per_req = (fb.q_lens.long() + align - 1) // align
-    n_real = sum(-(-n // align) for n in fb.host_q_lens)
-    n_blocks = max(n_real, MIN_COMPILED_SIZE) if align > 1 else n_real
-    first_block = torch.cumsum(per_req, 0) - per_req
-    req = torch.repeat_interleave(torch.arange(fb.batch_size, device=dev), per_req, output_size=n_real)
-    req = F.pad(req, (0, n_blocks - n_real), value=fb.batch_size - 1)
-    return req, torch.arange(n_blocks, device=dev), first_block, n_real, n_blocks
-
-
-def _block_positions(fb: ForwardBatch, req, index, first_block, align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions of each query block's first and last rows (_query_blocks' blocks)."""
-    prefix = (fb.seq_lens - fb.q_lens).long()[req]  # tokens cached before this step
-    in_req = index - first_block[req]
-    return prefix + in_req * align, prefix + torch.minimum((in_req + 1) * align, fb.q_lens.long()[req]) - 1
-
-
-def _packed_rows(fb: ForwardBatch, first_block: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, row) of each packed token in the `[1, rows]` query sequence."""
-    token_req, token_row = _query_index(fb)
-    return torch.zeros_like(token_row), first_block[token_req] * align + token_row
-
-
-def _query_index(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(request, index among its request's tokens in this step) of each packed token."""
-    req = torch.repeat_interleave(torch.arange(fb.batch_size, device=fb.q_lens.device), fb.q_lens.long(),
-                                  output_size=fb.num_tokens)
-    return req, torch.arange(fb.num_tokens, device=req.device) - fb.q_offsets.long()[req]
