@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 HQ, HKV, D = 8, 2, 64
 
 
-def run_gpu_case(name, specs, page_size, graphed: bool, seed: int):
+def run_gpu_case(name, specs, page_size, graphed: bool, seed: int, packed: bool = True):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     variant, ref_visible, ref_score, sink = REFERENCE[name]
@@ -37,6 +37,7 @@ def run_gpu_case(name, specs, page_size, graphed: bool, seed: int):
         if param in variants.request_tensors:
             variants.request_tensors[param][fb.req_slots] = torch.tensor(ctx[param], device=dev)
     backend = FlexAttentionBackend(pool, num_heads=HQ, compiled=True, variants=variants)
+    backend.packs_prefill = packed
     pool.store(0, k.to(dev, torch.bfloat16), v.to(dev, torch.bfloat16), fb.out_slots)
     qd = q.to(dev, torch.bfloat16)
     sink_t = bound.layer_sink(None)
@@ -71,11 +72,11 @@ def test_variant_decode_in_a_cuda_graph_matches_float64(name, page_size):
 
 
 @pytest.mark.parametrize("name", list(REFERENCE))
-@pytest.mark.parametrize("page_size,case", [(16, "ragged-prefill"), (64, "prefix-extend")])
-def test_variant_prefill_compiled_matches_float64(name, page_size, case):
-    """Each case compiles afresh (seconds on the GPU): prefill over packed rows with pages of 16, over
-    the pages with cached prefixes with pages of 64."""
-    run_gpu_case(name, CASES[case], page_size, graphed=False, seed=random.randrange(1 << 30))
+@pytest.mark.parametrize("page_size,case,packed", [(16, "ragged-prefill", True), (64, "prefix-extend", False)])
+def test_variant_prefill_compiled_matches_float64(name, page_size, case, packed):
+    """Each case compiles afresh (seconds on the GPU): prefill over the step's K/V packed into rows
+    with pages of 16, over the pages with cached prefixes with pages of 64."""
+    run_gpu_case(name, CASES[case], page_size, graphed=False, seed=random.randrange(1 << 30), packed=packed)
 
 
 @pytest.mark.parametrize("model,attention,page_size", [
