@@ -94,6 +94,29 @@ def test_batch_one_decode_kernels_match_hf(tmp_path, monkeypatch):
     assert rel < 1e-4, f"logits relative error {rel:.2e}, seed={seed}"
 
 
+def test_compiled_dense_and_moe_layers_compile_once_each_and_match_hf(tmp_path, monkeypatch):
+    """torch.compile on the CPU: of four layers, one dense and three MoE, a prefill step and a decode
+    step compile one graph per layer kind each (a MoE layer that recompiled for its own weights
+    would add more), and the compiled model's logits and tokens match HF's."""
+    seed = random.randrange(1 << 30)
+    hf = make_qwen3_moe(tmp_path, seed, top_k=2, num_hidden_layers=4)
+    hf.config._attn_implementation = "eager"
+    rng = random.Random(seed)
+    llm = LLM(str(tmp_path), device="cpu", page_size=16, max_total_tokens=1024, compile=True)
+    assert [type(layer.mlp).__name__ for layer in llm.model.model.layers] == ["MoE", "GatedMLP", "MoE", "MoE"]
+    seen = capture_logits(llm, monkeypatch)
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    prompt = [rng.randrange(hf.config.vocab_size) for _ in range(rng.randrange(3, 40))]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
+    assert graphs["unique_graphs"] - before == 4, f"seed={seed}"  # (prefill, decode) x (dense, MoE)
+    ref_tokens, ref_logits = hf_reference(hf, prompt, 6)
+    assert out.token_ids == ref_tokens, f"seed={seed}"
+    ours = torch.stack(seen[out.request_id])
+    rel = ((ours - ref_logits).abs().max(-1).values / ref_logits.abs().max(-1).values).max().item()
+    assert rel < 1e-4, f"logits relative error {rel:.2e}, seed={seed}"
+
+
 @pytest.mark.parametrize("layers,step,mlp_only", [(4, 1, []), (6, 2, [3]), (5, 1, [0, 4]), (4, 3, []), (2, 1, [0, 1])])
 def test_moe_layers_are_those_hf_builds(layers, step, mlp_only):
     import transformers

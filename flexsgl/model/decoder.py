@@ -3,9 +3,10 @@ mixture of experts (flexsgl/model/moe.py) for the MLP of the layers ModelConfig.
 
 Parameter names follow HF's except that q/k/v and gate/up projections are fused; each parameter's
 weight loader (flexsgl/model/weight_loaders.py) puts an HF tensor into its part of the fused
-weight, and a per-expert tensor into its expert's slice of the stacked experts. Tokens arrive packed, `[tokens]`. Each attention layer stores its K/V into its part of the
-KV pool the engine binds to the model (`bind_kv_pool`), through the pool layout's store path
-(flexsgl/cache/store.py), then attends through the backend that the ForwardBatch carries.
+weight, and a per-expert tensor into its expert's slice of the stacked experts. Tokens arrive
+packed, `[tokens]`. Each attention layer stores its K/V into its part of the KV pool the engine
+binds to the model (`bind_kv_pool`), through the pool layout's store path (flexsgl/cache/store.py),
+then attends through the backend that the ForwardBatch carries.
 """
 
 from __future__ import annotations
