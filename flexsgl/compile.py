@@ -5,8 +5,8 @@
   backends take a layer's cache, not its index), so the first layer's compile serves all of them:
   tracing and code generation cost one layer, not 36, and a warm cache reloads one layer's code.
   The embedding, the final norm, the LM head and sampling run eagerly around the layers; CUDA
-  graphs capture the whole step all the same. A model whose layers differ (DeepSeek-V2's dense and
-  MoE layers) compiles once per kind.
+  graphs capture the whole step all the same. A model whose layers differ (the dense and MoE layers
+  of DeepSeek-V2 and Qwen3-MoE) compiles once per kind.
 - The step functions (prefill, decode) run the regions inside `settings()` and log the calls in
   which something compiled (CompiledStep).
 - Prefill shapes are dynamic on CUDA. On the CPU, Inductor's flex kernel miscompiles some dynamic

@@ -66,7 +66,7 @@ def test_the_source_checkpoint_loads(source, tmp_path):
     (lambda c: {**c, "head_dim": 15}, ["config.json", "'head_dim'", "even"]),
     (lambda c: {**c, "hidden_act": "gelu"}, ["config.json", "hidden_act", "'gelu'"]),
     (lambda c: {**c, "quantization_config": {"quant_method": "awq", "bits": 4}}, ["quantization_config", "'awq'"]),
-    (lambda c: {**c, "architectures": ["MistralForCausalLM"]}, ["config.json", "'MistralForCausalLM'", "not supported"]),
+    (lambda c: {**c, "architectures": ["PhiForCausalLM"]}, ["config.json", "'PhiForCausalLM'", "not supported"]),
     (lambda c: [c], ["config.json", "JSON object", "list"]),
 ], ids=["no-hidden-size", "zero-heads", "kv-heads-not-dividing", "string-vocab", "negative-eps",
         "string-tie", "string-eos", "odd-head-dim", "gelu", "awq-quantized", "unknown-architecture", "json-list"])

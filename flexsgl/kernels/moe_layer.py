@@ -265,7 +265,7 @@ def launch(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, e
         x, norm_weight, eps, residual, y, router if route else gate_up, logits, experts, weights, scaling,
         gate_up, gate_up.stride(0), gate_up.stride(1), sgu, sgu.stride(0), down, down.stride(0), down.stride(1),
         sdn, sdn.stride(0), acts, slots, counters,
-        H=hidden, I=two_i // 2, E=n_experts, ROUTED=routed, J=j, ROUTE=route, NORM_TOPK=norm_topk and routed > 1,
+        H=hidden, I=two_i // 2, E=n_experts, ROUTED=routed, J=j, ROUTE=route, NORM_TOPK=norm_topk,
         BLOCK_H=min(triton.next_power_of_2(hidden), 2048), BLOCK_E=triton.next_power_of_2(n_experts),
         BLOCK_TOP=triton.next_power_of_2(max(routed, 1)), BLOCK_A=block_a,
         BLOCK_K_A=min(block_k_a, triton.next_power_of_2(hidden)),

@@ -31,11 +31,14 @@ class Architecture:
 
 DECODER = "flexsgl.model.decoder:DecoderForCausalLM"
 # The one architecture registry: HF architecture name -> what flexsgl builds for it. Llama 3 is the
-# Qwen3 decoder without q/k norm; Mistral is Llama with a sliding window on every layer.
+# Qwen3 decoder without q/k norm; Mistral is Llama with a sliding window on every layer; Qwen3-MoE is
+# Qwen3 with a mixture of experts for the MLP.
 ARCHITECTURES = {
     "Qwen3ForCausalLM": Architecture("qwen3", DECODER, qk_norm=True),
     "LlamaForCausalLM": Architecture("llama", DECODER, qk_norm=False),
     "MistralForCausalLM": Architecture("mistral", DECODER, qk_norm=False, sliding=True),
+    "Qwen3MoeForCausalLM": Architecture("qwen3_moe", DECODER, qk_norm=True,
+                                        extra_fields="flexsgl.model.qwen3_moe_config:qwen3_moe_fields"),
     "DeepseekV2ForCausalLM": Architecture("deepseek_v2", "flexsgl.model.deepseek_v2:DeepseekV2ForCausalLM",
                                           qk_norm=False, rope_types=("default", "yarn"),
                                           extra_fields="flexsgl.model.mla_config:deepseek_v2_fields"),
@@ -217,9 +220,14 @@ class ModelConfig:
             return deepseek_v2_params(self)
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        layer = attn + 2 * h + (2 * d if self.qk_norm else 0)
+        moe = self.moe
+        sparse = 0 if moe is None else sum(map(moe.sparse, range(self.num_layers)))
+        experts = 0 if moe is None else (3 * h * moe.intermediate_size * (moe.n_routed_experts + moe.n_shared_experts)
+                                         + moe.n_routed_experts * h)  # and the router
+        mlps = (self.num_layers - sparse) * 3 * h * i + sparse * experts
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.num_layers * layer + self.vocab_size * h + head + h
+        return self.num_layers * layer + mlps + self.vocab_size * h + head + h
 
 
 def window_variants(cfg: ModelConfig) -> list:

@@ -1,10 +1,12 @@
-"""The dense GQA decoder that serves Qwen3 and, with q/k norm off (ModelConfig.qk_norm), Llama 3.
+"""The GQA decoder that serves Qwen3 and, with q/k norm off (ModelConfig.qk_norm), Llama 3; with a
+mixture of experts (flexsgl/model/moe.py) for the MLP of the layers ModelConfig.moe names, Qwen3-MoE.
 
 Parameter names follow HF's except that q/k/v and gate/up projections are fused; each parameter's
 weight loader (flexsgl/model/weight_loaders.py) puts an HF tensor into its part of the fused
-weight. Tokens arrive packed, `[tokens]`. Each attention layer stores its K/V into its part of the
-KV pool the engine binds to the model (`bind_kv_pool`), through the pool layout's store path
-(flexsgl/cache/store.py), then attends through the backend that the ForwardBatch carries.
+weight, and a per-expert tensor into its expert's slice of the stacked experts. Tokens arrive
+packed, `[tokens]`. Each attention layer stores its K/V into its part of the KV pool the engine
+binds to the model (`bind_kv_pool`), through the pool layout's store path (flexsgl/cache/store.py),
+then attends through the backend that the ForwardBatch carries.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from flexsgl.distributed import layers as tp
 from flexsgl.kernels import gemv
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from flexsgl.model.moe import MoE, expert_part
 from flexsgl.model.weight_loaders import allocate, packed_name, split_loader
 
 
@@ -58,7 +61,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        moe = cfg.moe
+        self.mlp = (MoE(cfg.hidden_size, moe) if moe is not None and moe.sparse(layer_id)
+                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size))
         self.parallel = cfg.tp_size > 1
 
     def forward(self, x, positions, rope, fb):
@@ -70,6 +75,8 @@ class DecoderLayer(nn.Module):
         qkv = gemv.norm_linear(x, self.input_layernorm, attn.qkv_proj)
         out = attn.attend(qkv, positions, rope, fb)
         x = tp.row_linear(out, attn.o_proj, x) if self.parallel else gemv.linear(out, attn.o_proj, residual=x)
+        if isinstance(mlp, MoE):
+            return mlp(x, self.post_attention_layernorm, residual=x)
         gate_up = gemv.norm_linear(x, self.post_attention_layernorm, mlp.gate_up_proj)
         if self.parallel:
             return tp.row_silu_linear(gate_up, mlp.down_proj, x)
@@ -104,14 +111,18 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Each parameter's weight loader: the fused parts (q, k, v; gate, up), and under tensor
-        # parallelism this rank's slices of them (flexsgl/distributed/layers.py split_of).
+        # parallelism this rank's slices of them (flexsgl/distributed/layers.py split_of); the stacked
+        # experts keep their own.
         whole = cfg.unsharded or cfg
         for name, p in self.named_parameters():
-            p.weight_loader = split_loader(tp.split_of(name, whole, cfg.tp_rank, cfg.tp_size))
+            split = tp.split_of(name, whole, cfg.tp_rank, cfg.tp_size)
+            if split is not None or not hasattr(p, "weight_loader"):
+                p.weight_loader = split_loader(split)
 
     def checkpoint_name(self, hf_name: str) -> tuple[str, int | None]:
-        """The parameter an HF tensor fills and its part there (None: all of it)."""
-        return packed_name(hf_name, FUSED)
+        """The parameter an HF tensor fills and its part there (None: all of it): a fused part, or
+        (expert, 0 gate / 1 up / None down) of a stacked expert parameter."""
+        return expert_part(hf_name) or packed_name(hf_name, FUSED)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the parameters of this model, built on the meta device (their values come from
@@ -127,6 +138,8 @@ class DecoderForCausalLM(nn.Module):
         store = store_path(pool, self.cfg.num_heads)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_store, layer.self_attn.cache = store, pool.layer_cache(i)
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.place(pool.device)
 
     def bind_variants(self, variants) -> None:
         """Give every attention layer its attention variant from `variants` (a VariantSet, one per
@@ -137,7 +150,8 @@ class DecoderForCausalLM(nn.Module):
             attn.sink = None if bound is None else bound.layer_sink(attn)
 
     def compiled_regions(self) -> list[nn.Module]:
-        """What torch.compile compiles (flexsgl/compile.py): each decoder layer, all from one code."""
+        """What torch.compile compiles (flexsgl/compile.py): each decoder layer, all from one code (with
+        a mixture of experts, the dense layers from one code and the MoE ones from another)."""
         return list(self.model.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:

@@ -26,7 +26,6 @@ parameter and part it fills, and each parameter's weight loader puts it there
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 from torch import nn
@@ -38,7 +37,7 @@ from flexsgl.kernels.norm_rope import rotate_pairs
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from flexsgl.model.mla_config import yarn_mscale
-from flexsgl.model.moe import MoE
+from flexsgl.model.moe import MoE, expert_part
 from flexsgl.model.weight_loaders import allocate, fused_rows, packed_name
 
 LATENT_NORM_EPS = 1e-6  # HF's DeepseekV2RMSNorm default, used for q_a_layernorm and kv_a_layernorm
@@ -168,7 +167,6 @@ class DeepseekV2Model(nn.Module):
 # HF module name -> (the fused module holding it, its part there)
 FUSED = {"q_proj": ("qkv_a_proj", 0), "q_a_proj": ("qkv_a_proj", 0), "kv_a_proj_with_mqa": ("qkv_a_proj", 1),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class DeepseekV2ForCausalLM(nn.Module):
@@ -183,12 +181,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     def checkpoint_name(self, hf_name: str) -> tuple[str, object]:
         """The parameter an HF tensor fills and its part there (None: all of it): a fused part, or
         (expert, 0 gate / 1 up / None down) of a stacked expert parameter."""
-        expert = EXPERT.match(hf_name)
-        if expert:
-            prefix, e, proj = expert.groups()
-            return (f"{prefix}.down_proj", (int(e), None)) if proj == "down_proj" else \
-                (f"{prefix}.gate_up_proj", (int(e), int(proj == "up_proj")))
-        return packed_name(hf_name, FUSED)
+        return expert_part(hf_name) or packed_name(hf_name, FUSED)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the parameters of this model, built on the meta device (their values come from

@@ -42,6 +42,11 @@ class MoEConfig:
     n_group: int
     topk_group: int
     norm_topk_prob: bool  # renormalise the top-k weights to sum to 1 (then no routed_scaling_factor)
+    dense_layers: tuple[int, ...] = ()  # layers past first_k_dense_replace that are dense MLPs too
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer` is a MoE layer (else a dense MLP)."""
+        return layer >= self.first_k_dense_replace and layer not in self.dense_layers
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -89,7 +94,9 @@ def deepseek_v2_fields(get, d: dict, rope: dict, source: str) -> dict:
                         top_k=top_k, intermediate_size=get.positive("moe_intermediate_size"),
                         first_k_dense_replace=get.typed("first_k_dense_replace", int, 0),
                         routed_scaling_factor=get.number(d, "routed_scaling_factor", 1.0), topk_method=method,
-                        n_group=n_group, topk_group=topk_group, norm_topk_prob=get.typed("norm_topk_prob", bool, False))
+                        n_group=n_group, topk_group=topk_group,
+                        # DeepSeek renormalises only more than one expert's weights
+                        norm_topk_prob=get.typed("norm_topk_prob", bool, False) and top_k > 1)
     # As HF's DeepseekV2Config: rotary embeddings span the rope dims only.
     return {"mla": mla, "moe": moe, "head_dim": rope_dim}
 

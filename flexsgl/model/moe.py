@@ -1,4 +1,5 @@
-"""DeepSeek's mixture-of-experts layer: a softmax router, top-k routed experts and shared experts.
+"""The mixture-of-experts layer of DeepSeek and Qwen3-MoE: a softmax router, top-k routed experts and
+shared experts (DeepSeek's; Qwen3-MoE has none).
 
 The routed experts run as a grouped computation, without a Python loop over experts or tokens:
 the (token, expert) pairs are sorted by expert, each expert's rows form one contiguous segment
@@ -24,6 +25,8 @@ loaders, flexsgl/model/weight_loaders.py StackedExperts).
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +35,23 @@ from flexsgl.kernels import gemv, moe_layer
 from flexsgl.model.layers import GatedMLP
 from flexsgl.model.mla_config import MoEConfig
 from flexsgl.model.weight_loaders import StackedExperts
+
+# One expert's projection in a checkpoint with one tensor per expert: `...mlp.experts.<e>.<proj>.weight`
+EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def expert_part(hf_name: str) -> tuple[str, tuple[int, int | None]] | None:
+    """(stacked parameter, (expert, 0 gate / 1 up / None down)) that a per-expert checkpoint tensor
+    fills, or None for any other name (a stacked checkpoint's `...mlp.experts.gate_up_proj` and
+    `...down_proj` are the parameters' own names)."""
+    expert = EXPERT.match(hf_name)
+    if expert is None:
+        return None
+    prefix, e, proj = expert.groups()
+    if proj == "down_proj":
+        return f"{prefix}.down_proj", (int(e), None)
+    return f"{prefix}.gate_up_proj", (int(e), int(proj == "up_proj"))
+
 
 # torch.nn.functional.grouped_mm (torch 2.9+) wraps torch._grouped_mm (2.8+), which CUDA builds of 2.8 have.
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -108,7 +128,7 @@ class MoE(nn.Module):
         self.counters = torch.zeros_like(self.counters, device=device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-k experts of each token and their weights (float32), as DeepSeek-V2 routes."""
+        """The top-k experts of each token and their weights (float32), as DeepSeek-V2 and Qwen3-MoE route."""
         c = self.cfg
         scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)
         if c.topk_method == "group_limited_greedy":  # only experts of the topk_group best groups
@@ -117,7 +137,7 @@ class MoE(nn.Module):
             keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
             scores = groups.masked_fill(~keep[..., None], 0.0).view_as(scores)
         weights, experts = torch.topk(scores, k=c.top_k, dim=-1, sorted=False)
-        if c.top_k > 1 and c.norm_topk_prob:
+        if c.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         else:
             weights = weights * c.routed_scaling_factor

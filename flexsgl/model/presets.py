@@ -16,6 +16,16 @@ def _qwen3(hidden, layers, heads, kv, inter, tie, vocab=151936, max_pos=40960, h
     }
 
 
+def _qwen3_moe(hidden, layers, heads, kv, inter, experts, top_k, moe_inter, vocab=151936, max_pos=40960,
+               head_dim=128):
+    return {
+        **_qwen3(hidden, layers, heads, kv, inter, False, vocab, max_pos, head_dim),
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": experts,
+        "num_experts_per_tok": top_k, "moe_intermediate_size": moe_inter, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "bos_token_id": 151643,
+    }
+
+
 def _mistral(hidden, layers, heads, kv, inter, window, vocab=32000, max_pos=32768, head_dim=128):
     return {
         "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": vocab,
@@ -73,6 +83,9 @@ PRESETS: dict[str, dict] = {
             "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
         },
     },
+    # Qwen3-30B-A3B's own config: 128 experts of 768 per MoE layer, 8 per token, on every layer.
+    "qwen3-30b-a3b": {"hub": "Qwen/Qwen3-30B-A3B",
+                      "config": _qwen3_moe(2048, 48, 32, 4, 6144, experts=128, top_k=8, moe_inter=768)},
     # DeepSeek-V2-Lite's own config: MLA (512 + 64 latent dims per token), 64 routed experts, 6 per token.
     "deepseek-v2-lite": {"hub": "deepseek-ai/DeepSeek-V2-Lite",
                          "config": _deepseek_v2(2048, 27, 16, 10944, 512, 128, 64, 128, 64, 2, 6, 1408)},
@@ -84,6 +97,10 @@ PRESETS: dict[str, dict] = {
     # Mistral's shape in miniature: a window of 48 keys on every layer.
     "tiny-mistral": {"hub": None, "config": {**_mistral(128, 2, 4, 2, 256, window=48, vocab=512, max_pos=4096,
                                                         head_dim=32), "eos_token_id": None, "torch_dtype": "float32"}},
+    # Qwen3-MoE's shape in miniature: 8 experts of 64, 2 per token.
+    "tiny-qwen3-moe": {"hub": None, "config": {**_qwen3_moe(128, 2, 4, 2, 256, experts=8, top_k=2, moe_inter=64,
+                                                            vocab=512, max_pos=4096, head_dim=32),
+                                               "eos_token_id": None, "bos_token_id": None, "torch_dtype": "float32"}},
     # DeepSeek-V2's shape in miniature: MLA, YaRN, a dense layer then a MoE layer with a shared expert.
     "tiny-mla": {"hub": None, "config": {**_deepseek_v2(128, 2, 4, 256, 64, 32, 16, 32, 8, 1, 2, 64, vocab=512,
                                                          max_pos=4096, yarn_factor=4.0, original_max_pos=1024,
