@@ -110,6 +110,7 @@ class EngineConfig:
         """Every default made concrete for `model` on `device` (default: torch_device), and every
         rule between options checked, before anything loads; ValueError in one sentence if they
         cannot run together (ResolvedConfig says what each value becomes)."""
+        from flexsgl.attention.cold_start import without_cold_compile
         from flexsgl.attention.registry import backend_class, resolve_override
         from flexsgl.cache.sizing import CPU_KV_TOKENS, pool_tokens
         from flexsgl.step_shape import decode_buckets
@@ -122,6 +123,9 @@ class EngineConfig:
             dtype = torch.float32 if cpu else torch.float16 if model.torch_dtype == "float16" else torch.bfloat16
         attention = resolve_override(self.override, device, model.attention, self.page_size, model.kv_layout[2],
                                      str(dtype).removeprefix("torch."))
+        if self.override == "auto":  # no cold FlashInfer compile for a small model
+            attention = without_cold_compile(attention, model, device, str(dtype).removeprefix("torch."),
+                                             self.page_size)
         graphs = device.type == "cuda" and not self.disable_cuda_graph
         given = next((name for name in ("cuda_graph_bs", "cuda_graph_max_bs") if getattr(self, name) is not None), None)
         if given and not graphs:
@@ -161,7 +165,9 @@ class ResolvedConfig:
     options: EngineConfig
     device: torch.device
     dtype: torch.dtype  # dtype "auto": float32 on the CPU; on a GPU float16 for a float16 checkpoint, else bfloat16
-    attention: Choice  # the backends of `override` ("auto": the fastest that run here, attention/registry.py)
+    # The backends of `override` ("auto": the fastest that run here, attention/registry.py, but none
+    # that would compile a FlashInfer kernel first for a small model, attention/cold_start.py).
+    attention: Choice
     compile: bool  # compile None: on CUDA, off on the CPU
     # Decode batch sizes captured as CUDA graphs: cuda_graph_bs, else the decode buckets up to
     # max_running_requests, or up to cuda_graph_max_bs where that is lower (flexsgl/step_shape.py);

@@ -91,6 +91,8 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
         backends = PhaseRouter(rc.attention, pool, mcfg.num_heads, rc.compile)
         if rank == 0:
             logger.info(f"attention: {rc.attention.label}")
+            if rc.attention.note:
+                logger.info(rc.attention.note)
         runner = ModelRunner(model, pool, backends, device, cfg.max_running_requests, mcfg.max_position, rc.compile)
         if rc.cuda_graph_bs:
             runner.capture_graphs(rc.cuda_graph_bs)
