@@ -121,7 +121,7 @@ for s in "${steps[@]}"; do
                    for run in cold warm; do
                      log="$OUT/first-token-$ov-$run.log"; t=$(date +%s.%N)
                      TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton \
-                       FLASHINFER_WORKSPACE_BASE=$caches timeout 150 python -m flexsgl generate "Return the" \
+                       FLASHINFER_WORKSPACE_BASE=$caches timeout 100 python -m flexsgl generate "Return the" \
                        --override "$ov" >"$log" 2>&1
                      rc=$?; wall=$(python -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$t" "$(date +%s.%N)")
                      first=$(sed -n 's/.*first token \([0-9.]*\)s after start.*/\1/p' "$log")
