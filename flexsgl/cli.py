@@ -22,6 +22,19 @@ def main() -> None:
     """flexsgl's commands: generate, serve, bench, backends."""
 
 
+def generate_config(engine: EngineConfig, requests: int) -> EngineConfig:
+    """`engine` for a run of `requests` requests known up front (`generate`'s prompts times n): at
+    most that many running at once, so the KV pool (cache/sizing.py), the CUDA graphs and the
+    decode kernels compiled while capturing them cover only the batch sizes the run can reach (a
+    server's go up to max_running_requests, 256 by default). Given graph sizes beyond that reach are
+    dropped, unless none would remain."""
+    reach = min(requests, engine.max_running_requests)
+    sizes = engine.cuda_graph_bs
+    if sizes is not None:
+        sizes = tuple(b for b in sizes if b <= reach) or sizes
+    return engine.replace(max_running_requests=reach, cuda_graph_bs=sizes)
+
+
 def shows_text(llm) -> bool:
     """Whether the outputs of `llm` read as text: not for a model without a tokenizer, nor for a
     preset's byte tokenizer, which comes with dummy weights (their tokens are random, and ids of
@@ -71,6 +84,7 @@ def generate(
     top_p: float = typer.Option(1.0),
     min_p: float = typer.Option(0.0),
     seed: int = typer.Option(None, help="Sampling seed (per request)."),
+    n: int = typer.Option(1, help="Samples per prompt (they share the prompt's KV pages)."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past EOS."),
     json_out: bool = typer.Option(False, "--json", help="Print the outputs as JSON instead of streaming text."),
     *, engine: EngineConfig,
@@ -86,16 +100,15 @@ def generate(
         for i, p in enumerate(prompts):
             check_prompt(p, i)  # what needs no tokenizer, before the model loads
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos)
+                                  top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos, n=n)
         t0 = time.perf_counter()
-        # The batch is known: run it all at once, and capture (and compile) decode graphs only
-        # for the batch sizes it can reach, not for a server's 256.
-        llm = LLM(engine.replace(max_running_requests=min(len(prompts), engine.max_running_requests)))
+        llm = LLM(generate_config(engine, len(prompts) * n))
         ready = llm.startup_times()
-        logger.info(f"ready in {time.perf_counter() - t0:.1f}s (loading {ready['load_s']:.1f}s"
+        logger.info(f"ready in {time.perf_counter() - t0:.1f}s (loading {ready['load_s']:.1f}s, "
+                    f"KV pool {ready['kv_pool_s']:.1f}s"
                     + (f", CUDA graphs {ready['capture_s']:.1f}s with {ready['compile_s']:.1f}s of compiling"
                        if ready["capture_s"] else "") + ")")
-        stream = len(prompts) == 1 and not json_out
+        stream = len(prompts) == 1 and n == 1 and not json_out
         if not json_out and llm.tokenizer is not None and not shows_text(llm):
             logger.info(f"{llm.src.name} has dummy (random) weights and a byte tokenizer, which give no readable "
                         "text: its token ids are shown instead")
@@ -110,18 +123,19 @@ def generate(
         fail(str(e), code=1)
     if all(o.finish_reason == "refused" for o in outs):  # nothing ran: say why, as for any other bad input
         fail(outs[0].error)
+    asked = [p for p in prompts for _ in range(n)]  # outputs come in prompt order, n in a row
     if json_out:
-        typer.echo(json.dumps([{"prompt": p, "text": o.text, "token_ids": o.token_ids,
+        typer.echo(json.dumps([{"prompt": p, "index": o.index, "text": o.text, "token_ids": o.token_ids,
                                 "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
                                 "finish_reason": o.finish_reason, "error": o.error}
-                               for p, o in zip(prompts, outs)], indent=2))
+                               for p, o in zip(asked, outs)], indent=2))
         return
     if stream:
         printer.finish(outs[0].token_ids)
         if printer.first_token_at is not None:
             logger.info(f"first token {printer.first_token_at - t0:.1f}s after start")
     else:
-        for p, o in zip(prompts, outs):
+        for p, o in zip(asked, outs):
             shown = o.text if o.text is not None and shows_text(llm) else " " + " ".join(map(str, o.token_ids))
             typer.echo(f"{p} [{o.error}]" if o.error else f"{p}{shown}")
             typer.echo("---")

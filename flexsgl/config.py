@@ -45,8 +45,10 @@ class EngineConfig:
     override: str = option("auto", "Attention backend(s): a name, auto, PREFILL,DECODE or "
                                    "PREFILL,DECODE,SMALL<=N (see `flexsgl backends`).")
     page_size: int = option(64, "Tokens per KV page (on a GPU a multiple of 16 for flex).")
-    max_total_tokens: int | None = option(None, "KV cache size in tokens (default: sized from free GPU "
-                                                "memory; 16384 on the CPU).")
+    max_total_tokens: int | None = option(None, "KV cache size in tokens (default: what max_running_requests "
+                                                "requests at the model's context fill, and as much again for "
+                                                "the prefix cache, within free GPU memory; at most 16384 on "
+                                                "the CPU).")
     mem_fraction_static: float = option(0.85, "Fraction of the GPU memory free once the weights are "
                                               "loaded that the KV cache and one step's activations may take.")
     max_running_requests: int = option(256, "Most requests decoding at once.")
@@ -57,6 +59,9 @@ class EngineConfig:
     cuda_graph_bs: tuple[int, ...] | None = option(None, "Decode batch sizes to capture as CUDA graphs, "
                                                          "e.g. 1,2,4,8 (default: the decode buckets up to "
                                                          "max_running_requests).")
+    cuda_graph_max_bs: int | None = option(None, "Largest decode batch captured as a CUDA graph where "
+                                                 "cuda_graph_bs is not given (default: max_running_requests); "
+                                                 "larger batches run without graphs. Lower it to start sooner.")
     random_seed: int = option(0, "Seed of dummy weights.")
     tensor_parallel_size: int = option(1, "GPUs (ranks) to split the model across, one process each "
                                           "(--tp, --tp-size; flexsgl starts them, or torchrun does).")
@@ -110,7 +115,9 @@ class EngineConfig:
         """Every default made concrete for `model` on `device` (default: torch_device), and every
         rule between options checked, before anything loads; ValueError in one sentence if they
         cannot run together (ResolvedConfig says what each value becomes)."""
+        from flexsgl.attention.cold_start import without_cold_compile
         from flexsgl.attention.registry import backend_class, resolve_override
+        from flexsgl.cache.sizing import CPU_KV_TOKENS, pool_tokens
         from flexsgl.step_shape import decode_buckets
 
         device = self.torch_device if device is None else torch.device(device)
@@ -122,28 +129,31 @@ class EngineConfig:
         variants = resolve_variants(self.attention, model)
         attention = resolve_override(self.override, device, model.attention, self.page_size, model.kv_layout[2],
                                      str(dtype).removeprefix("torch."), variants)
+        if self.override == "auto":  # no cold FlashInfer compile for a small model
+            attention = without_cold_compile(attention, model, device, str(dtype).removeprefix("torch."),
+                                             self.page_size)
         graphs = device.type == "cuda" and not self.disable_cuda_graph
-        if self.cuda_graph_bs is not None and not graphs:
-            raise ValueError("cuda_graph_bs was given, but CUDA graphs are off: they need a CUDA device "
+        given = next((name for name in ("cuda_graph_bs", "cuda_graph_max_bs") if getattr(self, name) is not None), None)
+        if given and not graphs:
+            raise ValueError(f"{given} was given, but CUDA graphs are off: they need a CUDA device "
                              f"(this engine runs on {device.type}) and disable_cuda_graph unset.")
         sizes = ()
         if graphs:
             per_shape = any(backend_class(s, model.attention).compiles_per_shape
                             for s in (attention.decode, attention.small_decode) if s is not None)
-            sizes = tuple(sorted(set(self.cuda_graph_bs or decode_buckets(per_shape, self.max_running_requests))))
-            if sizes[-1] > self.max_running_requests:
-                raise ValueError(f"CUDA graph batch sizes go up to max_running_requests ({self.max_running_requests}), "
-                                 f"got {sizes[-1]}.")
-        kv_tokens = self.max_total_tokens
-        if kv_tokens is None and cpu:
-            kv_tokens = CPU_KV_TOKENS
-        if kv_tokens is not None:
-            check_kv_tokens(kv_tokens, self.page_size)
+            top = min(self.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
+            sizes = tuple(sorted(set(self.cuda_graph_bs or decode_buckets(per_shape, top))))
+            for limit, name in ((self.max_running_requests, "max_running_requests"),
+                                (self.cuda_graph_max_bs, "cuda_graph_max_bs")):
+                if limit is not None and sizes[-1] > limit:
+                    raise ValueError(f"CUDA graph batch sizes go up to {name} ({limit}), got {sizes[-1]}.")
+        # The KV pool's size where the device's limit is known before loading (cache/sizing.py).
+        kv = pool_tokens(self, model.max_position, CPU_KV_TOKENS if cpu else None, "flexsgl's CPU default")
+        if kv is not None:
+            check_kv_tokens(kv.tokens, self.page_size)
         compile = device.type == "cuda" if self.compile is None else self.compile
-        return ResolvedConfig(self, device, dtype, attention, compile, sizes, kv_tokens, variants)
-
-
-CPU_KV_TOKENS = 16384  # the KV cache's size on the CPU unless max_total_tokens is given
+        return ResolvedConfig(self, device, dtype, attention, compile, sizes, kv and kv.tokens,
+                              kv.reason if kv else "", variants)
 
 
 def check_kv_tokens(tokens: int, page_size: int) -> None:
@@ -161,15 +171,20 @@ class ResolvedConfig:
     options: EngineConfig
     device: torch.device
     dtype: torch.dtype  # dtype "auto": float32 on the CPU; on a GPU float16 for a float16 checkpoint, else bfloat16
-    attention: Choice  # the backends of `override` ("auto": the fastest that run here, attention/registry.py)
+    # The backends of `override` ("auto": the fastest that run here, attention/registry.py, but none
+    # that would compile a FlashInfer kernel first for a small model, attention/cold_start.py).
+    attention: Choice
     compile: bool  # compile None: on CUDA, off on the CPU
     # Decode batch sizes captured as CUDA graphs: cuda_graph_bs, else the decode buckets up to
-    # max_running_requests (flexsgl/compile.py); () where graphs are off (not CUDA, or disable_cuda_graph).
+    # max_running_requests, or up to cuda_graph_max_bs where that is lower (flexsgl/step_shape.py);
+    # () where graphs are off (not CUDA, or disable_cuda_graph).
     cuda_graph_bs: tuple[int, ...]
-    # KV cache tokens: max_total_tokens, else CPU_KV_TOKENS on the CPU; None on a GPU, where the
-    # pool takes mem_fraction_static of the memory free once the weights are loaded, less one step's
-    # activations (flexsgl/cache/sizing.py measures it then).
+    # KV cache tokens (flexsgl/cache/sizing.py has the rule): max_total_tokens; else on the CPU what
+    # max_running_requests requests at the model's context fill and as much again, at most
+    # CPU_KV_TOKENS; None on a GPU, where the device's limit, mem_fraction_static of the memory free
+    # once the weights are loaded less one step's activations, is measured then.
     max_total_tokens: int | None
+    max_total_tokens_reason: str = ""  # why max_total_tokens is what it is ("" where None)
     # Each layer's attention variant: the model's own composed with `attention`'s (None: plain
     # causal attention; flexsgl/attention/layer_variants.py)
     variants: tuple = ()
@@ -267,6 +282,7 @@ CHECKS = {
     "compile": _optional(_of_type(bool, "True, False or None (the device's default)")),
     "disable_cuda_graph": _of_type(bool, "True or False"),
     "cuda_graph_bs": _batch_sizes,
+    "cuda_graph_max_bs": _optional(_positive_int),
     "random_seed": _seed,
     "tensor_parallel_size": _positive_int,
 }

@@ -91,6 +91,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.src)
         self.outputs = OutputProcessor(self.tokenizer)  # text, stop decisions, callbacks
         self.load_s = core.load_s + time.perf_counter() - t0 - core.build_s  # weights and tokenizer
+        self.kv_pool_s = core.kv_pool_s
         self.default_sampling = default_sampling(self.src)
         self.allocator = PageAllocator(core.num_pages)
         self.scheduler = Scheduler(cfg.page_size, self.allocator, cfg.max_num_batched_tokens,
@@ -138,9 +139,11 @@ class LLM:
         self.shutdown()
 
     def startup_times(self) -> dict[str, float]:
-        """Seconds spent loading the model, capturing CUDA graphs (compiling included) and compiling
-        so far (in graph capture and in the first steps of each new shape)."""
-        return {"load_s": self.load_s, "capture_s": self.runner.capture_s, "compile_s": self.runner.compile_s}
+        """Seconds spent loading the model, sizing and allocating the KV pool, capturing CUDA graphs
+        (compiling included) and compiling so far (in graph capture and in the first steps of each
+        new shape)."""
+        return {"load_s": self.load_s, "kv_pool_s": self.kv_pool_s, "capture_s": self.runner.capture_s,
+                "compile_s": self.runner.compile_s}
 
     @cached_property
     def health(self) -> Health:

@@ -16,7 +16,7 @@ import torch
 from flexsgl.attention.bound_variant import VariantSet, describe_variants
 from flexsgl.attention.router import PhaseRouter
 from flexsgl.cache.pool import build_kv_pool
-from flexsgl.cache.sizing import kv_cache_pages
+from flexsgl.cache.sizing import kv_pool_size
 from flexsgl.config import EngineConfig, ResolvedConfig
 from flexsgl.cpu_threads import size_cpu_threads
 from flexsgl.distributed.worker import agree
@@ -45,6 +45,7 @@ class EngineCore:
     num_pages: int
     compile: bool
     load_s: float  # loading the weights
+    kv_pool_s: float  # sizing and allocating the KV pool
     build_s: float  # the whole build
 
 
@@ -70,7 +71,8 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
     load_s = time.perf_counter() - t0
     mcfg = model.cfg  # this rank's heads and MLP slice
     try:
-        num_pages = kv_cache_pages(rc, mcfg, functools.partial(rc.attention.prefill_scratch_bytes, mcfg))
+        kv = kv_pool_size(rc, mcfg, functools.partial(rc.attention.prefill_scratch_bytes, mcfg))
+        num_pages = kv.pages
     except Exception as e:
         error = e
     agree(group, error)
@@ -79,9 +81,11 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
     try:
         pool = build_kv_pool(mcfg, num_pages, cfg.page_size, rc.dtype, device)
         model.bind_kv_pool(pool)
+        kv_pool_s = time.perf_counter() - t0 - load_s
         if rank == 0:
+            why = kv.reason if num_pages == kv.pages else "the fewest any rank's memory holds"
             logger.info(f"KV cache: {num_pages - 1} pages of {cfg.page_size} tokens"
-                        + (" per rank" if size > 1 else ""))
+                        + (" per rank" if size > 1 else "") + f" ({why})")
         if rc.compile and rank == 0:
             logger.info("torch.compile on: the first step of each new batch shape compiles kernels first "
                         "(tens of seconds for a large model)")
@@ -93,6 +97,8 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
         backends = PhaseRouter(rc.attention, pool, mcfg.num_heads, rc.compile, variants)
         if rank == 0:
             logger.info(f"attention: {rc.attention.label}" + describe_variants(rc.variants))
+            if rc.attention.note:
+                logger.info(rc.attention.note)
         runner = ModelRunner(model, pool, backends, device, cfg.max_running_requests, mcfg.max_position, rc.compile,
                              variants if variants.request_params else None)
         if rc.cuda_graph_bs:
@@ -100,4 +106,5 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
     except Exception as e:
         error = e
     agree(group, error)
-    return EngineCore(model, pool, backends, runner, num_pages, rc.compile, load_s, time.perf_counter() - t0)
+    return EngineCore(model, pool, backends, runner, num_pages, rc.compile, load_s, kv_pool_s,
+                      time.perf_counter() - t0)

@@ -28,8 +28,8 @@ TOP = {"workload", "model", "load_format", "device", "tensor_parallel_size", "co
        "environment", "results"}
 ENV = {"hostname", "cpu", "cpu_count", "platform", "python", "torch", "cuda", "transformers", "gpu",
        "gpu_memory_bytes", "gpu_capability", "commit", "date"}
-COMMON = {"override", "backends", "startup_s", "load_s", "capture_s", "compile_s", "kv_cache_tokens", "compile",
-          "dtype", "cached_tokens"}
+COMMON = {"override", "backends", "startup_s", "load_s", "kv_pool_s", "capture_s", "compile_s", "kv_cache_tokens",
+          "compile", "dtype", "cached_tokens"}
 FIELDS = {
     "throughput": {"requests", "input_tokens", "output_tokens", "requested_output_tokens", "wall_s", "warmup_s",
                    "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "prefill_steps",
@@ -100,7 +100,7 @@ def test_latency_on_two_overrides_gives_two_columns(tmp_path):
     lines = out.splitlines()
     assert lines[1].split() == ["flex", "flex", "#2"]
     rows = lines[2:]
-    assert len(rows) == 10 and all(row.rstrip().endswith("x)") for row in rows[:6]), out
+    assert len(rows) == 6 + len(STARTUP_ROWS) and all(row.rstrip().endswith("x)") for row in rows[:6]), out
     assert [row.split("  ")[0].strip() for row in rows[6:]] == [label for label, _ in STARTUP_ROWS], out
     bw = report["copy_bandwidth_bytes_per_s"]
     for res in report["results"]:

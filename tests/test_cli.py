@@ -37,6 +37,7 @@ BAD = {
     "top-k-2**64": ["Hello", "--top-k", str(2**64)],
     "tp-heads-do-not-split": ["Hello", "--tp", "3"],
     "tp-size-0": ["Hello", "--tp-size", "0"],
+    "n-0": ["Hello", "--n", "0"],
 }
 # Refused once the model has loaded: what needs its tokenizer, or the memory left after its weights.
 # Every other refusal comes before the model loads.
@@ -47,6 +48,7 @@ GOOD = {
     "two-prompts": ["Hello", "Hi", "--max-new-tokens", "3"],
     "deprecated-flag": ["Hello", "--max-new-tokens", "4", "--json", "--kv-cache-tokens", "4096"],
     "tp-2": ["Hello", "--max-new-tokens", "4", "--json", "--tp", "2"],
+    "n-samples": ["Hello", "Hi", "--n", "2", "--max-new-tokens", "3", "--temperature", "0.8", "--seed", "5", "--json"],
 }
 
 
@@ -94,6 +96,16 @@ def test_several_prompts_print_each_with_its_token_ids(runs):
     assert r.stdout == want, r.stdout
 
 
+def test_n_samples_of_each_prompt_come_in_a_row(runs):
+    r = runs["n-samples"]
+    assert r.returncode == 0, r.stderr
+    got = [(o["prompt"], o["index"], o["token_ids"]) for o in json.loads(r.stdout)]
+    api = LLM("tiny", device="cpu").generate(["Hello", "Hi"], SamplingParams(max_new_tokens=3, temperature=0.8,
+                                                                             seed=5, n=2))
+    assert got == [(p, o.index, o.token_ids) for p, o in zip(["Hello", "Hello", "Hi", "Hi"], api)]
+    assert [i for _, i, _ in got] == [0, 1, 0, 1]
+
+
 def test_deprecated_flag_warns_and_still_works(runs):
     r = runs["deprecated-flag"]
     assert r.returncode == 0, r.stderr
@@ -129,7 +141,11 @@ def test_refused_before_loading_with_the_reason(runs, name, error):
 
 def test_stream_reports_startup_and_first_token(runs):
     err = runs["stream"].stderr
-    assert any(line.startswith("[flexsgl] ready in ") and "(loading " in line for line in err.splitlines()), err
+    assert any(line.startswith("[flexsgl] ready in ") and "(loading " in line and ", KV pool " in line
+               for line in err.splitlines()), err
+    # One prompt: one running request, its 4,096-token context in 64 pages, and as many again.
+    assert "[flexsgl] KV cache: 128 pages of 64 tokens (what 1 running request at the model's 4,096-token " \
+           "context fills, and as much again for the prefix cache)" in err.splitlines(), err
     assert any(line.startswith("[flexsgl] first token ") for line in err.splitlines()), err
 
 

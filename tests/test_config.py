@@ -30,7 +30,7 @@ def one_sentence(e: pytest.ExceptionInfo) -> str:
     {"mem_fraction_static": 0.0}, {"mem_fraction_static": 1.5}, {"mem_fraction_static": "0.5"},
     {"max_running_requests": 0}, {"max_num_batched_tokens": 0}, {"compile": "yes"},
     {"disable_cuda_graph": None}, {"cuda_graph_bs": ()}, {"cuda_graph_bs": (1, 0)}, {"cuda_graph_bs": "1,2"},
-    {"random_seed": -1}, {"override": 3}, {"model": 7},
+    {"random_seed": -1}, {"override": 3}, {"model": 7}, {"cuda_graph_max_bs": 0}, {"cuda_graph_max_bs": 2.0},
 ], ids=lambda o: ",".join(f"{k}={v!r}" for k, v in o.items()))
 def test_bad_values_are_refused_in_one_sentence(options):
     with pytest.raises(ValueError) as e:
@@ -130,6 +130,17 @@ def test_gpu_graph_sizes_default_to_the_decode_buckets(fine_decode, decode, size
     assert rc.cuda_graph_bs == sizes
 
 
+@pytest.mark.parametrize("decode, max_bs, sizes", [
+    ("flex", 10, (1, 2, 4, 8, 10)),  # the buckets below it, and it
+    ("flex-fine", 20, (1, 2, 4, 8, 16, 20)),
+    ("flex", 32, (1, 2, 4, 8, 16, 32)),
+    ("flex", 64, (1, 2, 4, 8, 16, 32, 40)),  # beyond max_running_requests: up to max_running_requests
+])
+def test_cuda_graph_max_bs_defers_the_larger_sizes(fine_decode, decode, max_bs, sizes):
+    rc = EngineConfig(override=f"flex,{decode}", max_running_requests=40, cuda_graph_max_bs=max_bs).resolve(TINY, GPU)
+    assert rc.cuda_graph_bs == sizes
+
+
 def test_given_graph_sizes_are_sorted_once_each_and_off_without_graphs():
     assert EngineConfig(override="flex", cuda_graph_bs=[8, 2, 2, 1]).resolve(TINY, GPU).cuda_graph_bs == (1, 2, 8)
     assert EngineConfig(override="flex", disable_cuda_graph=True).resolve(TINY, GPU).cuda_graph_bs == ()
@@ -142,10 +153,15 @@ def test_given_graph_sizes_are_sorted_once_each_and_off_without_graphs():
                                      "(this engine runs on cpu) and disable_cuda_graph unset."),
     ({"cuda_graph_bs": (1, 2), "disable_cuda_graph": True}, GPU, "cuda_graph_bs was given, but CUDA graphs are "
      "off: they need a CUDA device (this engine runs on cuda) and disable_cuda_graph unset."),
+    ({"cuda_graph_max_bs": 8}, CPU, "cuda_graph_max_bs was given, but CUDA graphs are off: they need a CUDA "
+                                    "device (this engine runs on cpu) and disable_cuda_graph unset."),
+    ({"cuda_graph_bs": (1, 2, 8), "cuda_graph_max_bs": 4}, GPU,
+     "CUDA graph batch sizes go up to cuda_graph_max_bs (4), got 8."),
     ({"max_total_tokens": 10}, CPU, "The KV cache must hold at least one page (64 tokens); it would hold 10."),
     ({"max_total_tokens": 31, "page_size": 32}, GPU,
      "The KV cache must hold at least one page (32 tokens); it would hold 31."),
-], ids=["graphs-beyond-max-running", "graphs-on-cpu", "graphs-disabled", "kv-below-a-page", "kv-below-a-page-gpu"])
+], ids=["graphs-beyond-max-running", "graphs-on-cpu", "graphs-disabled", "max-bs-on-cpu", "graphs-beyond-max-bs",
+        "kv-below-a-page", "kv-below-a-page-gpu"])
 def test_rules_between_options_are_refused_in_one_sentence(options, device, sentence):
     with pytest.raises(ValueError) as e:
         EngineConfig(override="flex", **options).resolve(TINY, device)

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 import flexsgl.attention.registry as registry
-from flexsgl import LLM, SamplingParams, step_shape
+from flexsgl import LLM, EngineConfig, SamplingParams, step_shape
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.registry import BackendSpec
+from flexsgl.cli import generate_config
+from flexsgl.model.source import resolve as resolve_source
 from tests.hf_models import hf_reference, make_checkpoint
 
 
@@ -141,3 +143,41 @@ def test_small_batch_decode_backend_serves_its_sizes(checkpoint, monkeypatch):
     for p, s, o in zip(prompts, steps, outs):
         want, _ = hf_reference(hf, p, s)
         assert o.token_ids == want, f"seed={seed}"
+
+
+@pytest.mark.parametrize("prompts, n, max_running, sizes", [
+    (1, 1, 256, (1,)),  # the README's command: one graph
+    (3, 1, 256, (1, 2, 3)),  # flex's decode buckets below 3, and 3
+    (2, 3, 256, (1, 2, 4, 6)),  # two prompts sampled three times each: up to 6 running
+    (5, 2, 4, (1, 2, 4)),  # capped by max_running_requests
+])
+def test_generate_captures_only_the_batch_sizes_its_prompts_reach(checkpoint, prompts, n, max_running, sizes):
+    """`flexsgl generate` resolves its CUDA graph sizes on a GPU from its prompts times n (the decode
+    buckets up to them); on the CPU the graph manager captures those sizes in emulate mode, and every
+    decode step of the run replays one of them, the largest included, with HF's greedy tokens."""
+    path, hf, seed = checkpoint
+    engine = generate_config(EngineConfig(model=path, override="flex", max_running_requests=max_running), prompts * n)
+    assert engine.resolve(resolve_source(path, "auto").config, torch.device("cuda")).cuda_graph_bs == sizes
+    llm = LLM(engine.replace(device="cpu"))
+    llm.runner.capture_graphs(sizes, emulate=True)
+    assert sorted(llm.runner.graphs.batches) == list(sizes)
+    replayed, unreplayed = [], 0
+    real_replay, real_decode = llm.runner.graphs.replay, llm.runner._decode
+
+    def replay(fb):
+        replayed.append(fb.batch_size)
+        return real_replay(fb)
+
+    def decode(fb):
+        nonlocal unreplayed
+        unreplayed += 1
+        return real_decode(fb)
+
+    llm.runner.graphs.replay, llm.runner._decode = replay, decode
+    rng = random.Random(seed + 4)
+    texts = [[rng.randrange(320) for _ in range(rng.randrange(1, 30))] for _ in range(prompts)]
+    steps = 8
+    outs = llm.generate(texts, SamplingParams(max_new_tokens=steps, temperature=0.0, n=n))
+    assert unreplayed == 0 and max(replayed) == sizes[-1], f"seed={seed}"
+    for i, o in enumerate(outs):
+        assert o.token_ids == hf_reference(hf, texts[i // n], steps)[0], f"seed={seed}"

@@ -16,6 +16,10 @@
 #   startup        flexsgl generate on the Qwen3-8B dummy with flex, then auto: once on an empty compile cache
 #                  (TORCHINDUCTOR_CACHE_DIR fresh), once more on the cache that run left; ready and first-token
 #                  times and the whole process's wall time
+#   first-token    the README's command, `python -m flexsgl generate "Return the"` on the embedded model, with
+#                  --override auto and flex, each on empty caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and
+#                  FLASHINFER_WORKSPACE_BASE in a fresh folder) and again on what that run left: time to first
+#                  token, ready time and the whole process's wall time in a table; logs in $OUT/first-token-*.log
 #   prefill        flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts (--override flags in $OVERRIDES)
 #   flash-prefill  prefill on FlexAttention's FLASH backend (stage tools/stage_flash.sh first): the engine against HF
 #                  with pages of 128 and the bf16 engine tests, then bench prefill of the Qwen3-8B dummy with pages
@@ -88,7 +92,7 @@ suite() {  # NAME, then pytest's arguments
   FLEXSGL_BENCH_LINES="$OUT/benchmarks-$name.jsonl" timeout -s INT "$LIMIT" python -m pytest -q -p no:cacheprovider \
     "$@" --benchmark-json="$OUT/benchmarks-$name.json" --benchmark-columns=median,rounds
 }
-declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
+declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
                    [tp-tests]=200 [tp-latency]=240 [tp-throughput]=200 [tp-70b]=200
                    [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480)
@@ -120,6 +124,27 @@ for s in "${steps[@]}"; do
                  echo "$ov $run: process $((SECONDS - t)) s, exit ${PIPESTATUS[0]}"
                done
              done ;;
+    first-token) table="$OUT/first-token.txt"
+                 printf "%-8s %-5s %14s %8s %10s  %s\n" override cache "first token s" "ready s" "process s" \
+                   "attention (exit code)" >"$table"
+                 for ov in auto flex; do
+                   caches=$(mktemp -d)
+                   for run in cold warm; do
+                     log="$OUT/first-token-$ov-$run.log"; t=$(date +%s.%N)
+                     TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton \
+                       FLASHINFER_WORKSPACE_BASE=$caches timeout 100 python -m flexsgl generate "Return the" \
+                       --override "$ov" >"$log" 2>&1
+                     rc=$?; wall=$(python -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$t" "$(date +%s.%N)")
+                     first=$(sed -n 's/.*first token \([0-9.]*\)s after start.*/\1/p' "$log")
+                     ready=$(sed -n 's/.*ready in \([0-9.]*\)s .*/\1/p' "$log")
+                     attention=$(sed -n 's/^\[flexsgl\] attention: //p' "$log")
+                     grep -E "KV cache|attention|auto took|captured|compiled|ready in|first token|tokens in|error" "$log" \
+                       | sed "s/^/$ov $run: /"
+                     printf "%-8s %-5s %14s %8s %10s  %s\n" "$ov" "$run" "${first:--}" "${ready:--}" "$wall" \
+                       "${attention:--} ($rc)" >>"$table"
+                   done
+                 done
+                 cat "$table" ;;
     prefill) timeout "$LIMIT" "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 ${OVERRIDES:-} \
                --json "$OUT/prefill.json" ;;
     flash-prefill) timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu.py -k "flash_prefill or bf16_engine"
@@ -186,6 +211,7 @@ for s in "${steps[@]}"; do
     latency|throughput|repeat|prefill|mla|serve|tp-latency|tp-throughput|tp-70b) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
     flash-prefill) grep -E "passed|failed|error|\[flexsgl\] [a-z0-9,<=@./ -]+: TTFT" "$log" | tail -6 ;;
     startup) grep -E "^(flex|auto) (cold|warm)" "$log" ;;
+    first-token) cat "$OUT/first-token.txt" ;;
     profile) grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time|decode floor" "$log" ;;
     gemv) tail -12 "$log" ;;
     kernel-matrix) grep -E "^(decode|prefill) " "$log" ;;

@@ -148,6 +148,7 @@ class Choice:
     decode: BackendSpec
     small_decode: BackendSpec | None = None
     small_decode_max: int = 0
+    note: str = ""  # why `auto` chose otherwise than its table (attention/cold_start.py), for the log
 
     @property
     def label(self) -> str:

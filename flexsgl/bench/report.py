@@ -75,9 +75,10 @@ def table_rows(workload: str, res: dict) -> list[tuple[str, float]]:
 
 
 # Start-up figures, the same rows under every offline workload: the engine's construction (loading
-# the weights and capturing CUDA graphs), and all compiling of the run (in capture and warm-up passes).
-STARTUP_ROWS = [("start-up s", "startup_s"), ("of it loading s", "load_s"), ("of it graph capture s", "capture_s"),
-                ("compile s (all)", "compile_s")]
+# the weights, sizing and allocating the KV pool, capturing CUDA graphs), and all compiling of the
+# run (in capture and warm-up passes).
+STARTUP_ROWS = [("start-up s", "startup_s"), ("of it loading s", "load_s"), ("of it KV pool s", "kv_pool_s"),
+                ("of it graph capture s", "capture_s"), ("compile s (all)", "compile_s")]
 
 
 def column_name(res: dict) -> str:
