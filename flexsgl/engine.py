@@ -96,6 +96,7 @@ class LLM:
         if self._channel is not None:
             self.runner.tp = self._channel
             self.runner.wait = self._channel.wait
+            self._channel.release = self.runner.release_graphs  # before leaving the process group
             self._finalizer = weakref.finalize(self, self._channel.close)
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity)
         self._live: dict[int, Request] = {}  # added and not yet returned by step()

@@ -75,6 +75,7 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
     agree(group, error)
     if group is not None:
         num_pages = group.min(num_pages)
+    runner = None
     try:
         pool = build_kv_pool(mcfg, num_pages, cfg.page_size, rc.dtype, device)
         model.bind_kv_pool(pool)
@@ -92,5 +93,10 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
             runner.capture_graphs(rc.cuda_graph_bs)
     except Exception as e:
         error = e
-    agree(group, error)
+    try:
+        agree(group, error)
+    except BaseException:
+        if runner is not None:  # graphs holding NCCL work would keep the process group from closing
+            runner.release_graphs(sync=False)
+        raise
     return EngineCore(model, pool, backends, runner, num_pages, rc.compile, load_s, time.perf_counter() - t0)

@@ -348,3 +348,80 @@ def test_gpu_tiny_presets_greedy_tokens(model):
     with LLM(model, tensor_parallel_size=2, **opts) as two:
         out = two.generate(prompts, greedy(16))
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+# ---- every exit path ends every rank (tests/tp_exit_script.py runs the engine in a process of its own)
+
+EXIT_LIMIT_S = 60  # a hang, not a speed: a clean end takes seconds
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _run_exit_script(mode: str, device: str, signal_to_send=None, tp: int = 2):
+    """Run tests/tp_exit_script.py; returns (exit code, stdout lines, worker pids). Fails if the
+    process, or any of its workers, is still running EXIT_LIMIT_S after its last step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "tp_exit_script.py"
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen([sys.executable, str(script), mode, device, str(tp)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:  # up to "generated": loading, compiling, capturing (no limit of ours)
+            lines.append(line.strip())
+            if line.startswith("generated"):
+                break
+        workers = [int(p) for p in lines[0].split()[1:]] if lines and lines[0].startswith("workers") else []
+        assert "generated" in lines, f"the engine did not run: {proc.stderr.read()[-3000:] if proc.poll() is not None else ''}"
+        if signal_to_send == "ctrl-c":  # a terminal's Ctrl-C: SIGINT to every process of the group
+            time.sleep(1.0)
+            os.killpg(proc.pid, signal.SIGINT)
+        elif signal_to_send == "sigterm":  # `kill PID` of rank 0 alone
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=EXIT_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: the stacks go to stderr
+            out, err = proc.communicate(timeout=30)
+            pytest.fail(f"rank 0 ({mode}, {signal_to_send}) still ran {EXIT_LIMIT_S} s after its last step:\n{err[-6000:]}")
+        lines += out.splitlines()
+        deadline = time.monotonic() + EXIT_LIMIT_S
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [p for p in workers if _alive(p)]
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+        assert not left, f"workers {left} outlived rank 0 ({mode}, {signal_to_send}) by {EXIT_LIMIT_S} s"
+        return proc.returncode, lines, workers, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("mode, signal_to_send", [("exit", None), ("shutdown", None), ("rank-killed", None),
+                                                  ("signal", "ctrl-c"), ("signal", "sigterm")])
+def test_every_exit_ends_every_rank(mode, signal_to_send):
+    """On the CPU (gloo): a normal end with and without shutdown(), a killed rank, Ctrl-C (after
+    which the engine still runs), and SIGTERM to rank 0 each end rank 0's process and every worker."""
+    _check_exit(*_run_exit_script(mode, "cpu", signal_to_send), mode, signal_to_send)
+
+
+def _check_exit(code, lines, workers, err, mode, signal_to_send):
+    assert len(workers) >= 1
+    if signal_to_send != "sigterm":
+        assert code == 0, err[-3000:]
+    if mode == "rank-killed":
+        assert "dead" in lines, err[-3000:]
+    if signal_to_send == "ctrl-c":
+        assert "interrupted" in lines and "continued" in lines, err[-3000:]

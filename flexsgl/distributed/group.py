@@ -8,22 +8,35 @@ The collectives are torch's functional collectives (`torch.ops._c10d_functional`
 traces them as graph nodes, and inductor lowers them to the in-place NCCL calls, which CUDA graphs
 capture. With one rank there is no group at all, and the model never calls them (its layers check
 the config's tp_size when they are built).
+
+Leaving (`destroy_group`) is bounded on a GPU. NCCL's communicator cannot be destroyed while a
+CUDA graph that captured its work lives (pytorch/pytorch#115388), so every rank destroys its graphs
+first (ModelRunner.release_graphs); the destroy itself runs in a thread given LEAVE_TIMEOUT_S, and
+if it does not return by then the process goes on without it, and ends at exit without waiting
+for it.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import os
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
+from flexsgl.log import logger
+
 # How long a collective of the device group may wait for the other ranks before it fails. The
 # control group waits without limit: between requests rank 0 sends nothing, for as long as it is
 # idle; a rank that dies closes its sockets, which fails the others' waits at once.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
+LEAVE_TIMEOUT_S = 10.0  # how long leaving the group may take on a GPU before the process goes on without it
 
 
 @dataclass
@@ -85,12 +98,65 @@ def init_group(rank: int, size: int, device: torch.device, store: dist.Store | N
     return _current
 
 
-def destroy_group() -> None:
-    """Leave the group (every rank calls it at the end); safe to call twice."""
+def destroy_group(abort: bool = False) -> bool:
+    """Leave the group (every rank calls it at the end, after releasing its CUDA graphs); safe to
+    call twice. On the CPU it returns at once. On a GPU the NCCL communicators are destroyed, or
+    with `abort` (a rank died: its peers cannot finish anything) aborted, in a thread given
+    LEAVE_TIMEOUT_S; False if that did not return in time (the process then ends at exit without
+    waiting for it)."""
     global _current, _name, _size
+    device = None if _current is None else _current.device
     _current, _name, _size = None, None, 1
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return True
+    if device is None or device.type != "cuda":
         dist.destroy_process_group()
+        return True
+    leave = _abort_all if abort else dist.destroy_process_group
+    if _bounded(leave, LEAVE_TIMEOUT_S):
+        return True
+    _stuck.set()
+    logger.warning(f"the tensor-parallel process group did not close within {LEAVE_TIMEOUT_S:.0f} s; "
+                   "the process ends without it at exit")
+    return False
+
+
+def _abort_all() -> None:
+    """Abort every NCCL communicator of the process (no peer is waited for)."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    (abort or dist.destroy_process_group)()
+
+
+def _bounded(fn, timeout: float) -> bool:
+    """Run `fn` in a daemon thread; whether it returned (or raised) within `timeout` seconds."""
+    done = threading.Event()
+
+    def run():
+        try:
+            fn()
+        except Exception as e:  # a group already half torn down: nothing more to leave
+            logger.debug("leaving the process group: %s", e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="flexsgl-leave-group").start()
+    return done.wait(timeout)
+
+
+# Set when a leave did not return: the thread still inside NCCL could hold up the interpreter's
+# exit (static destructors of the process group), so the process ends at exit without it.
+_stuck = threading.Event()
+
+
+@atexit.register  # registered at import, so it runs after the engines' own exit hooks (atexit is LIFO)
+def _end_if_stuck() -> None:
+    if _stuck.is_set():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(1)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
