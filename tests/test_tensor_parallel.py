@@ -355,55 +355,76 @@ def test_gpu_tiny_presets_greedy_tokens(model):
 EXIT_LIMIT_S = 60  # a hang, not a speed: a clean end takes seconds
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, ended but not yet reaped, does not)."""
+def _session(sid: int) -> list[int]:
+    """The running processes of session `sid` (a zombie, ended but not yet reaped, does not run)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[3]) == sid:
+                pids.append(int(entry))
+    return pids
+
+
+def _start(argv: list[str]):
+    """A process in a session of its own (its workers join it), with fault stacks on SIGABRT."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def _wait_for_exit(proc, what: str) -> tuple[str, str]:
+    """Wait for `proc` and every other process of its session to end, at most EXIT_LIMIT_S each;
+    on a hang, SIGABRT to the session (its Python stacks go to stderr) and fail. Returns its output."""
+    import subprocess
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+        out, err = proc.communicate(timeout=EXIT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"{what}: the process still ran {EXIT_LIMIT_S} s later:\n{err[-6000:]}")
+    deadline = time.monotonic() + EXIT_LIMIT_S
+    while _session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _session(proc.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{what}: processes {left} (its workers) outlived it by {EXIT_LIMIT_S} s"
+    return out, err
 
 
 def _run_exit_script(mode: str, device: str, signal_to_send=None, tp: int = 2):
-    """Run tests/tp_exit_script.py; returns (exit code, stdout lines, worker pids). Fails if the
-    process, or any of its workers, is still running EXIT_LIMIT_S after its last step."""
-    import subprocess
+    """Run tests/tp_exit_script.py and wait for its session to end; returns (exit code, stdout
+    lines, worker pids, stderr)."""
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parent / "tp_exit_script.py"
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.Popen([sys.executable, str(script), mode, device, str(tp)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = _start([sys.executable, str(Path(__file__).parent / "tp_exit_script.py"), mode, device, str(tp)])
     lines = []
     try:
         for line in proc.stdout:  # up to "generated": loading, compiling, capturing (no limit of ours)
             lines.append(line.strip())
             if line.startswith("generated"):
                 break
-        workers = [int(p) for p in lines[0].split()[1:]] if lines and lines[0].startswith("workers") else []
-        assert "generated" in lines, f"the engine did not run: {proc.stderr.read()[-3000:] if proc.poll() is not None else ''}"
+        if "generated" not in lines:
+            proc.wait(timeout=EXIT_LIMIT_S)
+            pytest.fail(f"the engine did not run: {proc.stderr.read()[-3000:]}")
+        workers = [int(p) for p in lines[0].split()[1:]]
         if signal_to_send == "ctrl-c":  # a terminal's Ctrl-C: SIGINT to every process of the group
             time.sleep(1.0)
             os.killpg(proc.pid, signal.SIGINT)
         elif signal_to_send == "sigterm":  # `kill PID` of rank 0 alone
             time.sleep(1.0)
             proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=EXIT_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: the stacks go to stderr
-            out, err = proc.communicate(timeout=30)
-            pytest.fail(f"rank 0 ({mode}, {signal_to_send}) still ran {EXIT_LIMIT_S} s after its last step:\n{err[-6000:]}")
-        lines += out.splitlines()
-        deadline = time.monotonic() + EXIT_LIMIT_S
-        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = [p for p in workers if _alive(p)]
-        for p in left:
-            os.kill(p, signal.SIGKILL)
-        assert not left, f"workers {left} outlived rank 0 ({mode}, {signal_to_send}) by {EXIT_LIMIT_S} s"
-        return proc.returncode, lines, workers, err
+        out, err = _wait_for_exit(proc, f"{mode} {signal_to_send or ''} on {device}")
+        return proc.returncode, lines + out.splitlines(), workers, err
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -425,3 +446,81 @@ def _check_exit(code, lines, workers, err, mode, signal_to_send):
         assert "dead" in lines, err[-3000:]
     if signal_to_send == "ctrl-c":
         assert "interrupted" in lines and "continued" in lines, err[-3000:]
+
+
+def _serve_and_stop(device: str, how: str, tp: int = 2) -> None:
+    """`flexsgl serve --tp` until healthy, then stopped `how` (ctrl-c: SIGINT to its process group;
+    sigterm: to the HTTP process); every process of it ends."""
+    import socket
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    extra = ["--device", "cpu", "--no-compile"] if device == "cpu" else ["--cuda-graph-bs", "1,2"]
+    proc = _start([sys.executable, "-m", "flexsgl", "serve", "tiny", "--load-format", "dummy", "--tp",
+                   str(tp), "--port", str(port), "--max-total-tokens", "4096", "--max-running-requests", "4",
+                   "--log-level", "warning", *extra])
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"the server exited: {proc.communicate()[1][-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.5)
+        assert len(_session(proc.pid)) >= 3  # the HTTP process, the engine process (rank 0), rank 1
+        os.killpg(proc.pid, signal.SIGINT) if how == "ctrl-c" else proc.send_signal(signal.SIGTERM)
+        _wait_for_exit(proc, f"serve stopped by {how} on {device}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_server_stop_ends_every_rank():
+    """The server's stop (Ctrl-C) ends the HTTP process, the engine process and the other rank."""
+    _serve_and_stop("cpu", "ctrl-c")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("mode, signal_to_send", [("exit", None), ("shutdown", None), ("rank-killed", None),
+                                                  ("signal", "ctrl-c"), ("signal", "sigterm")])
+def test_gpu_every_exit_ends_every_rank(mode, signal_to_send):
+    """NCCL, compiled steps and captured decode graphs holding the all-reduces: every exit path
+    ends every rank (destroying a communicator while a graph that captured it lives would hang)."""
+    _check_exit(*_run_exit_script(mode, "cuda", signal_to_send), mode, signal_to_send)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_gpu_four_ranks_exit():
+    _check_exit(*_run_exit_script("exit", "cuda", None, tp=4), "exit", None)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_cli_generate_exits():
+    """The command of the report: `flexsgl generate ... --tp 2` prints its tokens and exits 0."""
+    import sys
+
+    proc = _start([sys.executable, "-m", "flexsgl.cli", "generate", "Return the", "--model", "tiny", "--load-format",
+                   "dummy", "--tp", "2", "--max-new-tokens", "8"])
+    try:
+        proc.wait(timeout=300)  # loading and compiling; its exit is _wait_for_exit's
+    except Exception:
+        pass
+    out, err = _wait_for_exit(proc, "flexsgl generate --tp 2")
+    assert proc.returncode == 0, err[-3000:]
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_gpu_server_stop_ends_every_rank(how):
+    _serve_and_stop("cuda", how)
