@@ -112,6 +112,7 @@ class LLM:
         from flexsgl.distributed.worker import Channel, serve
 
         device = cfg.torch_device
+        launcher.refuse_spawn_reimport()
         launcher.refuse(cfg, mcfg, device)
         if launcher.torchrun_env() is None:
             return Channel(*launcher.spawn(cfg, device, build_core))

@@ -524,3 +524,21 @@ def test_gpu_cli_generate_exits():
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_gpu_server_stop_ends_every_rank(how):
     _serve_and_stop("cuda", how)
+
+
+def test_unguarded_script_is_told_to_guard_its_top_level(tmp_path):
+    """A script that makes a TP engine at its top level, without `if __name__ == "__main__":`: each
+    spawned rank re-runs it while starting; the error names that cause in one sentence."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from flexsgl import LLM\n"
+                      "llm = LLM('tiny', load_format='dummy', tensor_parallel_size=2, device='cpu', compile=False)\n"
+                      "print('started')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0 and "started" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("flexsgl.errors.TensorParallelError: Each spawned tensor-parallel rank re-ran the main script, "
+                    "which makes the LLM at its top level; guard that code with `if __name__ == \"__main__\":`."), \
+        proc.stderr[-3000:]

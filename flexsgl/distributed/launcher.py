@@ -7,9 +7,12 @@ Two ways to start N ranks:
   (torch.multiprocessing, spawn context: safe from a thread, or from a spawned process such as
   the server's engine process), each of which joins through the store, loads its part of the
   model and runs the worker loop (worker.py). A worker that fails before joining writes why to
-  the store and exits; rank 0, which polls the store and the processes, raises that reason. (As
+  the store and exits; rank 0, which polls the store and the processes, raises that reason. As
   with any spawn-based program, a script that makes an LLM with N > 1 must guard its top level
-  with `if __name__ == "__main__":`.)
+  with `if __name__ == "__main__":`: a spawned process first imports the main script (as
+  `__mp_main__`), and without the guard it would make the LLM again there. That LLM sees it is
+  inside a spawned process's start (`refuse_spawn_reimport`), says so and exits with
+  SPAWN_REIMPORT_EXIT, and rank 0 raises that cause.
 - torchrun (`torchrun --nproc-per-node N script.py`, where the script makes
   `LLM(..., tensor_parallel_size=N)`): every process runs the script; RANK, WORLD_SIZE,
   LOCAL_RANK and MASTER_ADDR/PORT come from torchrun. Rank 0's constructor returns the engine as
@@ -22,7 +25,9 @@ Rank r runs on cuda:r (cuda:LOCAL_RANK under torchrun), or on the CPU over gloo.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 import time
 
 import torch
@@ -34,6 +39,21 @@ from flexsgl.distributed.worker import exit_reason, stop_processes, worker_main
 from flexsgl.errors import RankFailedError, TensorParallelError
 
 JOIN_TIMEOUT_S = 600.0  # the longest rank 0 waits for spawned workers to join (they import torch first)
+# The exit code of a spawned process that re-ran an unguarded main script's LLM(...) while it started.
+SPAWN_REIMPORT_EXIT = 86
+SPAWN_REIMPORT = ("Each spawned tensor-parallel rank re-ran the main script, which makes the LLM at its top level; "
+                  "guard that code with `if __name__ == \"__main__\":`.")
+
+
+def refuse_spawn_reimport() -> None:
+    """In a process that multiprocessing is still starting (spawn: it imports the parent's main
+    script as `__mp_main__` before it runs its target), an LLM with N > 1 ranks comes from a main
+    script without the guard: say so and end this process with SPAWN_REIMPORT_EXIT, which the
+    parent reads as that cause."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.stderr.write(f"flexsgl: {SPAWN_REIMPORT}\n")
+        sys.stderr.flush()
+        os._exit(SPAWN_REIMPORT_EXIT)
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
@@ -91,6 +111,8 @@ def spawn(cfg: EngineConfig, device: torch.device, build):
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while not store.check([f"joined/{r}" for r in range(1, n)]):
             for r, p in enumerate(procs, 1):
+                if not p.is_alive() and p.exitcode == SPAWN_REIMPORT_EXIT:
+                    raise TensorParallelError(SPAWN_REIMPORT)
                 if not p.is_alive():
                     raise RankFailedError(f"Tensor-parallel rank {r} exited before joining: "
                                           f"{exit_reason(store, r, p.exitcode)}.")
