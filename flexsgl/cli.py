@@ -78,7 +78,7 @@ def generate(
     """Generate continuations of PROMPTS; one prompt streams its tokens as they come."""
     from flexsgl import LLM, SamplingParams
     from flexsgl.errors import EngineDeadError
-    from flexsgl.request import check_prompt
+    from flexsgl.request_factory import check_prompt
 
     if not prompts:
         fail("Give at least one prompt, e.g. flexsgl generate \"Return the\".")

@@ -68,6 +68,8 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
     agree(group, error)
     load_s = time.perf_counter() - t0
     mcfg = model.cfg  # this rank's heads and MLP slice
+    if device.type == "cuda":  # blocks freed while loading go back to the driver: sizing reads what is free
+        torch.cuda.empty_cache()
     try:
         num_pages = kv_cache_pages(rc, mcfg, functools.partial(rc.attention.prefill_scratch_bytes, mcfg))
     except Exception as e:

@@ -542,3 +542,80 @@ def test_unguarded_script_is_told_to_guard_its_top_level(tmp_path):
     assert last == ("flexsgl.errors.TensorParallelError: Each spawned tensor-parallel rank re-ran the main script, "
                     "which makes the LLM at its top level; guard that code with `if __name__ == \"__main__\":`."), \
         proc.stderr[-3000:]
+
+
+# ---- memory: a rank holds its part of the weights, at every moment of loading
+
+def _peak_cpu_bytes(fn, mapped: tuple[int, ...] = ()):
+    """fn()'s result and the most bytes torch's CPU allocator held at once, above what it held
+    before, while fn ran (the profiler's memory events). Storages of a size in `mapped` are left
+    out: safetensors maps each file whole as one storage, host memory paged in only where read."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        if abs(nbytes) not in mapped:
+            live += nbytes
+            peak = max(peak, live)
+    return result, peak
+
+
+def _held_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers (each tensor once)."""
+    seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+@pytest.mark.parametrize("load_format", ["dummy", "safetensors"])
+def test_each_rank_holds_only_its_part_while_loading(tmp_path, monkeypatch, load_format):
+    """Rank r of 2 builds its part (bfloat16, on the CPU as on a GPU): the allocator's peak during
+    the whole load is the part's bytes plus a few generation blocks and the rotary tables, never a
+    float32 copy or a whole parameter; from a checkpoint no tensor read is larger than the part's
+    largest parameter."""
+    import json
+
+    import flexsgl.model.dummy_weights as dummy
+    import flexsgl.model.loader as loader
+    from flexsgl.model.presets import PRESETS
+
+    monkeypatch.setattr(dummy, "BLOCK_ELEMENTS", 1 << 12)
+    config = {**PRESETS["tiny"]["config"], "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
+              "head_dim": 64, "max_position_embeddings": 256, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    src = resolve(str(tmp_path), "dummy")
+    if load_format == "safetensors":
+        from safetensors.torch import save_file
+
+        one = loader.build_model(src, torch.device("cpu"), torch.float32, seed=1)
+        hf = {}
+        for name, p in one.named_parameters():  # the fused projections as HF's separate tensors
+            if name.endswith("qkv_proj.weight"):
+                q, k, v = p.split([4 * 64, 2 * 64, 2 * 64])
+                hf |= {name.replace("qkv_proj", "q_proj"): q, name.replace("qkv_proj", "k_proj"): k,
+                       name.replace("qkv_proj", "v_proj"): v}
+            elif name.endswith("gate_up_proj.weight"):
+                gate, up = p.chunk(2)
+                hf |= {name.replace("gate_up_proj", "gate_proj"): gate, name.replace("gate_up_proj", "up_proj"): up}
+            else:
+                hf[name] = p
+        save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp_path / "model.safetensors"))
+        src = resolve(str(tmp_path))
+        reads = []
+        real_reader = loader._reader
+        monkeypatch.setattr(loader, "_reader", lambda st, name: lambda index, out: (
+            reads.append(out.numel()), real_reader(st, name)(index, out)))
+    for rank in (0, 1):
+        files = tuple(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+        model, peak = _peak_cpu_bytes(lambda: loader.build_model(src, torch.device("cpu"), torch.bfloat16, 7, rank, 2),
+                                      files)
+        part = _held_bytes(model)
+        rotary = 2 * model.model.rotary.cos.numel() * 4  # computed in float32 with a temporary or two
+        blocks = 8 * dummy.BLOCK_ELEMENTS * 4
+        assert part < peak <= part + 2 * rotary + blocks, (rank, part, peak)
+        if load_format == "safetensors":
+            assert max(reads) <= max(p.numel() for p in model.parameters())
+    # The bound would catch a float32 copy of the part, or one whole parameter (the embedding's 2 MB).
+    assert min(part, 4096 * 256 * 2) > 2 * rotary + blocks
