@@ -126,6 +126,54 @@ class TestTwoRanksOfTiny:
         assert two.pool.num_pages == one.pool.num_pages
 
 
+def test_mla_dummy_tokens_and_logits_identical_to_one_rank(sampled_logits):
+    """DeepSeek-V2 in miniature (MLA, YaRN, a dense layer, then MoE with a shared expert) at TP=2:
+    heads split, the latent cache replicated, every expert split along its intermediate dimension;
+    ragged prompts, chunked prefill, a prefix-cache hit; tokens equal one rank's, logits to float32
+    rounding."""
+    seed = random.randrange(1 << 30)
+    prompts = ragged_prompts(random.Random(seed), 512, n=4)
+    one = LLM("tiny-mla", load_format="dummy", **OPTIONS)
+    ref = one.generate(prompts, greedy(8))
+    a = list(sampled_logits)
+    sampled_logits.clear()
+    with LLM("tiny-mla", load_format="dummy", tensor_parallel_size=2, **OPTIONS) as two:
+        assert two.model.model.layers[1].mlp.experts.gate_up_proj.shape == (8, 64, 128)  # 2 x 64 / 2 units
+        assert two.pool.num_pages == one.pool.num_pages
+        out = two.generate(prompts, greedy(8))
+        again = two.generate([prompts[-1][:-1] + [prompts[-1][-1] % 511 + 1]], greedy(4))
+    b = list(sampled_logits)[:len(a)]
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
+    assert again[0].cached_tokens >= 2 * PAGE, "the shared prefix was not a cache hit"
+    assert again[0].token_ids == one.generate([prompts[-1][:-1] + [prompts[-1][-1] % 511 + 1]], greedy(4))[0].token_ids
+    for x, y in zip(a, b):
+        assert x.abs().max() > 0.01
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("q_lora_rank, topk_method", [(None, "greedy"), (24, "group_limited_greedy")])
+def test_mla_checkpoint_loaded_shard_by_shard_matches_hf(tmp_path, monkeypatch, q_lora_rank, topk_method):
+    """HF's random DeepSeek-V2 checkpoint (one tensor per expert) at TP=2: each rank reads its heads'
+    rows of q (or q_b), kv_b and o_proj, every expert's slice; tokens equal one rank's and HF's,
+    logits HF's."""
+    from tests.hf_models import make_deepseek_checkpoint
+
+    seed = random.randrange(1 << 30)
+    hf = make_deepseek_checkpoint(tmp_path, seed, q_lora_rank=q_lora_rank, topk_method=topk_method)
+    hf.config._attn_implementation = "eager"
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 320) for _ in range(n)] for n in (3, 21, 40)]
+    ref = LLM(str(tmp_path), **OPTIONS).generate(prompts, greedy(6))
+    with LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS) as two:
+        seen = capture_logits(two, monkeypatch)
+        out = two.generate(prompts, greedy(6))
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
+    for prompt, o in zip(prompts, out):
+        tokens, logits = hf_reference(hf, prompt, 6)
+        assert o.token_ids == tokens, f"seed={seed}"
+        torch.testing.assert_close(torch.stack(seen[o.request_id]), logits, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+
+
 def test_embedded_model_tokens_identical():
     prompts = ["def parse(text):", "Return the number of", "The"]
     one = LLM("tiny-docs", **OPTIONS)
@@ -239,8 +287,8 @@ def test_agree_raises_the_failed_ranks_reason():
 
 @pytest.mark.parametrize("model, tp, sentence", [
     ("tiny", 3, "The model's 4 attention heads do not split across tensor_parallel_size 3 ranks; use a divisor of 4."),
-    ("tiny-mla", 2, "Tensor parallelism is not supported yet for DeepseekV2ForCausalLM (multi-head latent "
-                    "attention); use tensor_parallel_size 1."),
+    ("tiny-mla", 8, "The model's 4 attention heads do not split across tensor_parallel_size 8 ranks; use a divisor "
+                    "of 4."),
 ])
 def test_refused_before_loading(model, tp, sentence, monkeypatch):
     import flexsgl.engine_core
@@ -268,6 +316,11 @@ def test_refusals(monkeypatch):
                                   "use a divisor or a multiple of 3.")
     wide = cfg.__class__(**{**cfg.__dict__, "intermediate_size": 258})
     assert refused(wide, 4) == "The model's MLP width 258 does not split across tensor_parallel_size 4 ranks."
+    mla = resolve("tiny-mla", "dummy").config
+    launcher.refuse(_engine(4), mla.__class__(**{**mla.__dict__, "num_kv_heads": 3}), cpu)  # one latent: no KV heads
+    odd_experts = mla.__class__(**{**mla.__dict__, "moe": mla.moe.__class__(**{**mla.moe.__dict__,
+                                                                              "intermediate_size": 66})})
+    assert refused(odd_experts, 4) == "The model's expert width 66 does not split across tensor_parallel_size 4 ranks."
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert refused(cfg, 2, cuda) == "tensor_parallel_size 2 needs 2 GPUs, and this machine has 1."
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)

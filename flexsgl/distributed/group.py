@@ -71,10 +71,11 @@ class TPGroup:
 
 
 _current: TPGroup | None = None
-# The device group's name and size as plain values, which the compiled model reads (torch.compile
-# takes them as constants and guards on them).
+# The device group's name, size and this process's rank as plain values, which the compiled model
+# reads (torch.compile takes them as constants and guards on them).
 _name: str | None = None
 _size: int = 1
+_rank: int = 0
 
 
 def current() -> TPGroup | None:
@@ -85,7 +86,7 @@ def current() -> TPGroup | None:
 def init_group(rank: int, size: int, device: torch.device, store: dist.Store | None = None) -> TPGroup:
     """Join the ranks: the default process group (the device group) from `store` (None: torchrun's
     environment), then the gloo control group. Sets the CUDA device to cuda:rank first on a GPU."""
-    global _current, _name, _size
+    global _current, _name, _size, _rank
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -94,7 +95,7 @@ def init_group(rank: int, size: int, device: torch.device, store: dist.Store | N
                             **({"device_id": device} if device.type == "cuda" else {}), **kw)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     _current = TPGroup(rank, size, device, dist.group.WORLD, control)
-    _name, _size = _current.name, size
+    _name, _size, _rank = _current.name, size, rank
     return _current
 
 
@@ -104,9 +105,9 @@ def destroy_group(abort: bool = False) -> bool:
     with `abort` (a rank died: its peers cannot finish anything) aborted, in a thread given
     LEAVE_TIMEOUT_S; False if that did not return in time (the process then ends at exit without
     waiting for it)."""
-    global _current, _name, _size
+    global _current, _name, _size, _rank
     device = None if _current is None else _current.device
-    _current, _name, _size = None, None, 1
+    _current, _name, _size, _rank = None, None, 1, 0
     if not dist.is_initialized():
         return True
     if device is None or device.type != "cuda":
@@ -157,6 +158,12 @@ def _end_if_stuck() -> None:
             except Exception:
                 pass
         os._exit(1)
+
+
+def first_rank() -> bool:
+    """Whether this process is rank 0 (or the only one): the rank that adds a row-parallel layer's
+    residual to its partial sum before the all-reduce (flexsgl/distributed/layers.py)."""
+    return _rank == 0
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

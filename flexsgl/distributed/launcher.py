@@ -81,18 +81,18 @@ def refuse(cfg: EngineConfig, mcfg, device: torch.device) -> None:
         if device.index not in (None, 0) and env is None:
             raise TensorParallelError(f"Tensor parallelism runs on cuda:0 to cuda:{n - 1}; device "
                                       f"{str(device)!r} cannot be given with tensor_parallel_size {n}.")
-    if mcfg.mla is not None:
-        raise TensorParallelError(f"Tensor parallelism is not supported yet for {mcfg.architecture} "
-                                  "(multi-head latent attention); use tensor_parallel_size 1.")
     if mcfg.num_heads % n:
         raise TensorParallelError(f"The model's {mcfg.num_heads} attention heads do not split across "
                                   f"tensor_parallel_size {n} ranks; use a divisor of {mcfg.num_heads}.")
     hkv = mcfg.num_kv_heads
-    if hkv % n and n % hkv:
+    if mcfg.mla is None and hkv % n and n % hkv:  # (MLA's one latent per token is replicated)
         raise TensorParallelError(f"The model's {hkv} KV heads neither split across nor divide "
                                   f"tensor_parallel_size {n}; use a divisor or a multiple of {hkv}.")
     if mcfg.intermediate_size % n:
         raise TensorParallelError(f"The model's MLP width {mcfg.intermediate_size} does not split across "
+                                  f"tensor_parallel_size {n} ranks.")
+    if mcfg.moe is not None and mcfg.moe.intermediate_size % n:
+        raise TensorParallelError(f"The model's expert width {mcfg.moe.intermediate_size} does not split across "
                                   f"tensor_parallel_size {n} ranks.")
 
 
