@@ -326,8 +326,21 @@ def test_refusals(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert refused(cfg, 2, torch.device("cuda:1")) == ("Tensor parallelism runs on cuda:0 to cuda:1; device "
                                                        "'cuda:1' cannot be given with tensor_parallel_size 2.")
+    # torchrun over two hosts of 8 GPUs: 16 ranks, this one the fourth of its host
+    wide16 = cfg.__class__(**{**cfg.__dict__, "num_heads": 16})
+    monkeypatch.setenv("RANK", "11")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    launcher.refuse(_engine(16), wide16, cuda)
+    assert not launcher.one_host()
+    monkeypatch.setenv("LOCAL_RANK", "8")
+    assert refused(wide16, 16, cuda) == ("This process is local rank 8 (LOCAL_RANK) and runs on cuda:8, but this "
+                                         "host has 8 GPUs; start at most 8 processes per host.")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert launcher.one_host()
     assert refused(cfg, 2) == ("tensor_parallel_size is 2, but this process was started as one of 4 ranks "
                                "(WORLD_SIZE); start as many processes as tensor-parallel ranks.")
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer of at least 1, got 0"):
@@ -672,3 +685,48 @@ def test_each_rank_holds_only_its_part_while_loading(tmp_path, monkeypatch, load
             assert max(reads) <= max(p.numel() for p in model.parameters())
     # The bound would catch a float32 copy of the part, or one whole parameter (the embedding's 2 MB).
     assert min(part, 4096 * 256 * 2) > 2 * rotary + blocks
+
+
+# ---- torchrun: ranks, devices and the rendezvous from its environment, on one host or several
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_torchrun_ranks_give_one_ranks_tokens(hosts):
+    """torchrun starts the ranks (gloo on the CPU): all on one host (--nproc-per-node 2), or as two
+    hosts of one rank each (--nnodes 2 --node-rank 0|1 --rdzv-endpoint, both here: each has
+    LOCAL_RANK 0, the ranks and world size come from the rendezvous). Rank 0 prints the tokens of
+    one rank's engine; every process exits 0."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_serve import free_port
+
+    rng = random.Random(seed := random.randrange(1 << 30))
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (4, 37)]
+    ref = LLM("tiny", load_format="dummy", device="cpu", compile=False, page_size=16, max_total_tokens=2048,
+              max_running_requests=8).generate(prompts, greedy(8))
+    script = [str(Path(__file__).parent / "tp_torchrun_script.py"), json.dumps(prompts)]
+    run = [sys.executable, "-m", "torch.distributed.run", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           "--local-addr", "127.0.0.1"]
+    if hosts == 1:
+        commands = [run + ["--nnodes", "1", "--nproc-per-node", "2", *script]]
+    else:
+        commands = [run + ["--nnodes", "2", "--node-rank", str(h), "--nproc-per-node", "1", *script] for h in (0, 1)]
+    procs = [_start(c) for c in commands]
+    outs = [_wait_for_exit_within(p, 300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * hosts, outs[-1][1][-3000:]
+    printed = [line for out, _ in outs for line in out.splitlines() if line.startswith("tokens ")]
+    assert len(printed) == 1, "rank 0 alone runs the script past LLM(...)"
+    assert json.loads(printed[0].removeprefix("tokens ")) == [o.token_ids for o in ref], f"seed={seed}"
+
+
+def _wait_for_exit_within(proc, seconds: float) -> tuple[str, str]:
+    import subprocess
+
+    try:
+        return proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"torchrun did not finish in {seconds} s:\n{err[-6000:]}")

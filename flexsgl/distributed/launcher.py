@@ -14,11 +14,13 @@ Two ways to start N ranks:
   inside a spawned process's start (`refuse_spawn_reimport`), says so and exits with
   SPAWN_REIMPORT_EXIT, and rank 0 raises that cause.
 - torchrun (`torchrun --nproc-per-node N script.py`, where the script makes
-  `LLM(..., tensor_parallel_size=N)`): every process runs the script; RANK, WORLD_SIZE,
-  LOCAL_RANK and MASTER_ADDR/PORT come from torchrun. Rank 0's constructor returns the engine as
-  usual. The constructor of every other rank serves rank 0's steps instead of returning, and when
-  rank 0 shuts down (or dies) it ends the process (SystemExit, code 0 after a normal shutdown):
-  the script's code after `LLM(...)` runs on rank 0 only. If a rank fails, torchrun stops the others.
+  `LLM(..., tensor_parallel_size=N)`, or `--nnodes H --node-rank h --rdzv-endpoint HOST:PORT` on
+  each of H hosts): every process runs the script; RANK, WORLD_SIZE, LOCAL_RANK,
+  LOCAL_WORLD_SIZE and MASTER_ADDR/PORT come from torchrun, and nothing else is assumed about
+  where the ranks run. Rank 0's constructor returns the engine as usual. The constructor of every
+  other rank serves rank 0's steps instead of returning, and when rank 0 shuts down (or dies) it
+  ends the process (SystemExit, code 0 after a normal shutdown): the script's code after
+  `LLM(...)` runs on rank 0 only. If a rank fails, torchrun stops the others.
 
 Rank r runs on cuda:r (cuda:LOCAL_RANK under torchrun), or on the CPU over gloo.
 """
@@ -64,6 +66,13 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return rank, world, int(os.environ.get("LOCAL_RANK", rank))
 
 
+def one_host() -> bool:
+    """Whether every rank runs on this host: spawned ranks always do; under torchrun, when this
+    host runs all of them (LOCAL_WORLD_SIZE equals WORLD_SIZE)."""
+    env = torchrun_env()
+    return env is None or int(os.environ.get("LOCAL_WORLD_SIZE", env[1])) == env[1]
+
+
 def refuse(cfg: EngineConfig, mcfg, device: torch.device) -> None:
     """Raise TensorParallelError, in one sentence, for a tensor-parallel setting that cannot run."""
     n = cfg.tensor_parallel_size
@@ -76,8 +85,11 @@ def refuse(cfg: EngineConfig, mcfg, device: torch.device) -> None:
                                   f"{env[1]} ranks (WORLD_SIZE); start as many processes as tensor-parallel ranks.")
     if device.type == "cuda":
         gpus = torch.cuda.device_count()
-        if n > gpus:
+        if env is None and n > gpus:
             raise TensorParallelError(f"tensor_parallel_size {n} needs {n} GPUs, and this machine has {gpus}.")
+        if env is not None and env[2] >= gpus:
+            raise TensorParallelError(f"This process is local rank {env[2]} (LOCAL_RANK) and runs on cuda:{env[2]}, "
+                                      f"but this host has {gpus} GPUs; start at most {gpus} processes per host.")
         if device.index not in (None, 0) and env is None:
             raise TensorParallelError(f"Tensor parallelism runs on cuda:0 to cuda:{n - 1}; device "
                                       f"{str(device)!r} cannot be given with tensor_parallel_size {n}.")
