@@ -730,3 +730,69 @@ def _wait_for_exit_within(proc, seconds: float) -> tuple[str, str]:
         os.killpg(proc.pid, signal.SIGABRT)
         out, err = proc.communicate(timeout=30)
         pytest.fail(f"torchrun did not finish in {seconds} s:\n{err[-6000:]}")
+
+
+# ---- the all-reduce over symmetric memory (flexsgl/distributed/allreduce.py), on 2 GPUs
+
+def _symm_all_reduce_rank(rank: int, size: int, port: int, seed: int) -> None:
+    """One rank of test_gpu_symmetric_all_reduce_equals_nccl (spawned)."""
+    import torch.distributed as dist
+
+    from flexsgl.distributed import allreduce
+    from flexsgl.distributed.group import destroy_group, init_group
+
+    device = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
+    init_group(rank, size, device, store)
+    symm = allreduce._symm
+    assert symm is not None, "symmetric memory was not set up (see the log's all-reduce line)"
+    gen = torch.Generator(device).manual_seed(seed * 16 + rank)
+
+    def nccl(x):
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    def close(got, want, what):  # the sum's order differs: bf16 rounding of values of a few units
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.06, msg=f"{what}, seed={seed}")
+
+    for kb in (8, 16, 32, 64, 1024, 4096):
+        n = kb * 1024 // 2
+        for kind in ("one-shot", "two-shot"):
+            if kind == "one-shot" and kb * 1024 > allreduce.ONE_SHOT_MAX_BYTES:
+                continue
+            x = torch.randn(n, generator=gen, device=device, dtype=torch.bfloat16)
+            close(symm(x, kind), nccl(x), f"{kind} of {kb} KB")
+    # The choice by size inside CUDA graphs: rows of a decode batch, as the model all-reduces them.
+    for rows in (1, 8, 64, 512):
+        static = torch.zeros(rows, 4096, device=device, dtype=torch.bfloat16)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            allreduce.all_reduce(static)  # warm-up outside the graph
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = allreduce.all_reduce(static)
+        for _ in range(3):
+            static.copy_(torch.randn(static.shape, generator=gen, device=device, dtype=torch.bfloat16))
+            graph.replay()
+            close(out, nccl(static), f"a graph of {rows} rows ({symm.kind(static)})")
+        graph.reset()
+    torch.cuda.synchronize(device)
+    destroy_group()
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_symmetric_all_reduce_equals_nccl():
+    """One-shot and two-shot all-reduces over symmetric memory (multicast off) equal NCCL's to bf16
+    rounding, alone at 8 KB to 4 MB and captured in CUDA graphs at decode batch sizes."""
+    import torch.multiprocessing as mp
+
+    from tests.test_serve import free_port
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    size = min(torch.cuda.device_count(), 4)
+    mp.spawn(_symm_all_reduce_rank, args=(size, free_port(), random.randrange(1 << 20)), nprocs=size, join=True)

@@ -4,10 +4,11 @@ Two process groups join the ranks: the device group (NCCL on CUDA, gloo on the C
 model's all-reduce and all-gather run on, and a gloo control group, which carries host objects
 (rank 0's step plans, errors, the KV pool size) on the CPU whatever the device.
 
-The collectives are torch's functional collectives (`torch.ops._c10d_functional`): torch.compile
-traces them as graph nodes, and inductor lowers them to the in-place NCCL calls, which CUDA graphs
-capture. With one rank there is no group at all, and the model never calls them (its layers check
-the config's tp_size when they are built).
+The all-gather is torch's functional collective (`torch.ops._c10d_functional`): torch.compile
+traces it as a graph node, and inductor lowers it to the in-place NCCL call, which CUDA graphs
+capture. The all-reduce is allreduce.py's, which chooses between symmetric memory and NCCL (set
+up here once the group forms). With one rank there is no group at all, and the model never calls
+them (its layers check the config's tp_size when they are built).
 
 Leaving (`destroy_group`) is bounded on a GPU. NCCL's communicator cannot be destroyed while a
 CUDA graph that captured its work lives (pytorch/pytorch#115388), so every rank destroys its graphs
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
+from flexsgl.distributed import allreduce
 from flexsgl.log import logger
 
 # How long a collective of the device group may wait for the other ranks before it fails. The
@@ -46,6 +48,7 @@ class TPGroup:
     device: torch.device
     group: dist.ProcessGroup  # the device group
     control: dist.ProcessGroup  # gloo, for host objects
+    one_host: bool = True  # every rank on this host (spawned ranks; torchrun's when it ran them all here)
 
     @property
     def name(self) -> str:
@@ -83,9 +86,12 @@ def current() -> TPGroup | None:
     return _current
 
 
-def init_group(rank: int, size: int, device: torch.device, store: dist.Store | None = None) -> TPGroup:
+def init_group(rank: int, size: int, device: torch.device, store: dist.Store | None = None,
+               one_host: bool = True) -> TPGroup:
     """Join the ranks: the default process group (the device group) from `store` (None: torchrun's
-    environment), then the gloo control group. Sets the CUDA device to cuda:rank first on a GPU."""
+    environment), then the gloo control group, then choose the all-reduce (allreduce.setup). Sets
+    the CUDA device to `device` first on a GPU."""
+
     global _current, _name, _size, _rank
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -94,8 +100,11 @@ def init_group(rank: int, size: int, device: torch.device, store: dist.Store | N
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
                             **({"device_id": device} if device.type == "cuda" else {}), **kw)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    _current = TPGroup(rank, size, device, dist.group.WORLD, control)
+    _current = TPGroup(rank, size, device, dist.group.WORLD, control, one_host)
     _name, _size, _rank = _current.name, size, rank
+    choice = allreduce.setup(_current)
+    if rank == 0:
+        logger.info(f"all-reduce: {choice}")
     return _current
 
 
@@ -108,6 +117,7 @@ def destroy_group(abort: bool = False) -> bool:
     global _current, _name, _size, _rank
     device = None if _current is None else _current.device
     _current, _name, _size, _rank = None, None, 1, 0
+    allreduce.teardown()
     if not dist.is_initialized():
         return True
     if device is None or device.type != "cuda":
@@ -164,11 +174,6 @@ def first_rank() -> bool:
     """Whether this process is rank 0 (or the only one): the rank that adds a row-parallel layer's
     residual to its partial sum before the all-reduce (flexsgl/distributed/layers.py)."""
     return _rank == 0
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of `x` over the ranks (a new tensor)."""
-    return funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", _name))
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:

@@ -141,4 +141,5 @@ def spawn(cfg: EngineConfig, device: torch.device, build):
 def join_torchrun(device: torch.device) -> TPGroup:
     """This process's rank of a torchrun start (its environment gives the rank and the rendezvous)."""
     rank, world, local = torchrun_env()
-    return init_group(rank, world, torch.device("cuda", local) if device.type == "cuda" else device)
+    return init_group(rank, world, torch.device("cuda", local) if device.type == "cuda" else device,
+                      one_host=one_host())

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexsgl.distributed.group import all_gather_last, all_reduce, first_rank
+from flexsgl.distributed.allreduce import all_reduce
+from flexsgl.distributed.group import all_gather_last, first_rank
 from flexsgl.kernels import gemv
 
 

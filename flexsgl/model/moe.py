@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexsgl.distributed.group import all_reduce, first_rank
+from flexsgl.distributed.allreduce import all_reduce
+from flexsgl.distributed.group import first_rank
 from flexsgl.kernels import gemv, moe_layer
 from flexsgl.model.layers import GatedMLP
 from flexsgl.model.mla_config import MoEConfig
