@@ -369,24 +369,34 @@ def _qwen3_8b_layers(path, layers=4):
     return str(path)
 
 
+needs_gpus = {n: pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPUs") for n in (2, 4)}
+
+
 @pytest.mark.gpu
-@needs_two_gpus
-def test_gpu_two_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits):
-    """NCCL all-reduces inside compiled steps and captured decode graphs: TP=2's logits agree with
-    TP=1's to bf16 rounding (the reduce order differs), at prefill and in the captured decode
-    steps. Prompts of one token each decode the same tokens on both as long as their logits
-    agree, so the decode steps are compared token for token only while the tokens agree."""
+@pytest.mark.parametrize("tp", [pytest.param(2, marks=needs_gpus[2]), pytest.param(4, marks=needs_gpus[4])])
+def test_gpu_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits, tp):
+    """All-reduces (symmetric memory for decode's small messages, NCCL for prefill's) inside
+    compiled steps and captured decode graphs: TP=2's and TP=4's logits agree with TP=1's to bf16
+    rounding (the reduce order differs), at prefill and in the captured decode steps."""
     model = _qwen3_8b_layers(tmp_path / "qwen3-8b-4layers")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, 150000) for _ in range(n)] for n in (7, 300, 1500)]
     opts = dict(load_format="dummy", max_total_tokens=1 << 15, max_running_requests=8, cuda_graph_bs=(1, 2, 4, 8))
+    _assert_tp_agrees(model, opts, tp, sampled_logits, vocab=150000, compiled=True)
+
+
+def _assert_tp_agrees(model, opts, tp, sampled_logits, vocab, compiled):
+    """TP=tp's logits agree with TP=1's to bf16 rounding, on three prompts prefilled in one step and
+    decoded 8 steps in CUDA graphs. Prompts of one token each decode the same tokens on both as
+    long as their logits agree, so the decode steps are compared only while the tokens agree."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in (7, 300, 1500)]
     sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)  # every row runs all 8 steps
+    sampled_logits.clear()
     ref = LLM(model, **opts).generate(prompts, sp)
     a = list(sampled_logits)
     sampled_logits.clear()
-    with LLM(model, tensor_parallel_size=2, **opts) as two:
-        assert two.runner.graphs is not None and two.compile
-        out = two.generate(prompts, sp)
+    with LLM(model, tensor_parallel_size=tp, **opts) as many:
+        assert many.runner.graphs is not None and many.compile == compiled
+        out = many.generate(prompts, sp)
     b = list(sampled_logits)
     assert len(a) == len(b) == 8
     same = [x.token_ids[:1] == y.token_ids[:1] for x, y in zip(ref, out)]
@@ -400,6 +410,42 @@ def test_gpu_two_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits):
         if step == 0:
             continue
         same = [s and r.token_ids[step] == o.token_ids[step] for s, r, o in zip(same, ref, out)]
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("override", ["flex", "fa3", "fi", "triton-decode"])
+def test_gpu_every_gqa_override_under_two_ranks(tmp_path, sampled_logits, override):
+    """Each rank builds its own backends over its heads: every override at TP=2 agrees with itself
+    at TP=1 (eager steps, CUDA graphs; the compiled steps are the test above's)."""
+    model = _qwen3_8b_layers(tmp_path / "qwen3-8b-4layers", layers=2)
+    opts = dict(load_format="dummy", max_total_tokens=1 << 15, max_running_requests=8, cuda_graph_bs=(1, 2, 4),
+                override=override, compile=False)
+    _assert_tp_agrees(model, opts, 2, sampled_logits, vocab=150000, compiled=False)
+
+
+def _deepseek_v2_lite_layers(path, layers=3):
+    """DeepSeek-V2-Lite's widths (16 heads, 512 + 64 latent, 64 experts of 1408, 2 shared) with a
+    dense layer and a few MoE layers."""
+    import json
+
+    from flexsgl.model.presets import PRESETS
+
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**PRESETS["deepseek-v2-lite"]["config"], "num_hidden_layers": layers}))
+    return str(path)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("override, compiled", [("auto", True), ("flex", False), ("triton-mla", False)])
+def test_gpu_mla_two_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits, override, compiled):
+    """DeepSeek-V2 at TP=2 on GPUs: 8 heads a rank over the replicated latent cache, every expert
+    split (the batch-1 MoE kernel with rank 1's residual zero), agree with TP=1 to bf16 rounding."""
+    model = _deepseek_v2_lite_layers(tmp_path / "deepseek-v2-lite-3layers")
+    opts = dict(load_format="dummy", max_total_tokens=1 << 14, max_running_requests=8, cuda_graph_bs=(1, 2, 4),
+                override=override, compile=compiled)
+    _assert_tp_agrees(model, opts, 2, sampled_logits, vocab=100000, compiled=compiled)
 
 
 @pytest.mark.gpu
