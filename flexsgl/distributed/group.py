@@ -13,8 +13,8 @@ them (its layers check the config's tp_size when they are built).
 Leaving (`destroy_group`) is bounded on a GPU. NCCL's communicator cannot be destroyed while a
 CUDA graph that captured its work lives (pytorch/pytorch#115388), so every rank destroys its graphs
 first (ModelRunner.release_graphs); the destroy itself runs in a thread given LEAVE_TIMEOUT_S, and
-if it does not return by then the process goes on without it, and ends at exit without waiting
-for it.
+if it does not return by then the process goes on without it, and ends at exit (exit code 1)
+without waiting for it.
 """
 
 from __future__ import annotations
@@ -91,7 +91,6 @@ def init_group(rank: int, size: int, device: torch.device, store: dist.Store | N
     """Join the ranks: the default process group (the device group) from `store` (None: torchrun's
     environment), then the gloo control group, then choose the all-reduce (allreduce.setup). Sets
     the CUDA device to `device` first on a GPU."""
-
     global _current, _name, _size, _rank
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -126,9 +125,12 @@ def destroy_group(abort: bool = False) -> bool:
     leave = _abort_all if abort else dist.destroy_process_group
     if _bounded(leave, LEAVE_TIMEOUT_S):
         return True
-    _stuck.set()
     logger.warning(f"the tensor-parallel process group did not close within {LEAVE_TIMEOUT_S:.0f} s; "
                    "the process ends without it at exit")
+    if threading.main_thread().is_alive():
+        atexit.register(_end_now)
+    else:  # already exiting (atexit hooks run once the main thread has stopped): end here
+        _end_now()
     return False
 
 
@@ -154,20 +156,15 @@ def _bounded(fn, timeout: float) -> bool:
     return done.wait(timeout)
 
 
-# Set when a leave did not return: the thread still inside NCCL could hold up the interpreter's
-# exit (static destructors of the process group), so the process ends at exit without it.
-_stuck = threading.Event()
-
-
-@atexit.register  # registered at import, so it runs after the engines' own exit hooks (atexit is LIFO)
-def _end_if_stuck() -> None:
-    if _stuck.is_set():
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(1)
+def _end_now() -> None:
+    """End the process without the interpreter's own ending, which a thread still inside NCCL
+    could hold up (the process group's destructors)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(1)
 
 
 def first_rank() -> bool:
