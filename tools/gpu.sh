@@ -38,14 +38,16 @@
 #                  run its install.sh first
 #   tp-tests       (2 or 4 GPUs) the TP GPU tests but the exit ones: TP=2 (and TP=4) against TP=1 on a Qwen3-8B-wide
 #                  dummy (bf16, compiled steps, CUDA graphs), every GQA override and MLA under TP=2, the
-#                  symmetric-memory all-reduce against NCCL, the tiny presets' greedy tokens (~300-450 s)
+#                  symmetric-memory all-reduce against NCCL, the tiny presets' greedy tokens (~450 s on a cold
+#                  compile cache; $TP_TESTS_K, a pytest -k expression, picks a part)
 #   tp-exit        (2 GPUs) the TP exit tests: with NCCL, compiled steps and CUDA graphs, every exit path (normal
 #                  end, shutdown(), a killed rank, Ctrl-C, SIGTERM to rank 0, `flexsgl generate --tp 2`, the
 #                  server's stop) ends every process within 60 s (~250-400 s)
 #   tp-allreduce   tools/allreduce_bench.py: us per all-reduce, NCCL against one-shot/two-shot over symmetric memory,
 #                  8 KB to 4 MB, on every GPU of the host (~40 s)
-#   tp-memory      tools/tp_memory.py: llama3-70b dummy, each rank's part against the allocator's peak while loading,
-#                  then the engine at TP=N (4 where there are 4 GPUs, else 2) and each GPU's memory in use (~200 s)
+#   tp-memory      tools/tp_memory.py: llama3-70b dummy at TP=2 (and 4 where there are 4 GPUs), each rank's part
+#                  against the allocator's peak while loading, then the engine at the largest TP and each GPU's
+#                  memory in use (~200-300 s)
 #   tp-bench       bench at TP=1, 2 (and 4 where there are 4 GPUs), Qwen3-8B dummy: batch-1 latency (TPOT, floor
 #                  per rank), TTFT of a 4k prompt, the default throughput workload; then llama3-70b dummy latency
 #                  at TP=2 (GPUs of 100+ GB) and 4; a table of them all last. $TP_BENCH picks parts (default
@@ -148,12 +150,12 @@ for s in "${steps[@]}"; do
     serve) timeout "$LIMIT" "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate 8,32,inf --override auto \
              --override flex --json "$OUT/serve.json" ;;
     tp-tests) guard "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_tensor_parallel.py \
-                -k "not exit and not server_stop" ;;
+                -k "${TP_TESTS_K:-not exit and not server_stop}" ;;
     tp-exit) guard "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_tensor_parallel.py \
                -k "exit or server_stop" ;;
     tp-allreduce) guard "$LIMIT" python tools/allreduce_bench.py ;;
-    tp-memory) big=$([ "$GPUS" -ge 4 ] && echo 4 || echo 2)
-               guard "$LIMIT" python tools/tp_memory.py --model llama3-70b --tp "$big" ;;
+    tp-memory) sizes=$([ "$GPUS" -ge 4 ] && echo 2,4 || echo 2)
+               guard "$LIMIT" python tools/tp_memory.py --model llama3-70b --tp "$sizes" ;;
     tp-bench) for part in ${TP_BENCH:-latency prefill throughput 70b}; do
                 case $part in
                   latency) for tp in $TP_SIZES; do

@@ -9,9 +9,10 @@ engine's ranks hold once started.
    in use; then it shuts down.
 
     python tools/tp_memory.py --model llama3-70b --tp 2
-    python tools/tp_memory.py --model llama3-70b --tp 4 --max-total-tokens 65536
+    python tools/tp_memory.py --model llama3-70b --tp 2,4 --max-total-tokens 65536
 
-Prints two short tables (GiB).
+With several sizes (--tp 2,4) the loading table is printed for each and the engine runs at the
+largest. Prints short tables (GiB).
 """
 
 from __future__ import annotations
@@ -72,17 +73,19 @@ def engine(model: str, tp: int, max_total_tokens: int | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama3-70b")
-    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--tp", default="2", help="tensor-parallel sizes, comma-separated")
     ap.add_argument("--max-total-tokens", type=int, default=None)
     ap.add_argument("--part", choices=("both", "loading", "engine"), default="both")
     args = ap.parse_args()
+    sizes = [int(t) for t in args.tp.split(",")]
     if args.part == "loading":
-        loading(args.model, args.tp)
+        for tp in sizes:
+            loading(args.model, tp)
         return
     if args.part == "both":  # in a process of its own: the engine's GPUs then hold nothing of it
-        subprocess.run([sys.executable, __file__, "--model", args.model, "--tp", str(args.tp), "--part", "loading"],
+        subprocess.run([sys.executable, __file__, "--model", args.model, "--tp", args.tp, "--part", "loading"],
                        check=True)
-    engine(args.model, args.tp, args.max_total_tokens)
+    engine(args.model, max(sizes), args.max_total_tokens)
 
 
 if __name__ == "__main__":
