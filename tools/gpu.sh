@@ -167,7 +167,7 @@ for s in "${steps[@]}"; do
                                --tp "$tp" --json "$OUT/tp-bench-prefill-tp$tp.json"
                            done ;;
                   throughput) for tp in $TP_SIZES; do
-                                guard 240 "${BENCH[@]}" --workload throughput --model qwen3-8b --tp "$tp" \
+                                guard 300 "${BENCH[@]}" --workload throughput --model qwen3-8b --tp "$tp" \
                                   --json "$OUT/tp-bench-throughput-tp$tp.json"
                               done ;;
                   70b) for tp in 2 4; do
