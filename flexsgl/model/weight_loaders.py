@@ -29,7 +29,6 @@ class WeightLoader(ABC):
     """How a checkpoint fills one parameter."""
 
     parts: tuple = ()  # the parts a checkpoint gives one tensor each, where it does not give the whole
-    sliced = False  # whether this rank's parameter holds only part of the whole (tensor parallelism)
 
     @abstractmethod
     def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
@@ -68,7 +67,6 @@ class Parts(WeightLoader):
     def __init__(self, split: Split):
         self.split = split
         self.parts = tuple(range(len(split.pieces))) if len(split.pieces) > 1 else ()
-        self.sliced = any(p.start or p.length != n for p, n in zip(split.pieces, split.full_parts))
 
     def _start(self, part: int) -> int:
         return sum(self.split.full_parts[:part])
@@ -157,7 +155,6 @@ class StackedExperts(WeightLoader):
         each = (0, 1) if halves == 2 else (None,)
         self.parts = tuple((e, h) for e in range(num_experts) for h in each)
         self.halves, self.rank, self.size = halves, rank, size
-        self.sliced = size > 1
 
     def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
         if part is None:
