@@ -99,6 +99,7 @@ class LLM:
         if self._channel is not None:
             self.runner.tp = self._channel
             self.runner.wait = self._channel.wait
+            self._channel.release = self.runner.release_graphs  # before leaving the process group
             self._finalizer = weakref.finalize(self, self._channel.close)
         takes = tuple(n for v in self.resolved.variants if v is not None for n, p in v.params.items()
                       if isinstance(p, PerRequest))
@@ -117,6 +118,7 @@ class LLM:
         from flexsgl.distributed.worker import Channel, serve
 
         device = cfg.torch_device
+        launcher.refuse_spawn_reimport()
         launcher.refuse(cfg, mcfg, device)
         if launcher.torchrun_env() is None:
             return Channel(*launcher.spawn(cfg, device, build_core))

@@ -70,6 +70,8 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
     agree(group, error)
     load_s = time.perf_counter() - t0
     mcfg = model.cfg  # this rank's heads and MLP slice
+    if device.type == "cuda":  # blocks freed while loading go back to the driver: sizing reads what is free
+        torch.cuda.empty_cache()
     try:
         kv = kv_pool_size(rc, mcfg, functools.partial(rc.attention.prefill_scratch_bytes, mcfg))
         num_pages = kv.pages
@@ -78,6 +80,7 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
     agree(group, error)
     if group is not None:
         num_pages = group.min(num_pages)
+    runner = None
     try:
         pool = build_kv_pool(mcfg, num_pages, cfg.page_size, rc.dtype, device)
         model.bind_kv_pool(pool)
@@ -105,6 +108,11 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
             runner.capture_graphs(rc.cuda_graph_bs)
     except Exception as e:
         error = e
-    agree(group, error)
+    try:
+        agree(group, error)
+    except BaseException:
+        if runner is not None:  # graphs holding NCCL work would keep the process group from closing
+            runner.release_graphs(sync=False)
+        raise
     return EngineCore(model, pool, backends, runner, num_pages, rc.compile, load_s, kv_pool_s,
                       time.perf_counter() - t0)

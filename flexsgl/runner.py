@@ -111,6 +111,12 @@ class ModelRunner:
         logger.info(f"captured {len(sizes)} decode graphs in {took:.1f}s"
                     + (f" ({compiling:.1f}s of it compiling)" if compiling else ""))
 
+    def release_graphs(self, sync: bool = True) -> None:
+        """Destroy the decode graphs (GraphManager.release); the runner cannot step afterwards. Every
+        tensor-parallel rank calls it before it leaves its process group."""
+        if self.graphs is not None:
+            self.graphs.release(sync)
+
     def _prefill_forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb.input_ids, fb.positions, fb)
 

@@ -126,6 +126,54 @@ class TestTwoRanksOfTiny:
         assert two.pool.num_pages == one.pool.num_pages
 
 
+def test_mla_dummy_tokens_and_logits_identical_to_one_rank(sampled_logits):
+    """DeepSeek-V2 in miniature (MLA, YaRN, a dense layer, then MoE with a shared expert) at TP=2:
+    heads split, the latent cache replicated, every expert split along its intermediate dimension;
+    ragged prompts, chunked prefill, a prefix-cache hit; tokens equal one rank's, logits to float32
+    rounding."""
+    seed = random.randrange(1 << 30)
+    prompts = ragged_prompts(random.Random(seed), 512, n=4)
+    one = LLM("tiny-mla", load_format="dummy", **OPTIONS)
+    ref = one.generate(prompts, greedy(8))
+    a = list(sampled_logits)
+    sampled_logits.clear()
+    with LLM("tiny-mla", load_format="dummy", tensor_parallel_size=2, **OPTIONS) as two:
+        assert two.model.model.layers[1].mlp.experts.gate_up_proj.shape == (8, 64, 128)  # 2 x 64 / 2 units
+        assert two.pool.num_pages == one.pool.num_pages
+        out = two.generate(prompts, greedy(8))
+        again = two.generate([prompts[-1][:-1] + [prompts[-1][-1] % 511 + 1]], greedy(4))
+    b = list(sampled_logits)[:len(a)]
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
+    assert again[0].cached_tokens >= 2 * PAGE, "the shared prefix was not a cache hit"
+    assert again[0].token_ids == one.generate([prompts[-1][:-1] + [prompts[-1][-1] % 511 + 1]], greedy(4))[0].token_ids
+    for x, y in zip(a, b):
+        assert x.abs().max() > 0.01
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("q_lora_rank, topk_method", [(None, "greedy"), (24, "group_limited_greedy")])
+def test_mla_checkpoint_loaded_shard_by_shard_matches_hf(tmp_path, monkeypatch, q_lora_rank, topk_method):
+    """HF's random DeepSeek-V2 checkpoint (one tensor per expert) at TP=2: each rank reads its heads'
+    rows of q (or q_b), kv_b and o_proj, every expert's slice; tokens equal one rank's and HF's,
+    logits HF's."""
+    from tests.hf_models import make_deepseek_checkpoint
+
+    seed = random.randrange(1 << 30)
+    hf = make_deepseek_checkpoint(tmp_path, seed, q_lora_rank=q_lora_rank, topk_method=topk_method)
+    hf.config._attn_implementation = "eager"
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 320) for _ in range(n)] for n in (3, 21, 40)]
+    ref = LLM(str(tmp_path), **OPTIONS).generate(prompts, greedy(6))
+    with LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS) as two:
+        seen = capture_logits(two, monkeypatch)
+        out = two.generate(prompts, greedy(6))
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
+    for prompt, o in zip(prompts, out):
+        tokens, logits = hf_reference(hf, prompt, 6)
+        assert o.token_ids == tokens, f"seed={seed}"
+        torch.testing.assert_close(torch.stack(seen[o.request_id]), logits, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+
+
 def test_embedded_model_tokens_identical():
     prompts = ["def parse(text):", "Return the number of", "The"]
     one = LLM("tiny-docs", **OPTIONS)
@@ -239,10 +287,10 @@ def test_agree_raises_the_failed_ranks_reason():
 
 @pytest.mark.parametrize("model, tp, sentence", [
     ("tiny", 3, "The model's 4 attention heads do not split across tensor_parallel_size 3 ranks; use a divisor of 4."),
-    ("tiny-mla", 2, "Tensor parallelism is not supported yet for DeepseekV2ForCausalLM (multi-head latent "
-                    "attention); use tensor_parallel_size 1."),
     ("tiny-qwen3-moe", 2, "Tensor parallelism is not supported yet for Qwen3MoeForCausalLM (its experts do not "
                           "split across ranks); use tensor_parallel_size 1."),
+    ("tiny-mla", 8, "The model's 4 attention heads do not split across tensor_parallel_size 8 ranks; use a divisor "
+                    "of 4."),
 ])
 def test_refused_before_loading(model, tp, sentence, monkeypatch):
     import flexsgl.engine_core
@@ -270,13 +318,31 @@ def test_refusals(monkeypatch):
                                   "use a divisor or a multiple of 3.")
     wide = cfg.__class__(**{**cfg.__dict__, "intermediate_size": 258})
     assert refused(wide, 4) == "The model's MLP width 258 does not split across tensor_parallel_size 4 ranks."
+    mla = resolve("tiny-mla", "dummy").config
+    launcher.refuse(_engine(4), mla.__class__(**{**mla.__dict__, "num_kv_heads": 3}), cpu)  # one latent: no KV heads
+    odd_experts = mla.__class__(**{**mla.__dict__, "moe": mla.moe.__class__(**{**mla.moe.__dict__,
+                                                                              "intermediate_size": 66})})
+    assert refused(odd_experts, 4) == "The model's expert width 66 does not split across tensor_parallel_size 4 ranks."
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert refused(cfg, 2, cuda) == "tensor_parallel_size 2 needs 2 GPUs, and this machine has 1."
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert refused(cfg, 2, torch.device("cuda:1")) == ("Tensor parallelism runs on cuda:0 to cuda:1; device "
                                                        "'cuda:1' cannot be given with tensor_parallel_size 2.")
+    # torchrun over two hosts of 8 GPUs: 16 ranks, this one the fourth of its host
+    wide16 = cfg.__class__(**{**cfg.__dict__, "num_heads": 16})
+    monkeypatch.setenv("RANK", "11")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    launcher.refuse(_engine(16), wide16, cuda)
+    assert not launcher.one_host()
+    monkeypatch.setenv("LOCAL_RANK", "8")
+    assert refused(wide16, 16, cuda) == ("This process is local rank 8 (LOCAL_RANK) and runs on cuda:8, but this "
+                                         "host has 8 GPUs; start at most 8 processes per host.")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert launcher.one_host()
     assert refused(cfg, 2) == ("tensor_parallel_size is 2, but this process was started as one of 4 ranks "
                                "(WORLD_SIZE); start as many processes as tensor-parallel ranks.")
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer of at least 1, got 0"):
@@ -305,24 +371,34 @@ def _qwen3_8b_layers(path, layers=4):
     return str(path)
 
 
+needs_gpus = {n: pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPUs") for n in (2, 4)}
+
+
 @pytest.mark.gpu
-@needs_two_gpus
-def test_gpu_two_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits):
-    """NCCL all-reduces inside compiled steps and captured decode graphs: TP=2's logits agree with
-    TP=1's to bf16 rounding (the reduce order differs), at prefill and in the captured decode
-    steps. Prompts of one token each decode the same tokens on both as long as their logits
-    agree, so the decode steps are compared token for token only while the tokens agree."""
+@pytest.mark.parametrize("tp", [pytest.param(2, marks=needs_gpus[2]), pytest.param(4, marks=needs_gpus[4])])
+def test_gpu_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits, tp):
+    """All-reduces (symmetric memory for decode's small messages, NCCL for prefill's) inside
+    compiled steps and captured decode graphs: TP=2's and TP=4's logits agree with TP=1's to bf16
+    rounding (the reduce order differs), at prefill and in the captured decode steps."""
     model = _qwen3_8b_layers(tmp_path / "qwen3-8b-4layers")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, 150000) for _ in range(n)] for n in (7, 300, 1500)]
     opts = dict(load_format="dummy", max_total_tokens=1 << 15, max_running_requests=8, cuda_graph_bs=(1, 2, 4, 8))
+    _assert_tp_agrees(model, opts, tp, sampled_logits, vocab=150000, compiled=True)
+
+
+def _assert_tp_agrees(model, opts, tp, sampled_logits, vocab, compiled):
+    """TP=tp's logits agree with TP=1's to bf16 rounding, on three prompts prefilled in one step and
+    decoded 8 steps in CUDA graphs. Prompts of one token each decode the same tokens on both as
+    long as their logits agree, so the decode steps are compared only while the tokens agree."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in (7, 300, 1500)]
     sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)  # every row runs all 8 steps
+    sampled_logits.clear()
     ref = LLM(model, **opts).generate(prompts, sp)
     a = list(sampled_logits)
     sampled_logits.clear()
-    with LLM(model, tensor_parallel_size=2, **opts) as two:
-        assert two.runner.graphs is not None and two.compile
-        out = two.generate(prompts, sp)
+    with LLM(model, tensor_parallel_size=tp, **opts) as many:
+        assert many.runner.graphs is not None and many.compile == compiled
+        out = many.generate(prompts, sp)
     b = list(sampled_logits)
     assert len(a) == len(b) == 8
     same = [x.token_ids[:1] == y.token_ids[:1] for x, y in zip(ref, out)]
@@ -340,6 +416,42 @@ def test_gpu_two_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits):
 
 @pytest.mark.gpu
 @needs_two_gpus
+@pytest.mark.parametrize("override", ["flex", "fa3", "fi"])  # auto (the test above) is fa3-prefill,fi-decode,triton-decode
+def test_gpu_every_gqa_override_under_two_ranks(tmp_path, sampled_logits, override):
+    """Each rank builds its own backends over its heads: every override at TP=2 agrees with itself
+    at TP=1 (eager steps, CUDA graphs; the compiled steps are the test above's)."""
+    model = _qwen3_8b_layers(tmp_path / "qwen3-8b-4layers", layers=2)
+    opts = dict(load_format="dummy", max_total_tokens=1 << 15, max_running_requests=8, cuda_graph_bs=(1, 2, 4),
+                override=override, compile=False)
+    _assert_tp_agrees(model, opts, 2, sampled_logits, vocab=150000, compiled=False)
+
+
+def _deepseek_v2_lite_layers(path, layers=3):
+    """DeepSeek-V2-Lite's widths (16 heads, 512 + 64 latent, 64 experts of 1408, 2 shared) with a
+    dense layer and a few MoE layers."""
+    import json
+
+    from flexsgl.model.presets import PRESETS
+
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**PRESETS["deepseek-v2-lite"]["config"], "num_hidden_layers": layers}))
+    return str(path)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("override, compiled", [("auto", True), ("flex", False)])  # auto: fi-mla, triton-mla<=8
+def test_gpu_mla_two_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits, override, compiled):
+    """DeepSeek-V2 at TP=2 on GPUs: 8 heads a rank over the replicated latent cache, every expert
+    split (the batch-1 MoE kernel with rank 1's residual zero), agree with TP=1 to bf16 rounding."""
+    model = _deepseek_v2_lite_layers(tmp_path / "deepseek-v2-lite-3layers")
+    opts = dict(load_format="dummy", max_total_tokens=1 << 14, max_running_requests=8, cuda_graph_bs=(1, 2, 4),
+                override=override, compile=compiled)
+    _assert_tp_agrees(model, opts, 2, sampled_logits, vocab=100000, compiled=compiled)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
 @pytest.mark.parametrize("model", ["tiny", "tiny-docs"])
 def test_gpu_tiny_presets_greedy_tokens(model):
     opts = dict(dtype="float32", max_total_tokens=1 << 14, max_running_requests=8)
@@ -350,3 +462,384 @@ def test_gpu_tiny_presets_greedy_tokens(model):
     with LLM(model, tensor_parallel_size=2, **opts) as two:
         out = two.generate(prompts, greedy(16))
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+# ---- every exit path ends every rank (tests/tp_exit_script.py runs the engine in a process of its own)
+
+EXIT_LIMIT_S = 60  # a hang, not a speed: a clean end takes seconds
+
+
+def _session(sid: int) -> list[int]:
+    """The running processes of session `sid` (a zombie, ended but not yet reaped, does not run)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[3]) == sid:
+                pids.append(int(entry))
+    return pids
+
+
+def _start(argv: list[str]):
+    """A process in a session of its own (its workers join it), with fault stacks on SIGABRT."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def _wait_for_exit(proc, what: str) -> tuple[str, str]:
+    """Wait for `proc` and every other process of its session to end, at most EXIT_LIMIT_S each;
+    on a hang, SIGABRT to the session (its Python stacks go to stderr) and fail. Returns its output."""
+    import subprocess
+
+    try:
+        out, err = proc.communicate(timeout=EXIT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"{what}: the process still ran {EXIT_LIMIT_S} s later:\n{err[-6000:]}")
+    deadline = time.monotonic() + EXIT_LIMIT_S
+    while _session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _session(proc.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{what}: processes {left} (its workers) outlived it by {EXIT_LIMIT_S} s"
+    return out, err
+
+
+def _run_exit_script(mode: str, device: str, signal_to_send=None, tp: int = 2):
+    """Run tests/tp_exit_script.py and wait for its session to end; returns (exit code, stdout
+    lines, worker pids, stderr)."""
+    import sys
+    from pathlib import Path
+
+    proc = _start([sys.executable, str(Path(__file__).parent / "tp_exit_script.py"), mode, device, str(tp)])
+    lines = []
+    try:
+        for line in proc.stdout:  # up to "generated": loading, compiling, capturing (no limit of ours)
+            lines.append(line.strip())
+            if line.startswith("generated"):
+                break
+        if "generated" not in lines:
+            proc.wait(timeout=EXIT_LIMIT_S)
+            pytest.fail(f"the engine did not run: {proc.stderr.read()[-3000:]}")
+        workers = [int(p) for p in lines[0].split()[1:]]
+        if signal_to_send == "ctrl-c":  # a terminal's Ctrl-C: SIGINT to every process of the group
+            time.sleep(1.0)
+            os.killpg(proc.pid, signal.SIGINT)
+        elif signal_to_send == "sigterm":  # `kill PID` of rank 0 alone
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+        out, err = _wait_for_exit(proc, f"{mode} {signal_to_send or ''} on {device}")
+        return proc.returncode, lines + out.splitlines(), workers, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("mode, signal_to_send", [("exit", None), ("shutdown", None), ("rank-killed", None),
+                                                  ("signal", "ctrl-c"), ("signal", "sigterm")])
+def test_every_exit_ends_every_rank(mode, signal_to_send):
+    """On the CPU (gloo): a normal end with and without shutdown(), a killed rank, Ctrl-C (after
+    which the engine still runs), and SIGTERM to rank 0 each end rank 0's process and every worker."""
+    _check_exit(*_run_exit_script(mode, "cpu", signal_to_send), mode, signal_to_send)
+
+
+def _check_exit(code, lines, workers, err, mode, signal_to_send):
+    assert len(workers) >= 1
+    if signal_to_send != "sigterm":
+        assert code == 0, err[-3000:]
+    if mode == "rank-killed":
+        assert "dead" in lines, err[-3000:]
+    if signal_to_send == "ctrl-c":
+        assert "interrupted" in lines and "continued" in lines, err[-3000:]
+
+
+def _serve_and_stop(device: str, how: str, tp: int = 2) -> None:
+    """`flexsgl serve --tp` until healthy, then stopped `how` (ctrl-c: SIGINT to its process group;
+    sigterm: to the HTTP process); every process of it ends."""
+    import socket
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    extra = ["--device", "cpu", "--no-compile"] if device == "cpu" else ["--cuda-graph-bs", "1,2"]
+    proc = _start([sys.executable, "-m", "flexsgl", "serve", "tiny", "--load-format", "dummy", "--tp",
+                   str(tp), "--port", str(port), "--max-total-tokens", "4096", "--max-running-requests", "4",
+                   "--log-level", "warning", *extra])
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"the server exited: {proc.communicate()[1][-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.5)
+        assert len(_session(proc.pid)) >= 3  # the HTTP process, the engine process (rank 0), rank 1
+        os.killpg(proc.pid, signal.SIGINT) if how == "ctrl-c" else proc.send_signal(signal.SIGTERM)
+        _wait_for_exit(proc, f"serve stopped by {how} on {device}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_server_stop_ends_every_rank():
+    """The server's stop (Ctrl-C) ends the HTTP process, the engine process and the other rank."""
+    _serve_and_stop("cpu", "ctrl-c")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("mode, signal_to_send", [("exit", None), ("shutdown", None), ("rank-killed", None),
+                                                  ("signal", "ctrl-c"), ("signal", "sigterm")])
+def test_gpu_every_exit_ends_every_rank(mode, signal_to_send):
+    """NCCL, compiled steps and captured decode graphs holding the all-reduces: every exit path
+    ends every rank (destroying a communicator while a graph that captured it lives would hang)."""
+    _check_exit(*_run_exit_script(mode, "cuda", signal_to_send), mode, signal_to_send)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_gpu_four_ranks_exit():
+    _check_exit(*_run_exit_script("exit", "cuda", None, tp=4), "exit", None)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_cli_generate_exits():
+    """The command of the report: `flexsgl generate ... --tp 2` prints its tokens and exits 0."""
+    import sys
+
+    proc = _start([sys.executable, "-m", "flexsgl.cli", "generate", "Return the", "--model", "tiny", "--load-format",
+                   "dummy", "--tp", "2", "--max-new-tokens", "8"])
+    try:
+        proc.wait(timeout=300)  # loading and compiling; its exit is _wait_for_exit's
+    except Exception:
+        pass
+    out, err = _wait_for_exit(proc, "flexsgl generate --tp 2")
+    assert proc.returncode == 0, err[-3000:]
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_server_stop_ends_every_rank():
+    _serve_and_stop("cuda", "ctrl-c")
+
+
+def test_unguarded_script_is_told_to_guard_its_top_level(tmp_path):
+    """A script that makes a TP engine at its top level, without `if __name__ == "__main__":`: each
+    spawned rank re-runs it while starting; the error names that cause in one sentence."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from flexsgl import LLM\n"
+                      "llm = LLM('tiny', load_format='dummy', tensor_parallel_size=2, device='cpu', compile=False)\n"
+                      "print('started')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0 and "started" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("flexsgl.errors.TensorParallelError: Each spawned tensor-parallel rank re-ran the main script, "
+                    "which makes the LLM at its top level; guard that code with `if __name__ == \"__main__\":`."), \
+        proc.stderr[-3000:]
+
+
+# ---- memory: a rank holds its part of the weights, at every moment of loading
+
+def _peak_cpu_bytes(fn, mapped: tuple[int, ...] = ()):
+    """fn()'s result and the most bytes torch's CPU allocator held at once, above what it held
+    before, while fn ran (the profiler's memory events). Storages of a size in `mapped` are left
+    out: safetensors maps each file whole as one storage, host memory paged in only where read."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        if abs(nbytes) not in mapped:
+            live += nbytes
+            peak = max(peak, live)
+    return result, peak
+
+
+def _held_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers (each tensor once)."""
+    seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+@pytest.mark.parametrize("load_format", ["dummy", "safetensors"])
+def test_each_rank_holds_only_its_part_while_loading(tmp_path, monkeypatch, load_format):
+    """Rank r of 2 builds its part (bfloat16, on the CPU as on a GPU): the allocator's peak during
+    the whole load is the part's bytes plus a few generation blocks and the rotary tables, never a
+    float32 copy or a whole parameter; from a checkpoint no tensor read is larger than the part's
+    largest parameter."""
+    import json
+
+    import flexsgl.model.dummy_weights as dummy
+    import flexsgl.model.loader as loader
+    from flexsgl.model.presets import PRESETS
+
+    monkeypatch.setattr(dummy, "BLOCK_ELEMENTS", 1 << 12)
+    config = {**PRESETS["tiny"]["config"], "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
+              "head_dim": 64, "max_position_embeddings": 256, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    src = resolve(str(tmp_path), "dummy")
+    if load_format == "safetensors":
+        from safetensors.torch import save_file
+
+        one = loader.build_model(src, torch.device("cpu"), torch.float32, seed=1)
+        hf = {}
+        for name, p in one.named_parameters():  # the fused projections as HF's separate tensors
+            if name.endswith("qkv_proj.weight"):
+                q, k, v = p.split([4 * 64, 2 * 64, 2 * 64])
+                hf |= {name.replace("qkv_proj", "q_proj"): q, name.replace("qkv_proj", "k_proj"): k,
+                       name.replace("qkv_proj", "v_proj"): v}
+            elif name.endswith("gate_up_proj.weight"):
+                gate, up = p.chunk(2)
+                hf |= {name.replace("gate_up_proj", "gate_proj"): gate, name.replace("gate_up_proj", "up_proj"): up}
+            else:
+                hf[name] = p
+        save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp_path / "model.safetensors"))
+        src = resolve(str(tmp_path))
+        reads = []
+        real_reader = loader._reader
+        monkeypatch.setattr(loader, "_reader", lambda st, name: lambda index, out: (
+            reads.append(out.numel()), real_reader(st, name)(index, out)))
+    for rank in (0, 1):
+        files = tuple(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+        model, peak = _peak_cpu_bytes(lambda: loader.build_model(src, torch.device("cpu"), torch.bfloat16, 7, rank, 2),
+                                      files)
+        part = _held_bytes(model)
+        rotary = 2 * model.model.rotary.cos.numel() * 4  # computed in float32 with a temporary or two
+        blocks = 8 * dummy.BLOCK_ELEMENTS * 4
+        assert part < peak <= part + 2 * rotary + blocks, (rank, part, peak)
+        if load_format == "safetensors":
+            assert max(reads) <= max(p.numel() for p in model.parameters())
+    # The bound would catch a float32 copy of the part, or one whole parameter (the embedding's 2 MB).
+    assert min(part, 4096 * 256 * 2) > 2 * rotary + blocks
+
+
+# ---- torchrun: ranks, devices and the rendezvous from its environment, on one host or several
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_torchrun_ranks_give_one_ranks_tokens(hosts):
+    """torchrun starts the ranks (gloo on the CPU): all on one host (--nproc-per-node 2), or as two
+    hosts of one rank each (--nnodes 2 --node-rank 0|1 --rdzv-endpoint, both here: each has
+    LOCAL_RANK 0, the ranks and world size come from the rendezvous). Rank 0 prints the tokens of
+    one rank's engine; every process exits 0."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_serve import free_port
+
+    rng = random.Random(seed := random.randrange(1 << 30))
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (4, 37)]
+    ref = LLM("tiny", load_format="dummy", device="cpu", compile=False, page_size=16, max_total_tokens=2048,
+              max_running_requests=8).generate(prompts, greedy(8))
+    script = [str(Path(__file__).parent / "tp_torchrun_script.py"), json.dumps(prompts)]
+    run = [sys.executable, "-m", "torch.distributed.run", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           "--local-addr", "127.0.0.1"]
+    if hosts == 1:
+        commands = [run + ["--nnodes", "1", "--nproc-per-node", "2", *script]]
+    else:
+        commands = [run + ["--nnodes", "2", "--node-rank", str(h), "--nproc-per-node", "1", *script] for h in (0, 1)]
+    procs = [_start(c) for c in commands]
+    outs = [_wait_for_exit_within(p, 300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * hosts, outs[-1][1][-3000:]
+    printed = [line for out, _ in outs for line in out.splitlines() if line.startswith("tokens ")]
+    assert len(printed) == 1, "rank 0 alone runs the script past LLM(...)"
+    assert json.loads(printed[0].removeprefix("tokens ")) == [o.token_ids for o in ref], f"seed={seed}"
+
+
+def _wait_for_exit_within(proc, seconds: float) -> tuple[str, str]:
+    import subprocess
+
+    try:
+        return proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"torchrun did not finish in {seconds} s:\n{err[-6000:]}")
+
+
+# ---- the all-reduce over symmetric memory (flexsgl/distributed/allreduce.py), on 2 GPUs
+
+def _symm_all_reduce_rank(rank: int, size: int, port: int, seed: int) -> None:
+    """One rank of test_gpu_symmetric_all_reduce_equals_nccl (spawned)."""
+    import torch.distributed as dist
+
+    from flexsgl.distributed import allreduce
+    from flexsgl.distributed.group import destroy_group, init_group
+
+    device = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
+    init_group(rank, size, device, store)
+    symm = allreduce._symm
+    assert symm is not None, "symmetric memory was not set up (see the log's all-reduce line)"
+    gen = torch.Generator(device).manual_seed(seed * 16 + rank)
+
+    def nccl(x):
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    def close(got, want, what):  # the sum's order differs: bf16 rounding of values of a few units
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.06, msg=f"{what}, seed={seed}")
+
+    for kb in (8, 16, 32, 64, 1024, 4096):
+        n = kb * 1024 // 2
+        for kind in ("one-shot", "two-shot"):
+            if kind == "one-shot" and kb * 1024 > allreduce.ONE_SHOT_MAX_BYTES:
+                continue
+            x = torch.randn(n, generator=gen, device=device, dtype=torch.bfloat16)
+            close(symm(x, kind), nccl(x), f"{kind} of {kb} KB")
+    # The choice by size inside CUDA graphs: rows of a decode batch, as the model all-reduces them.
+    for rows in (1, 8, 64, 512):
+        static = torch.zeros(rows, 4096, device=device, dtype=torch.bfloat16)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            allreduce.all_reduce(static)  # warm-up outside the graph
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = allreduce.all_reduce(static)
+        for _ in range(3):
+            static.copy_(torch.randn(static.shape, generator=gen, device=device, dtype=torch.bfloat16))
+            graph.replay()
+            close(out, nccl(static), f"a graph of {rows} rows ({symm.kind(static)})")
+        graph.reset()
+    torch.cuda.synchronize(device)
+    destroy_group()
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_symmetric_all_reduce_equals_nccl():
+    """One-shot and two-shot all-reduces over symmetric memory (multicast off) equal NCCL's to bf16
+    rounding, alone at 8 KB to 4 MB and captured in CUDA graphs at decode batch sizes."""
+    import torch.multiprocessing as mp
+
+    from tests.test_serve import free_port
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    size = min(torch.cuda.device_count(), 4)
+    mp.spawn(_symm_all_reduce_rank, args=(size, free_port(), random.randrange(1 << 20)), nprocs=size, join=True)

@@ -40,12 +40,25 @@
 #                  `OVERRIDES="--override auto --override flex" tools/gpu.sh throughput`. Needs fastapi and
 #                  uvicorn, which the image lacks: stage them with tools/stage_serve.sh, carry .gpu/serve and
 #                  run its install.sh first
-#   tp-tests       (2 GPUs) pytest -m gpu tests/test_tensor_parallel.py: TP=2 against TP=1 on a Qwen3-8B-wide
-#                  dummy of 4 layers (bf16 logits, greedy tokens; NCCL inside compiled layers and CUDA
-#                  graphs) and greedy tokens of the tiny presets (float32)
-#   tp-latency     (2 GPUs) bench latency, Qwen3-8B dummy, batch 1, --tp 1 then --tp 2 (TPOT, floor per rank)
-#   tp-throughput  (2 GPUs) bench throughput, Qwen3-0.6B dummy, --tp 1 then --tp 2
-#   tp-70b         (2 GPUs) bench latency, llama3-70b dummy (141 GB in bf16: 70 GB per rank), --tp 2
+#   tp-tests       (2 or 4 GPUs) the TP GPU tests but the exit ones: TP=2 (and TP=4) against TP=1 on a Qwen3-8B-wide
+#                  dummy (bf16, compiled steps, CUDA graphs), every GQA override and MLA under TP=2, the
+#                  symmetric-memory all-reduce against NCCL, the tiny presets' greedy tokens (~450 s on a cold
+#                  compile cache; $TP_TESTS_K, a pytest -k expression, picks a part)
+#   tp-exit        (2 GPUs) the TP exit tests: with NCCL, compiled steps and CUDA graphs, every exit path (normal
+#                  end, shutdown(), a killed rank, Ctrl-C, SIGTERM to rank 0, `flexsgl generate --tp 2`, the
+#                  server's stop) ends every process within 60 s (~250-400 s)
+#   tp-allreduce   tools/allreduce_bench.py: us per all-reduce, NCCL against one-shot/two-shot over symmetric memory,
+#                  8 KB to 4 MB, on every GPU of the host (~40 s)
+#   tp-memory      tools/tp_memory.py: llama3-70b dummy at TP=2 (and 4 where there are 4 GPUs), each rank's part
+#                  against the allocator's peak while loading, then the engine at the largest TP and each GPU's
+#                  memory in use (~200-300 s)
+#   tp-bench       bench at TP=1, 2 (and 4 where there are 4 GPUs), Qwen3-8B dummy: batch-1 latency (TPOT, floor
+#                  per rank), TTFT of a 4k prompt, the default throughput workload; then llama3-70b dummy latency
+#                  at TP=2 (GPUs of 100+ GB) and 4; a table of them all last. $TP_BENCH picks parts (default
+#                  "latency prefill throughput 70b"; ~900 s for all on 2 GPUs: split it over two calls, e.g.
+#                  TP_BENCH="latency prefill" then TP_BENCH="throughput 70b")
+#   Every TP command runs in a session of its own under a wall-clock limit; at the limit the session gets
+#   SIGABRT (PYTHONFAULTHANDLER=1: each Python process prints its stacks), so a hang shows where it hangs.
 #   variants       the attention-variant GPU tests: every variant in bf16 with pages of 16 and 64 (decode in a CUDA
 #                  graph), FA3's window/softcap/sinks, engines with per-layer variants graphed against eager
 #   mistral        bench latency of the mistral-7b dummy (a 4,096-key window on every layer), flex, batch 1 and 32
@@ -94,10 +107,17 @@ suite() {  # NAME, then pytest's arguments
 }
 declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
-                   [tp-tests]=200 [tp-latency]=240 [tp-throughput]=200 [tp-70b]=200
+                   [tp-tests]=580 [tp-exit]=580 [tp-allreduce]=200 [tp-memory]=500 [tp-bench]=590
                    [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
+GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+GPU_GB=$(python -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)" 2>/dev/null || echo 0)
+TP_SIZES="1 2"; [ "$GPUS" -ge 4 ] && TP_SIZES="1 2 4"
+# guard SECONDS CMD...: CMD in a session of its own; at the limit SIGABRT to all of it (Python stacks with
+# PYTHONFAULTHANDLER=1), SIGKILL 20 s later.
+guard() { local limit=$1; shift; PYTHONFAULTHANDLER=1 setsid -w timeout -s ABRT -k 20 "$limit" "$@"; }
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 for s in "${steps[@]}"; do
   LIMIT=${LIMITS[$s]:-300}; t0=$SECONDS
   echo "== $s (limit $LIMIT s)"
@@ -165,17 +185,36 @@ for s in "${steps[@]}"; do
          done ;;
     serve) timeout "$LIMIT" "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate 8,32,inf --override auto \
              --override flex --json "$OUT/serve.json" ;;
-    tp-tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_tensor_parallel.py ;;
-    tp-latency) for tp in 1 2; do
-                  timeout $((LIMIT / 2)) "${BENCH[@]}" "${TP_LATENCY[@]}" --model qwen3-8b --tp "$tp" \
-                    --json "$OUT/tp-latency-tp$tp.json"
-                done ;;
-    tp-throughput) for tp in 1 2; do
-                     timeout $((LIMIT / 2)) "${BENCH[@]}" --workload throughput --model qwen3-0.6b --tp "$tp" \
-                       --json "$OUT/tp-throughput-tp$tp.json"
-                   done ;;
-    tp-70b) timeout "$LIMIT" "${BENCH[@]}" "${TP_LATENCY[@]}" --model llama3-70b --load-format dummy --tp 2 \
-              --max-total-tokens 65536 --json "$OUT/tp-70b-tp2.json" ;;
+    tp-tests) guard "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_tensor_parallel.py \
+                -k "${TP_TESTS_K:-not exit and not server_stop}" ;;
+    tp-exit) guard "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_tensor_parallel.py \
+               -k "exit or server_stop" ;;
+    tp-allreduce) guard "$LIMIT" python tools/allreduce_bench.py ;;
+    tp-memory) sizes=$([ "$GPUS" -ge 4 ] && echo 2,4 || echo 2)
+               guard "$LIMIT" python tools/tp_memory.py --model llama3-70b --tp "$sizes" ;;
+    tp-bench) for part in ${TP_BENCH:-latency prefill throughput 70b}; do
+                case $part in
+                  latency) for tp in $TP_SIZES; do
+                             guard 150 "${BENCH[@]}" "${TP_LATENCY[@]}" --model qwen3-8b --tp "$tp" \
+                               --json "$OUT/tp-bench-latency-tp$tp.json"
+                           done ;;
+                  prefill) for tp in $TP_SIZES; do
+                             guard 150 "${BENCH[@]}" --workload prefill --model qwen3-8b --input-len 4096 --repeats 3 \
+                               --tp "$tp" --json "$OUT/tp-bench-prefill-tp$tp.json"
+                           done ;;
+                  throughput) for tp in $TP_SIZES; do
+                                guard 300 "${BENCH[@]}" --workload throughput --model qwen3-8b --tp "$tp" \
+                                  --json "$OUT/tp-bench-throughput-tp$tp.json"
+                              done ;;
+                  70b) for tp in 2 4; do
+                         [ "$tp" -le "$GPUS" ] || continue
+                         [ "$tp" -eq 2 ] && [ "$GPU_GB" -lt 100 ] && { echo "70b at TP=2 needs GPUs of 100+ GB"; continue; }
+                         guard 300 "${BENCH[@]}" "${TP_LATENCY[@]}" --model llama3-70b --tp "$tp" \
+                           --max-total-tokens 65536 --json "$OUT/tp-bench-70b-tp$tp.json"
+                       done ;;
+                esac
+              done
+              python tools/tp_bench_table.py "$OUT" ;;
     variants) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_attention_variants_gpu.py ;;
     mistral) for b in 1 32; do
                for ctx in 4096 32000; do
@@ -207,8 +246,10 @@ echo "== summary"; cat "$OUT/summary.txt"
 for s in "${steps[@]}"; do
   log="$OUT/$s.log"
   case $s in
-    tests|check|tp-tests) grep -E "passed|failed|error" "$log" | tail -3 ;;
-    latency|throughput|repeat|prefill|mla|serve|tp-latency|tp-throughput|tp-70b) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
+    tests|check|tp-tests|tp-exit) grep -E "passed|failed|error" "$log" | tail -3 ;;
+    tp-allreduce|tp-memory) grep -E "^ *[0-9]+ |^(all-reduce|loading|engine|rank|gpu| +KB)" "$log" | tail -24 ;;
+    tp-bench) sed -n '/^TP bench/,$p' "$log" ;;
+    latency|throughput|repeat|prefill|mla|serve) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
     flash-prefill) grep -E "passed|failed|error|\[flexsgl\] [a-z0-9,<=@./ -]+: TTFT" "$log" | tail -6 ;;
     startup) grep -E "^(flex|auto) (cold|warm)" "$log" ;;
     first-token) cat "$OUT/first-token.txt" ;;

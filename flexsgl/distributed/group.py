@@ -4,26 +4,41 @@ Two process groups join the ranks: the device group (NCCL on CUDA, gloo on the C
 model's all-reduce and all-gather run on, and a gloo control group, which carries host objects
 (rank 0's step plans, errors, the KV pool size) on the CPU whatever the device.
 
-The collectives are torch's functional collectives (`torch.ops._c10d_functional`): torch.compile
-traces them as graph nodes, and inductor lowers them to the in-place NCCL calls, which CUDA graphs
-capture. With one rank there is no group at all, and the model never calls them (its layers check
-the config's tp_size when they are built).
+The all-gather is torch's functional collective (`torch.ops._c10d_functional`): torch.compile
+traces it as a graph node, and inductor lowers it to the in-place NCCL call, which CUDA graphs
+capture. The all-reduce is allreduce.py's, which chooses between symmetric memory and NCCL (set
+up here once the group forms). With one rank there is no group at all, and the model never calls
+them (its layers check the config's tp_size when they are built).
+
+Leaving (`destroy_group`) is bounded on a GPU. NCCL's communicator cannot be destroyed while a
+CUDA graph that captured its work lives (pytorch/pytorch#115388), so every rank destroys its graphs
+first (ModelRunner.release_graphs); the destroy itself runs in a thread given LEAVE_TIMEOUT_S, and
+if it does not return by then the process goes on without it, and ends at exit (exit code 1)
+without waiting for it.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import os
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
+from flexsgl.distributed import allreduce
+from flexsgl.log import logger
+
 # How long a collective of the device group may wait for the other ranks before it fails. The
 # control group waits without limit: between requests rank 0 sends nothing, for as long as it is
 # idle; a rank that dies closes its sockets, which fails the others' waits at once.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
+LEAVE_TIMEOUT_S = 10.0  # how long leaving the group may take on a GPU before the process goes on without it
 
 
 @dataclass
@@ -33,6 +48,7 @@ class TPGroup:
     device: torch.device
     group: dist.ProcessGroup  # the device group
     control: dist.ProcessGroup  # gloo, for host objects
+    one_host: bool = True  # every rank on this host (spawned ranks; torchrun's when it ran them all here)
 
     @property
     def name(self) -> str:
@@ -58,10 +74,11 @@ class TPGroup:
 
 
 _current: TPGroup | None = None
-# The device group's name and size as plain values, which the compiled model reads (torch.compile
-# takes them as constants and guards on them).
+# The device group's name, size and this process's rank as plain values, which the compiled model
+# reads (torch.compile takes them as constants and guards on them).
 _name: str | None = None
 _size: int = 1
+_rank: int = 0
 
 
 def current() -> TPGroup | None:
@@ -69,10 +86,12 @@ def current() -> TPGroup | None:
     return _current
 
 
-def init_group(rank: int, size: int, device: torch.device, store: dist.Store | None = None) -> TPGroup:
+def init_group(rank: int, size: int, device: torch.device, store: dist.Store | None = None,
+               one_host: bool = True) -> TPGroup:
     """Join the ranks: the default process group (the device group) from `store` (None: torchrun's
-    environment), then the gloo control group. Sets the CUDA device to cuda:rank first on a GPU."""
-    global _current, _name, _size
+    environment), then the gloo control group, then choose the all-reduce (allreduce.setup). Sets
+    the CUDA device to `device` first on a GPU."""
+    global _current, _name, _size, _rank
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -80,22 +99,78 @@ def init_group(rank: int, size: int, device: torch.device, store: dist.Store | N
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
                             **({"device_id": device} if device.type == "cuda" else {}), **kw)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    _current = TPGroup(rank, size, device, dist.group.WORLD, control)
-    _name, _size = _current.name, size
+    _current = TPGroup(rank, size, device, dist.group.WORLD, control, one_host)
+    _name, _size, _rank = _current.name, size, rank
+    choice = allreduce.setup(_current)
+    if rank == 0:
+        logger.info(f"all-reduce: {choice}")
     return _current
 
 
-def destroy_group() -> None:
-    """Leave the group (every rank calls it at the end); safe to call twice."""
-    global _current, _name, _size
-    _current, _name, _size = None, None, 1
-    if dist.is_initialized():
+def destroy_group(abort: bool = False) -> bool:
+    """Leave the group (every rank calls it at the end, after releasing its CUDA graphs); safe to
+    call twice. On the CPU it returns at once. On a GPU the NCCL communicators are destroyed, or
+    with `abort` (a rank died: its peers cannot finish anything) aborted, in a thread given
+    LEAVE_TIMEOUT_S; False if that did not return in time (the process then ends at exit without
+    waiting for it)."""
+    global _current, _name, _size, _rank
+    device = None if _current is None else _current.device
+    _current, _name, _size, _rank = None, None, 1, 0
+    allreduce.teardown()
+    if not dist.is_initialized():
+        return True
+    if device is None or device.type != "cuda":
         dist.destroy_process_group()
+        return True
+    leave = _abort_all if abort else dist.destroy_process_group
+    if _bounded(leave, LEAVE_TIMEOUT_S):
+        return True
+    logger.warning(f"the tensor-parallel process group did not close within {LEAVE_TIMEOUT_S:.0f} s; "
+                   "the process ends without it at exit")
+    if threading.main_thread().is_alive():
+        atexit.register(_end_now)
+    else:  # already exiting (atexit hooks run once the main thread has stopped): end here
+        _end_now()
+    return False
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of `x` over the ranks (a new tensor)."""
-    return funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", _name))
+def _abort_all() -> None:
+    """Abort every NCCL communicator of the process (no peer is waited for)."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    (abort or dist.destroy_process_group)()
+
+
+def _bounded(fn, timeout: float) -> bool:
+    """Run `fn` in a daemon thread; whether it returned (or raised) within `timeout` seconds."""
+    done = threading.Event()
+
+    def run():
+        try:
+            fn()
+        except Exception as e:  # a group already half torn down: nothing more to leave
+            logger.debug("leaving the process group: %s", e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="flexsgl-leave-group").start()
+    return done.wait(timeout)
+
+
+def _end_now() -> None:
+    """End the process without the interpreter's own ending, which a thread still inside NCCL
+    could hold up (the process group's destructors)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(1)
+
+
+def first_rank() -> bool:
+    """Whether this process is rank 0 (or the only one): the rank that adds a row-parallel layer's
+    residual to its partial sum before the all-reduce (flexsgl/distributed/layers.py)."""
+    return _rank == 0
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:

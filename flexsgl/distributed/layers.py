@@ -1,9 +1,9 @@
-"""How the decoder's weights are split across ranks (Megatron-style), and the layers that need it.
+"""How the models' weights are split across ranks (Megatron-style), and the layers that need it.
 
     qkv_proj, gate_up_proj  column-parallel: each rank holds its rows (its q heads and its KV heads;
                             its slice of the MLP's intermediate dimension), no communication
     o_proj, down_proj       row-parallel: each rank holds its columns and computes a partial sum;
-                            one all-reduce adds them, then the residual is added once
+                            rank 0 adds the residual to its own, and one all-reduce adds them up
     embed_tokens            vocabulary-parallel: each rank holds ceil(vocab / tp) rows, looks up
                             the ids in its range (zeros elsewhere), and an all-reduce adds them
     lm_head                 vocabulary-parallel: each rank computes its vocabulary slice of the
@@ -12,9 +12,19 @@
 
 KV heads are split like q heads when there are at least as many as ranks; with fewer, each is
 replicated: rank r uses KV head r * num_kv_heads // tp (its q heads are the ones that read it).
+
+DeepSeek-V2 (MLA) splits by attention heads too: of `qkv_a_proj` the q rows of the rank's heads
+(where q is one projection; with q_lora_rank the q_a rows are replicated) and the whole latent
+projection (every rank computes, stores and reads the same latents: the latent cache is
+replicated); `q_b_proj` and `kv_b_proj` by heads (column-parallel), `o_proj` by heads
+(row-parallel). Its MLPs split as above: the dense ones, the shared experts, and each routed
+expert along its intermediate dimension (tensor parallelism over the experts, not expert
+parallelism: every rank holds a slice of every expert, flexsgl/model/weight_loaders.py
+StackedExperts, and the router is replicated, so every rank routes alike).
+
 `split_of` gives, for each parameter, which slice of the full (TP=1) tensor a rank holds; the
 parameter's weight loader (flexsgl/model/weight_loaders.py Parts) reads only that slice from
-safetensors, and takes it from the full tensor for dummy weights.
+safetensors, or generates only it for dummy weights.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexsgl.distributed.group import all_gather_last, all_reduce
+from flexsgl.distributed.allreduce import all_reduce
+from flexsgl.distributed.group import all_gather_last, first_rank
 from flexsgl.kernels import gemv
 
 
@@ -60,26 +71,56 @@ class Split:
 
 
 def split_of(name: str, cfg, rank: int, size: int) -> Split | None:
-    """How decoder parameter `name` is split for `rank` of `size`, against full config `cfg`; None
-    when every rank holds all of it."""
+    """How parameter `name` is split for `rank` of `size`, against full config `cfg`; None when
+    every rank holds all of it (routed experts: StackedExperts)."""
     parts = name.split(".")
     module = parts[-2] if len(parts) > 1 else ""
-    d, hq_all, hkv_all, inter_all = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    hq, inter = hq_all // size, inter_all // size
-    if module == "qkv_proj":
-        k0, hk = kv_heads(hkv_all, rank, size)
-        return Split(0, [Piece(rank * hq * d, hq * d, 0), Piece(k0 * d, hk * d, hq * d),
-                         Piece(k0 * d, hk * d, (hq + hk) * d)], [hq_all * d, hkv_all * d, hkv_all * d])
-    if module == "gate_up_proj":
-        return Split(0, [Piece(rank * inter, inter, 0), Piece(rank * inter, inter, inter)], [inter_all, inter_all])
-    if module == "o_proj":
-        return Split(1, [Piece(rank * hq * d, hq * d, 0)], [hq_all * d])
-    if module == "down_proj":
-        return Split(1, [Piece(rank * inter, inter, 0)], [inter_all])
     if module in ("embed_tokens", "lm_head"):
         v, rows = cfg.vocab_size, vocab_rows(cfg.vocab_size, size)
         start = min(rank * rows, v)
         return Split(0, [Piece(start, min(rows, v - start), 0)], [v])
+    if ".experts." in name:
+        return None
+    if module in ("gate_up_proj", "down_proj"):
+        width = cfg.intermediate_size
+        if ".shared_experts." in name:
+            width = cfg.moe.intermediate_size * cfg.moe.n_shared_experts
+        return _mlp_split(module, width, rank, size)
+    if cfg.mla is not None:
+        return _mla_split(module, cfg, rank, size)
+    d, hq_all, hkv_all = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    hq = hq_all // size
+    if module == "qkv_proj":
+        k0, hk = kv_heads(hkv_all, rank, size)
+        return Split(0, [Piece(rank * hq * d, hq * d, 0), Piece(k0 * d, hk * d, hq * d),
+                         Piece(k0 * d, hk * d, (hq + hk) * d)], [hq_all * d, hkv_all * d, hkv_all * d])
+    if module == "o_proj":
+        return Split(1, [Piece(rank * hq * d, hq * d, 0)], [hq_all * d])
+    return None
+
+
+def _mlp_split(module: str, width: int, rank: int, size: int) -> Split:
+    """gate_up_proj: the rank's slice of gate's rows and of up's; down_proj: its columns."""
+    inter = width // size
+    if module == "gate_up_proj":
+        return Split(0, [Piece(rank * inter, inter, 0), Piece(rank * inter, inter, inter)], [width, width])
+    return Split(1, [Piece(rank * inter, inter, 0)], [width])
+
+
+def _mla_split(module: str, cfg, rank: int, size: int) -> Split | None:
+    """MLA's projections, split by attention heads (the module docstring)."""
+    m, hq_all = cfg.mla, cfg.num_heads
+    hq, qk = hq_all // size, m.qk_nope_head_dim + m.qk_rope_head_dim
+    if module == "qkv_a_proj":
+        if m.q_lora_rank is not None:  # q_a and the latent: replicated
+            return None
+        return Split(0, [Piece(rank * hq * qk, hq * qk, 0), Piece(0, m.latent_dim, hq * qk)],
+                     [hq_all * qk, m.latent_dim])
+    per = {"q_b_proj": qk, "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim}.get(module)
+    if per is not None:
+        return Split(0, [Piece(rank * hq * per, hq * per, 0)], [hq_all * per])
+    if module == "o_proj":
+        return Split(1, [Piece(rank * hq * m.v_head_dim, hq * m.v_head_dim, 0)], [hq_all * m.v_head_dim])
     return None
 
 
@@ -105,10 +146,11 @@ def gather_logits(local: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def row_linear(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
-    """residual + the ranks' partial proj(x) summed (a row-parallel projection without bias)."""
-    return residual + all_reduce(gemv.linear(x, proj, None))
+    """residual + the ranks' partial proj(x) summed (a row-parallel projection without bias): rank 0
+    adds the residual to its partial sum (the batch-1 gemv kernel's epilogue), then one all-reduce."""
+    return all_reduce(gemv.linear(x, proj, residual if first_rank() else None))
 
 
 def row_silu_linear(gate_up: torch.Tensor, proj: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
-    """residual + the ranks' partial proj(silu(gate) * up) summed."""
-    return residual + all_reduce(gemv.silu_linear(gate_up, proj, None))
+    """residual + the ranks' partial proj(silu(gate) * up) summed, as row_linear."""
+    return all_reduce(gemv.silu_linear(gate_up, proj, residual if first_rank() else None))

@@ -15,15 +15,23 @@ so nothing here imports the engine.
 Failures: a worker that raises in a step writes why to the store and exits; rank 0 checks that
 its workers are alive before each step, when a step fails, and while it waits for a step's tokens,
 and raises EngineDeadError naming the rank. A worker whose rank 0 goes away (its sockets close)
-fails its next receive and exits.
+fails its next receive and exits; a spawned worker also ends as soon as its parent process does
+(a thread waits on the parent's sentinel), even inside a collective that can no longer finish,
+and ignores Ctrl-C, which the terminal sends to every process of its group: rank 0 decides.
+
+Ends: every rank destroys its CUDA graphs before it leaves the process group (group.destroy_group,
+bounded), and rank 0 leaves it while the workers do, then waits for them a bounded time and kills
+what remains.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +41,9 @@ from flexsgl.errors import EngineDeadError, RankFailedError, TensorParallelError
 
 LIVENESS_CHECK_S = 0.1  # how often rank 0 looks at its workers while it waits for a step
 DEATH_WAIT_S = 3.0  # how long a failed collective waits to see whether a worker is exiting
+# How long rank 0 waits for its workers to end after telling them to stop (they leave the group,
+# itself bounded by group.LEAVE_TIMEOUT_S), before killing them.
+STOP_WAIT_S = 20.0
 
 
 def agree(group: TPGroup | None, error: BaseException | None) -> None:
@@ -60,6 +71,9 @@ class Channel:
     def __init__(self, group: TPGroup, procs: list | None, store):
         self.group, self.procs, self.store = group, procs, store
         self.closed = False
+        # Destroys rank 0's CUDA graphs (ModelRunner.release_graphs; the engine sets it once built),
+        # given whether to wait for the device first.
+        self.release: Callable[[bool], None] | None = None
 
     def dead(self) -> str | None:
         """Why a worker is gone, or None while all run."""
@@ -74,16 +88,22 @@ class Channel:
             raise self.abandon(reason)
 
     def abandon(self, reason: str) -> EngineDeadError:
-        """A rank died: end the other workers now (they could only wait on it) and return the error.
-        On a GPU the group is left as it is: leaving it could wait on NCCL work that cannot finish,
-        so the process must end, as after a device fault. (On the CPU it is left, and another
-        engine can start.)"""
+        """A rank died: end the other workers now (they could only wait on it), destroy rank 0's
+        graphs without waiting for the device (a collective of the dead rank's may never finish),
+        abort the group, and return the error. (On the CPU the group is left, and another engine
+        can start.)"""
         if not self.closed:
             self.closed = True
             stop_processes(self.procs or [], timeout=0.0)
-            if self.group.device.type == "cpu":
-                destroy_group()
+            self._leave(clean=False)
         return EngineDeadError(reason)
+
+    def _leave(self, clean: bool) -> None:
+        try:
+            if self.release is not None:
+                self.release(clean)
+        finally:
+            destroy_group(abort=not clean)
 
     def dead_soon(self, wait: float = DEATH_WAIT_S) -> str | None:
         """dead(), given a worker whose failure broke a collective the time to finish exiting."""
@@ -125,7 +145,9 @@ class Channel:
                 last = now
 
     def close(self) -> None:
-        """Stop the workers and leave the group (safe to call twice)."""
+        """Stop the workers and leave the group (safe to call twice): the workers are told to stop,
+        every rank destroys its graphs and leaves the group at once (leaving may wait for the
+        peers), then rank 0 waits for its workers to end, and kills those that do not."""
         if self.closed:
             return
         self.closed = True
@@ -135,9 +157,10 @@ class Channel:
                 self.group.broadcast(("stop",))
             except Exception:
                 clean = False
-        # After a rank died the others cannot finish a collective: end them now.
-        stop_processes(self.procs or [], timeout=10.0 if clean else 0.0)
-        destroy_group()
+        if not clean:  # after a rank died the others cannot finish a collective: end them now
+            stop_processes(self.procs or [], timeout=0.0)
+        self._leave(clean)
+        stop_processes(self.procs or [], timeout=STOP_WAIT_S)
 
 
 def worker_main(rank: int, size: int, cfg, device_type: str, port: int, build) -> None:
@@ -146,6 +169,8 @@ def worker_main(rank: int, size: int, cfg, device_type: str, port: int, build) -
 
     from flexsgl.log import set_level
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; rank 0 decides
+    _end_with_parent()
     # tqdm's default lock is a multiprocessing semaphore, which a worker ending with os._exit would
     # leave behind (the resource tracker warns of it at exit); a thread lock does here.
     tqdm.set_lock(threading.RLock())
@@ -161,14 +186,30 @@ def worker_main(rank: int, size: int, cfg, device_type: str, port: int, build) -
     os._exit(serve(cfg, group, build, store))
 
 
+def _end_with_parent() -> None:
+    """End this process as soon as its parent (rank 0's process) ends, however it ends: a worker
+    blocked in a collective whose peer is gone would otherwise wait for the collective's timeout."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch():
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="flexsgl-parent-watch").start()
+
+
 def serve(cfg, group: TPGroup, build, store=None) -> int:
     """A worker rank: build the same engine core as rank 0 (`build(cfg, group)`, which the engine
     passes: engine_core.build_core), then execute rank 0's plans until it says stop (returns 0) or
-    fails (returns 1, the reason in the store)."""
+    fails (returns 1, the reason in the store). On stop it destroys its graphs, then leaves the group."""
     try:
         core = build(cfg, group)
     except BaseException:  # agreed with rank 0, which raises the reason
-        destroy_group()
+        core = None
+    if core is None:  # (outside the handler: its traceback no longer holds what the build made)
+        destroy_group(abort=True)
         return 1
     runner = core.runner
     try:
@@ -181,6 +222,7 @@ def serve(cfg, group: TPGroup, build, store=None) -> int:
     except BaseException as e:
         _report(store, group.rank, e)
         return 1
+    runner.release_graphs()
     destroy_group()
     return 0
 

@@ -87,14 +87,17 @@ class ModelConfig:
 
     def shard(self, rank: int, size: int) -> "ModelConfig":
         """The config of rank `rank`'s part of the model among `size` ranks: its q heads, its KV heads
-        (at least one: replicated when there are fewer than ranks) and its slice of the MLP; the
-        vocabulary, hidden size and layers stay whole (flexsgl/distributed/layers.py splits them)."""
+        (at least one: replicated when there are fewer than ranks), its slice of the MLP and of each
+        expert's; the vocabulary, hidden size, layers and MLA's latent stay whole
+        (flexsgl/distributed/layers.py splits them)."""
         if size == 1:
             return self
+        moe = None if self.moe is None else dataclasses.replace(self.moe,
+                                                                 intermediate_size=self.moe.intermediate_size // size)
         return dataclasses.replace(self, num_heads=self.num_heads // size,
                                    num_kv_heads=max(1, self.num_kv_heads // size),
-                                   intermediate_size=self.intermediate_size // size, tp_rank=rank, tp_size=size,
-                                   unsharded=self)
+                                   intermediate_size=self.intermediate_size // size, moe=moe, tp_rank=rank,
+                                   tp_size=size, unsharded=self)
 
     @property
     def qk_norm(self) -> bool:

@@ -21,6 +21,12 @@ Parameter names follow HF's, except that the projections reading the normed hidd
 routed experts are stacked (flexsgl/model/moe.py). `checkpoint_name` maps an HF tensor name to the
 parameter and part it fills, and each parameter's weight loader puts it there
 (flexsgl/model/weight_loaders.py).
+
+Under tensor parallelism (flexsgl/distributed/layers.py) a rank holds its attention heads (of q,
+kv_b and o_proj), every latent (the latent cache is replicated: one shared vector per token, the
+same on every rank, which each rank's attention backend reads for its heads), its slice of every
+MLP's and every expert's intermediate dimension, and its vocabulary rows; o_proj, the MLPs and the
+MoE layer end in one all-reduce each, rank 0 adding the residual to its partial sum.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from torch import nn
 
 from flexsgl.cache.store import store_path
+from flexsgl.distributed import layers as tp
 from flexsgl.kernels import gemv, latent_query
 from flexsgl.kernels.latent_query import latent_query_reference
 from flexsgl.kernels.norm_rope import rotate_pairs
@@ -38,7 +45,7 @@ from flexsgl.model.config import ModelConfig
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from flexsgl.model.mla_config import yarn_mscale
 from flexsgl.model.moe import MoE, expert_part
-from flexsgl.model.weight_loaders import allocate, fused_rows, packed_name
+from flexsgl.model.weight_loaders import StackedExperts, allocate, fused_rows, packed_name, split_loader
 
 LATENT_NORM_EPS = 1e-6  # HF's DeepseekV2RMSNorm default, used for q_a_layernorm and kv_a_layernorm
 
@@ -98,6 +105,7 @@ class MLAttention(nn.Module):
         self.kv_store = None  # DeepseekV2ForCausalLM.bind_kv_pool sets it, and this layer's latents:
         self.cache: tuple[torch.Tensor, ...] = ()
         self.heads: torch.Tensor | None = None  # 0..H-1 on the pool's device: each head's slot in W_UV's kernel
+        self.parallel = cfg.tp_size > 1  # o_proj row-parallel (flexsgl/distributed/layers.py)
 
     def forward(self, x, norm, positions, rope: InterleavedRotary, fb) -> torch.Tensor:
         """x + attention(norm(x)), `[T, hidden]`."""
@@ -114,6 +122,8 @@ class MLAttention(nn.Module):
             out = fb.backend.forward_expanded(q, w_kv, self.cache, fb)  # [T, H, v]
         else:
             out = self.absorbed(q, latent, w_kv, positions, rope, fb)
+        if self.parallel:
+            return tp.row_linear(out.reshape(t, -1), self.o_proj, x)
         return gemv.linear(out.reshape(t, -1), self.o_proj, residual=x)
 
     def store(self, latent, positions, rope: InterleavedRotary, fb) -> None:
@@ -144,21 +154,28 @@ class DeepseekV2Layer(nn.Module):
         self.self_attn = MLAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         moe = cfg.moe
-        self.mlp = (MoE(cfg.hidden_size, moe) if moe is not None and layer_id >= moe.first_k_dense_replace
+        self.mlp = (MoE(cfg.hidden_size, moe, cfg.tp_size > 1)
+                    if moe is not None and layer_id >= moe.first_k_dense_replace
                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size))
+        self.parallel = cfg.tp_size > 1
 
     def forward(self, x, positions, rope, fb):
         x = self.self_attn(x, self.input_layernorm, positions, rope, fb)
         if isinstance(self.mlp, MoE):
             return self.mlp(x, self.post_attention_layernorm, residual=x)
         gate_up = gemv.norm_linear(x, self.post_attention_layernorm, self.mlp.gate_up_proj)
+        if self.parallel:
+            return tp.row_silu_linear(gate_up, self.mlp.down_proj, x)
         return gemv.silu_linear(gate_up, self.mlp.down_proj, residual=x)
 
 
 class DeepseekV2Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tp_size > 1:
+            self.embed_tokens = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.tp_rank, cfg.tp_size)
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DeepseekV2Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = InterleavedRotary(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
@@ -174,9 +191,18 @@ class DeepseekV2ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DeepseekV2Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_rows(cfg.vocab_size, cfg.tp_size), bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.tp_size > 1:  # each parameter's loader reads this rank's slices (flexsgl/distributed/layers.py)
+            for name, p in self.named_parameters():
+                if ".experts." in name:
+                    halves = 2 if name.endswith("gate_up_proj") else 1
+                    p.weight_loader = StackedExperts(cfg.moe.n_routed_experts, halves, cfg.tp_rank, cfg.tp_size)
+                else:
+                    split = tp.split_of(name, cfg.unsharded, cfg.tp_rank, cfg.tp_size)
+                    if split is not None:
+                        p.weight_loader = split_loader(split)
 
     def checkpoint_name(self, hf_name: str) -> tuple[str, object]:
         """The parameter an HF tensor fills and its part there (None: all of it): a fused part, or
@@ -212,4 +238,5 @@ class DeepseekV2ForCausalLM(nn.Module):
         x = m.embed_tokens(input_ids)
         for layer in m.layers:
             x = layer(x, positions, m.rotary, fb)
-        return gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
+        logits = gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
+        return tp.gather_logits(logits, self.cfg.vocab_size) if self.cfg.tp_size > 1 else logits

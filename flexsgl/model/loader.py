@@ -15,6 +15,7 @@ from torch import nn
 from flexsgl.errors import CheckpointError, describe
 from flexsgl.log import progress
 from flexsgl.model.config import model_class
+from flexsgl.model.dummy_weights import init_dummy_weights
 from flexsgl.model.source import ModelSource, weight_files
 from flexsgl.model.weight_loaders import weight_loader
 
@@ -27,7 +28,8 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
                 size: int = 1) -> nn.Module:
     """Build the model on `device` in `dtype`, with weights from `src` (or seeded random ones): all
     of it, or with `size` > 1 rank `rank`'s part of it (flexsgl/distributed/layers.py), which is
-    all that is ever allocated on this rank."""
+    all that is ever allocated on this rank: the parameters are allocated in `dtype` at the rank's
+    shapes, and the weights are read (or generated) into them a slice at a time."""
     cfg = src.config.shard(rank, size)
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
@@ -39,28 +41,6 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
     else:
         load_safetensors(model, weight_files(src.path), full)
     return model.eval().requires_grad_(False)
-
-
-@torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int, full: nn.Module | None = None) -> None:
-    """Random weights of the right shapes, generated on the model's device (for benchmarks and tests;
-    the generators differ by device, so the same model's dummy weights on a CPU and a GPU do too).
-    A rank's part of a model (`full`: the whole model, on the meta device) gets its slice of the
-    very tensors the whole model gets: each parameter is generated whole, one at a time, and its
-    weight loader takes the rank's slices of it."""
-    full = model if full is None else full
-    for i, ((name, p), f) in enumerate(zip(model.named_parameters(), full.parameters())):
-        g = torch.Generator(device=p.device).manual_seed(seed * 1000003 + i)
-        loader = weight_loader(p)
-        dst = torch.empty(f.shape, dtype=p.dtype, device=p.device) if loader.sliced else p
-        if name.endswith("norm.weight"):
-            dst.copy_(1.0 + 0.1 * torch.randn(dst.shape, generator=g, device=p.device, dtype=torch.float32))
-        else:
-            dst.normal_(0.0, 0.02, generator=g)
-        if dst is not p:
-            for part in loader.parts or (None,):
-                whole = loader.part_of(dst, part)
-                loader.load(p, lambda index, t=whole: t if index is None else t[index], part)
 
 
 @torch.no_grad()
@@ -82,8 +62,9 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
 
 
 def _reader(st, name: str):
-    """read(index) of a weight loader: the whole tensor, or only the slice `index` of it."""
-    return lambda index: st.get_tensor(name) if index is None else st.get_slice(name)[index]
+    """read(index, out) of a weight loader: the whole tensor, or only its slice `index`, into `out`
+    (through the host: what is read is the rank's part alone)."""
+    return lambda index, out: out.copy_(st.get_tensor(name) if index is None else st.get_slice(name)[index])
 
 
 def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tuple[str, str, object]]]:

@@ -21,6 +21,11 @@ host sync, but it copies an expert's weights once per pair, so it is only fit fo
 Expert weights are stacked, `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]` (HF's layout in
 transformers 5); checkpoints with one tensor per expert load into slices of them (their weight
 loaders, flexsgl/model/weight_loaders.py StackedExperts).
+
+Under tensor parallelism every rank holds every expert's slice of the intermediate dimension (and
+of the shared experts'), routes every token alike with the replicated router, and computes a
+partial sum of the layer's output; rank 0 adds the residual to its own, and one all-reduce adds
+them (flexsgl/distributed/layers.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flexsgl.distributed.allreduce import all_reduce
+from flexsgl.distributed.group import first_rank
 from flexsgl.kernels import gemv, moe_layer
 from flexsgl.model.layers import GatedMLP
 from flexsgl.model.mla_config import MoEConfig
@@ -109,9 +116,11 @@ def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, sm90: bool) -> bool:
 class MoE(nn.Module):
     """Router (`gate`), routed `experts` and `shared_experts`, named as in HF checkpoints."""
 
-    def __init__(self, hidden: int, cfg: MoEConfig):
+    def __init__(self, hidden: int, cfg: MoEConfig, parallel: bool = False):
+        """cfg: this rank's (its slice of the intermediate dimension); parallel: tensor-parallel ranks
+        sum their partial outputs."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.parallel = cfg, parallel
         self.gate = nn.Linear(hidden, cfg.n_routed_experts, bias=False)
         self.experts = Experts(cfg.n_routed_experts, hidden, cfg.intermediate_size)
         self.shared_experts = (GatedMLP(hidden, cfg.intermediate_size * cfg.n_shared_experts)
@@ -145,11 +154,18 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, norm, residual: torch.Tensor) -> torch.Tensor:
         """residual + moe(norm(x))."""
+        if not self.parallel:
+            return self.partial(x, norm, residual)
+        return all_reduce(self.partial(x, norm, residual if first_rank() else None))
+
+    def partial(self, x: torch.Tensor, norm, residual: torch.Tensor | None) -> torch.Tensor:
+        """residual + this rank's part of moe(norm(x)) (all of it with one rank); residual None: none."""
         if gemv.applies(x, self.experts.down_proj):
-            return self.one_token(x, norm, residual)
+            return self.one_token(x, norm, torch.zeros_like(x) if residual is None else residual)
         h = norm(x)
         experts, weights = self.route(h)
-        out = self.experts(h, experts, weights) + residual
+        out = self.experts(h, experts, weights)
+        out = out if residual is None else out + residual
         if self.shared_experts is None:
             return out
         return gemv.silu_linear(gemv.linear(h, self.shared_experts.gate_up_proj, None), self.shared_experts.down_proj,

@@ -18,16 +18,17 @@ import torch
 
 from flexsgl.distributed.layers import Piece, Split
 
-# read(index): the checkpoint tensor (index None) or its slice `index` (a tuple of slices), read
-# from the safetensors file only where asked, so a tensor-parallel rank reads only its slices.
-Reader = Callable[[tuple | None], torch.Tensor]
+# read(index, out): copy the checkpoint tensor (index None) or its slice `index` (a tuple of slices)
+# into `out`, a view of the parameter, reading only what is asked for (from the safetensors file, or
+# generating it: flexsgl/model/dummy_weights.py), so a tensor-parallel rank reads only its slices and
+# holds nothing of the whole.
+Reader = Callable[[tuple | None, torch.Tensor], None]
 
 
 class WeightLoader(ABC):
     """How a checkpoint fills one parameter."""
 
     parts: tuple = ()  # the parts a checkpoint gives one tensor each, where it does not give the whole
-    sliced = False  # whether this rank's parameter holds only part of the whole (tensor parallelism)
 
     @abstractmethod
     def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
@@ -46,7 +47,7 @@ class Whole(WeightLoader):
         return full
 
     def load(self, param: torch.Tensor, read: Reader, part) -> None:
-        param.copy_(read(None))
+        read(None, param)
 
 
 WHOLE = Whole()
@@ -66,7 +67,6 @@ class Parts(WeightLoader):
     def __init__(self, split: Split):
         self.split = split
         self.parts = tuple(range(len(split.pieces))) if len(split.pieces) > 1 else ()
-        self.sliced = any(p.start or p.length != n for p, n in zip(split.pieces, split.full_parts))
 
     def _start(self, part: int) -> int:
         return sum(self.split.full_parts[:part])
@@ -84,11 +84,11 @@ class Parts(WeightLoader):
             at = self._start(i) if whole else 0  # where part i starts in the tensor read
             dst = param.narrow(s.dim, piece.at, piece.length)
             if not whole and piece.start == 0 and piece.length == size:
-                dst.copy_(read(None))
+                read(None, dst)
             else:
                 index = [slice(None)] * param.dim()
                 index[s.dim] = slice(at + piece.start, at + piece.start + piece.length)
-                dst.copy_(read(tuple(index)))
+                read(tuple(index), dst)
         end = max(p.at + p.length for p in s.pieces)
         if end < param.shape[s.dim]:
             param.narrow(s.dim, end, param.shape[s.dim] - end).zero_()
@@ -110,14 +110,30 @@ def packed_name(hf_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, 
 
 
 def allocate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Allocate the parameters and buffers of `model`, built on the meta device, on `device` in
-    `dtype`, uninitialised, keeping each parameter's weight loader (to_empty makes new parameters).
-    Parameters tied before are separate after; the model ties them again."""
-    loaders = {name: p.weight_loader for name, p in model.named_parameters() if hasattr(p, "weight_loader")}
-    model.to_empty(device=device).to(dtype)
-    for name, p in model.named_parameters():
-        if name in loaders:
-            p.weight_loader = loaders[name]
+    """Allocate the parameters and buffers of `model`, built on the meta device, on `device`,
+    uninitialised: floating-point ones in `dtype` straight away (never a float32 copy first), the
+    others in their own dtype. Each parameter keeps its weight loader, and parameters tied before
+    (one object in two places) stay tied."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in made:
+                new = torch.nn.Parameter(empty(p), requires_grad=p.requires_grad)
+                if hasattr(p, "weight_loader"):
+                    new.weight_loader = p.weight_loader
+                made[id(p)] = new
+        for name, b in module._buffers.items():
+            if b is not None and id(b) not in made:
+                made[id(b)] = empty(b)
+    for module in model.modules():
+        for group in (module._parameters, module._buffers):
+            for name, t in group.items():
+                if t is not None:
+                    group[name] = made[id(t)]
 
 
 def split_loader(split: Split | None) -> WeightLoader:
@@ -128,12 +144,17 @@ def split_loader(split: Split | None) -> WeightLoader:
 class StackedExperts(WeightLoader):
     """Routed experts stacked along dimension 0 (`[E, rows, cols]`), from one tensor per expert and
     projection, or from the whole stack: part (expert, half) fills half `half` (0 gate, 1 up) of
-    expert `expert`'s rows, or all of them when `half` is None (one projection per expert)."""
+    expert `expert`'s rows, or all of them when `half` is None (one projection per expert).
 
-    def __init__(self, num_experts: int, halves: int):
+    Under tensor parallelism each rank holds every expert's slice `rank` of `size` of the expert's
+    intermediate dimension: of gate and up their rows (`halves` 2, `[E, 2I/size, H]`), of down its
+    columns (`halves` 1, `[E, H, I/size]`)."""
+
+    def __init__(self, num_experts: int, halves: int, rank: int = 0, size: int = 1):
         """halves: 2 where gate and up are fused, 1 for one projection."""
         each = (0, 1) if halves == 2 else (None,)
         self.parts = tuple((e, h) for e in range(num_experts) for h in each)
+        self.halves, self.rank, self.size = halves, rank, size
 
     def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
         if part is None:
@@ -143,4 +164,17 @@ class StackedExperts(WeightLoader):
         return rows if half is None else rows.narrow(0, half * (rows.shape[0] // 2), rows.shape[0] // 2)
 
     def load(self, param: torch.Tensor, read: Reader, part) -> None:
-        self.part_of(param, part).copy_(read(None))
+        if self.size == 1:
+            read(None, self.part_of(param, part))
+            return
+        lead = (slice(None),) if part is None else ()  # the whole stack's expert dimension
+        dst = param if part is None else param[part[0]]
+        if self.halves == 1:  # down: this rank's columns of the intermediate dimension
+            cols = dst.shape[-1]
+            read(lead + (slice(None), slice(self.rank * cols, (self.rank + 1) * cols)), dst)
+            return
+        local = dst.shape[-2] // 2  # gate and up: this rank's rows of each
+        for half in (0, 1) if part is None or part[1] is None else (part[1],):
+            at = half * local * self.size if part is None else 0  # where the half starts in what is read
+            read(lead + (slice(at + self.rank * local, at + (self.rank + 1) * local),),
+                 dst.narrow(-2, half * local, local))

@@ -101,6 +101,19 @@ class GraphManager:
         self._pool = graph.pool()
         self.graphs[bs] = graph
 
+    def release(self, sync: bool = True) -> None:
+        """Destroy the captured graphs (no step replays afterwards). A tensor-parallel rank does this
+        before it leaves its process group: NCCL's communicator is not destroyed while a graph that
+        captured its collectives lives (pytorch/pytorch#115388). `sync`: wait for the device to
+        finish what it runs first (not where a peer died and a collective may never finish)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self._pool = None
+        if sync and not self.emulate:
+            torch.cuda.synchronize(self.device)
+
     def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, argmax per row) of a written step; its argmax is already in the token buffer."""
         bs = fb.batch_size

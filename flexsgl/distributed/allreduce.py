@@ -1,0 +1,161 @@
+"""The all-reduce the model runs under tensor parallelism, and the one place that chooses how.
+
+- On GPUs of one host, small messages go through torch's symmetric memory
+  (`torch.distributed._symmetric_memory`): each rank's buffer is mapped into every other rank's
+  address space over NVLink, and one kernel copies the rank's input into its buffer, waits at a
+  barrier of signal pads, and reads and adds every peer's buffer (`symm_mem::one_shot_all_reduce`,
+  with the copy folded in where torch has `one_shot_all_reduce_copy_out`); larger ones take
+  `two_shot_all_reduce_` (a reduce-scatter and an all-gather over the same buffers, each rank
+  reading 2/N of the message rather than all of it). Neither uses NVLink multicast (both read peer
+  memory through plain P2P pointers), so both run with NCCL_NVLS_ENABLE=0 and
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1. Messages above TWO_SHOT_MAX_BYTES, or of a dtype or size the
+  kernels do not take, go to NCCL. A message's size is a shape, known on the host, so the choice
+  costs no sync, and a CUDA graph captured at one batch size records one path.
+- Everywhere else (the CPU's gloo ranks, ranks on several hosts, FLEXSGL_ALLREDUCE=nccl, or a
+  setup that did not work on every rank), torch's functional collective: torch.compile traces it
+  into the layer's graph and inductor lowers it to the in-place NCCL (or gloo) call.
+
+The symmetric-memory path is one custom op, `flexsgl::all_reduce` (a fake implementation for
+torch.compile), which the compiled layers call like any op and CUDA graphs capture with its
+kernels. The residual add rides in rank 0's partial sum before the all-reduce
+(flexsgl/distributed/layers.py), so the sum needs nothing after it.
+
+`setup` runs on every rank right after the group forms, and is collective: every rank tries to
+allocate and map the buffers, checks one of each kind of all-reduce against the expected sum, and
+the symmetric path is used only where all ranks succeeded.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
+
+ONE_SHOT_MAX_BYTES = 256 << 10  # messages up to this go through the one-shot kernel
+TWO_SHOT_MAX_BYTES = 8 << 20  # up to this the two-shot one (the buffer's size); above, NCCL
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ENV = "FLEXSGL_ALLREDUCE"  # "nccl": never symmetric memory (e.g. to compare); default "auto"
+
+_name: str | None = None  # the device group's name (a constant to torch.compile)
+_symm: "SymmetricAllReduce | None" = None  # set on every rank, or on none
+
+
+def setup(group) -> str:
+    """Choose the all-reduce for `group` (a TPGroup; collective: every rank calls it, in step).
+    Returns what was chosen, in words."""
+    global _name, _symm
+    _name, _symm = group.name, None
+    reason = _symm_unusable(group)
+    votes = group.gather(reason)
+    reason = next((r for r in votes if r is not None), None)
+    if reason is not None:
+        return f"NCCL ({reason})" if group.device.type == "cuda" else "gloo"
+    symm, error = None, None
+    try:
+        symm = SymmetricAllReduce(group)
+        symm.check()
+    except Exception as e:  # mapping the buffers, or a wrong sum
+        error = f"symmetric memory failed on rank {group.rank}: {type(e).__name__}: {e}"
+    errors = [e for e in group.gather(error) if e is not None]
+    if errors:
+        return f"NCCL ({errors[0]})"
+    _symm = symm
+    return (f"symmetric memory (one-shot up to {ONE_SHOT_MAX_BYTES >> 10} KB, two-shot up to "
+            f"{TWO_SHOT_MAX_BYTES >> 20} MB), NCCL above")
+
+
+def teardown() -> None:
+    """Forget the group (before it is left; the graphs that captured the kernels are gone by then)."""
+    global _name, _symm
+    _name, _symm = None, None
+
+
+def _symm_unusable(group) -> str | None:
+    """Why this rank cannot use symmetric memory (None: it can)."""
+    if group.device.type != "cuda":
+        return "not a GPU"
+    if os.environ.get(ENV, "auto") == "nccl":
+        return f"{ENV}=nccl"
+    if not group.one_host:
+        return "ranks on several hosts"
+    ops = torch.ops.symm_mem
+    if not all(hasattr(ops, op) for op in ("one_shot_all_reduce_out", "two_shot_all_reduce_out")):
+        return f"torch {torch.__version__} lacks symm_mem's one-shot and two-shot all-reduce"
+    return None
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the ranks (a new tensor)."""
+    if _symm is not None:
+        return torch.ops.flexsgl.all_reduce(x, _name)
+    return funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", _name))
+
+
+class SymmetricAllReduce:
+    """One symmetric buffer of TWO_SHOT_MAX_BYTES per rank, mapped on every rank, and the kernels over it."""
+
+    def __init__(self, group):
+        from torch.distributed import _symmetric_memory as symm
+
+        self.name, self.size, self.rank = group.name, group.size, group.rank
+        self.pg = group.group
+        with warnings.catch_warnings():  # older torch needs it; newer ones call it deprecated
+            warnings.simplefilter("ignore")
+            if hasattr(symm, "enable_symm_mem_for_group"):
+                symm.enable_symm_mem_for_group(self.name)
+        self.buffer = symm.empty(TWO_SHOT_MAX_BYTES, dtype=torch.uint8, device=group.device)
+        self.handle = symm.rendezvous(self.buffer, self.name)
+        self.copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
+
+    def kind(self, x: torch.Tensor) -> str:
+        """Which all-reduce takes `x`: "one-shot", "two-shot" or "nccl"."""
+        nbytes = x.numel() * x.element_size()
+        if x.dtype not in DTYPES or nbytes % 16 or nbytes > TWO_SHOT_MAX_BYTES:
+            return "nccl"
+        return "one-shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two-shot"
+
+    def __call__(self, x: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        kind = kind or self.kind(x)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        if kind == "nccl":
+            out.copy_(x)
+            dist.all_reduce(out, group=self.pg)
+            return out
+        flat, n = out.view(-1), x.numel()
+        buf = self.buffer.view(x.dtype)[:n]
+        ops = torch.ops.symm_mem
+        if kind == "one-shot" and self.copy_out is not None:
+            self.copy_out(buf, x.view(-1), "sum", self.name, flat)
+        else:
+            buf.copy_(x.view(-1))
+            if kind == "one-shot":
+                ops.one_shot_all_reduce_out(buf, "sum", self.name, flat)
+            else:
+                ops.two_shot_all_reduce_out(buf, "sum", self.name, flat)
+        return out
+
+    def check(self) -> None:
+        """Each kind once on a known input: rank r gives r + 1 (+ the element's index), so the sum
+        is known; raises if a result is off."""
+        for kind, n in (("one-shot", 4096), ("two-shot", ONE_SHOT_MAX_BYTES // 2 + 4096)):
+            idx = torch.arange(n, device=self.buffer.device, dtype=torch.float32) % 16  # sums exact in bf16
+            got = self(((self.rank + 1) + idx).to(torch.bfloat16), kind).float()
+            want = self.size * (self.size + 1) / 2 + self.size * idx
+            if not torch.equal(got, want):
+                raise RuntimeError(f"the {kind} all-reduce gave a wrong sum (off by up to "
+                                   f"{(got - want).abs().max().item():g})")
+        torch.cuda.synchronize(self.buffer.device)
+
+
+@torch.library.custom_op("flexsgl::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _symm(x)
+
+
+@_all_reduce_op.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)

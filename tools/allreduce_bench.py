@@ -1,0 +1,109 @@
+"""Microseconds per all-reduce across the GPUs of this host: NCCL against flexsgl's all-reduces over
+symmetric memory (flexsgl/distributed/allreduce.py: one-shot, two-shot, and the one it picks for
+the size), bfloat16 messages from 8 KB to 4 MB.
+
+Each figure is one all-reduce's share of a CUDA graph of 50 in a row on the same buffer, replayed
+20 times (the way decode steps run them: captured, so launch costs are the graph's), the median of
+5 timings on rank 0's GPU. Every result is checked against NCCL's first (bf16 rounding).
+
+    python tools/allreduce_bench.py            # every GPU of the host (at most 8)
+    python tools/allreduce_bench.py --tp 2
+
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+
+import torch
+
+SIZES_KB = (8, 16, 32, 64, 256, 1024, 4096)
+CALLS, REPLAYS, TIMINGS = 50, 20, 5
+
+
+def time_graph(fn, device) -> float:
+    """Microseconds per call of `fn` (no arguments), captured CALLS times in one CUDA graph."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(TIMINGS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS))
+    graph.reset()
+    return statistics.median(times)
+
+
+def rank_main(rank: int, size: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from flexsgl.distributed import allreduce
+    from flexsgl.distributed.group import destroy_group, init_group
+
+    device = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
+    init_group(rank, size, device, store)
+    symm = allreduce._symm
+    rows = []
+    for kb in SIZES_KB:
+        x = torch.randn(kb * 512, device=device, dtype=torch.bfloat16, generator=torch.Generator(device).manual_seed(rank))
+        want = x.clone()
+        dist.all_reduce(want)
+        row = {"KB": kb, "nccl": time_graph(lambda: dist.all_reduce(x), device)}
+        x.copy_(torch.randn(x.shape, device=device, dtype=x.dtype, generator=torch.Generator(device).manual_seed(rank)))
+        if symm is not None:
+            for kind in ("one-shot", "two-shot"):
+                if kind == "one-shot" and kb * 1024 > 4 * allreduce.ONE_SHOT_MAX_BYTES:
+                    row[kind] = None
+                    continue
+                got = symm(x, kind)
+                torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.06)
+                row[kind] = time_graph(lambda: symm(x, kind), device)
+            row["flexsgl"] = time_graph(lambda: allreduce.all_reduce(x), device)
+            row["picks"] = symm.kind(x)
+        rows.append(row)
+    if rank == 0:
+        print(f"all-reduce of bfloat16 across {size} GPUs ({torch.cuda.get_device_name(device)}), us per call "
+              f"in CUDA graphs of {CALLS}; symmetric memory: {'yes' if symm is not None else 'no (see the log)'}")
+        cols = ["KB", "nccl", "one-shot", "two-shot", "flexsgl", "picks"]
+        print("  ".join(f"{c:>9}" for c in cols))
+        for r in rows:
+            cells = [r.get(c) for c in cols]
+            print("  ".join(f"{c:>9.1f}" if isinstance(c, float) else f"{'-' if c is None else c!s:>9}"
+                            for c in cells))
+    torch.cuda.synchronize(device)
+    destroy_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tp", type=int, default=min(torch.cuda.device_count(), 8))
+    args = ap.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(rank_main, args=(args.tp, port), nprocs=args.tp, join=True)
+
+
+if __name__ == "__main__":
+    main()
