@@ -59,6 +59,8 @@
 #                  TP_BENCH="latency prefill" then TP_BENCH="throughput 70b")
 #   Every TP command runs in a session of its own under a wall-clock limit; at the limit the session gets
 #   SIGABRT (PYTHONFAULTHANDLER=1: each Python process prints its stacks), so a hang shows where it hangs.
+#   base-compare   the throughput and latency steps' runs for a baseline tree in $BASE (a checkout of an earlier
+#                  commit carried beside this one, e.g. .gpu/base) and for this tree, alternately, in one call
 #   variants       the attention-variant GPU tests: every variant in bf16 with pages of 16 and 64 (decode in a CUDA
 #                  graph), FA3's window/softcap/sinks, engines with per-layer variants graphed against eager
 #   mistral        bench latency of the mistral-7b dummy (a 4,096-key window on every layer), flex, batch 1 and 32
@@ -66,7 +68,7 @@
 #   window-kernels benchmarks/attention_matrix.py --window 4096: flex's windowed decode and prefill beside FA3's
 #                  window_size, pages of 64, GQA 4, decode at batch 1 and 32 with 4k and 32k contexts
 #   variant-cost   a user's variant (alibi, a score_mod; and a mask_mod with a window) against plain causal
-#                  attention: bench throughput of the Qwen3-0.6B dummy and latency of the Qwen3-8B dummy, flex
+#                  attention: bench throughput of the Qwen3-0.6B dummy, flex
 #   families       bench throughput of the gemma-2-9b dummy (softcap and windows), flex and fa3; bench latency of
 #                  the gpt-oss-20b dummy (sinks, windows, MoE) at batch 1 with its floor, flex and fa3
 #   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
@@ -108,7 +110,7 @@ suite() {  # NAME, then pytest's arguments
 declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
                    [tp-tests]=580 [tp-exit]=580 [tp-allreduce]=200 [tp-memory]=500 [tp-bench]=590
-                   [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480)
+                   [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -215,11 +217,20 @@ for s in "${steps[@]}"; do
                 esac
               done
               python tools/tp_bench_table.py "$OUT" ;;
+    base-compare) for run in throughput latency; do
+                    for tree in "$BASE" .; do
+                      args=(--workload throughput --model qwen3-0.6b)
+                      [ $run = latency ] && args=(--workload latency --model qwen3-8b --repeats 2)
+                      (cd "$tree" && timeout 130 python -m flexsgl.cli bench "${args[@]}" --json "$OUT/base-compare-$run-${tree//[\/.]/_}.json") \
+                        | grep -E "output tok/s|TPOT|^  *auto" | sed "s|^|$run ${tree}: |"
+                    done
+                  done ;;
     variants) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_attention_variants_gpu.py ;;
     mistral) for b in 1 32; do
                for ctx in 4096 32000; do
-                 timeout 100 "${BENCH[@]}" --workload latency --model mistral-7b --batch-size "$b" --input-len "$ctx" \
-                   --output-len 64 --repeats 1 --cuda-graph-bs "$b" --override flex --json "$OUT/mistral-b$b-$ctx.json"
+                 timeout $((ctx > 4096 ? 120 : 80)) "${BENCH[@]}" --workload latency --model mistral-7b --batch-size "$b" \
+                   --input-len "$ctx" --output-len 64 --repeats 1 --cuda-graph-bs "$b" --override flex \
+                   --json "$OUT/mistral-b$b-$ctx.json"
                done
              done ;;
     window-kernels) timeout "$LIMIT" python benchmarks/attention_matrix.py --window 4096 --pages 64 --gqa 4 \
@@ -228,8 +239,6 @@ for s in "${steps[@]}"; do
                     flag=(); [ "$att" = none ] || flag=(--attention "$att")
                     timeout 130 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override flex "${flag[@]}" \
                       --json "$OUT/variant-throughput-${att##*:}.json"
-                    timeout 100 "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 1 --override flex "${flag[@]}" \
-                      --json "$OUT/variant-latency-${att##*:}.json"
                   done ;;
     families) timeout 250 "${BENCH[@]}" --workload throughput --model gemma-2-9b --override flex --override fa3 \
                 --json "$OUT/gemma2-throughput.json"
