@@ -111,10 +111,10 @@ class SmallBatchFlex(FlexAttentionBackend):
     served: list = []
     bound: list = []
 
-    def forward(self, q, cache, fb):
+    def forward(self, q, cache, fb, *variant_and_sink):
         if cache[0] is self.pool.k[0]:  # the first layer's
             self.served.append(fb.batch_size)
-        return super().forward(q, cache, fb)
+        return super().forward(q, cache, fb, *variant_and_sink)
 
     def bind_graph(self, bs, fb):
         self.bound.append(bs)
