@@ -26,8 +26,8 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_attenti
               query_pre_attn_scalar=24)  # a softmax scale of 24**-0.5, not head_dim**-0.5
 
 
-def _save(model, path, seed: int, max_shard_size: str | None):
-    with torch.no_grad():  # norms away from 0, where (1 + w) and w differ most
+def _save(model, path, max_shard_size: str | None):
+    with torch.no_grad():  # norms away from HF's init of 0, so a missed (or a doubled) 1 + w shows
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
@@ -42,7 +42,7 @@ def make_gemma2(path, seed: int, max_shard_size: str | None = None):
     cfg = transformers.Gemma2Config(**COMMON, num_hidden_layers=3, attn_logit_softcapping=6.0,
                                     final_logit_softcapping=10.0)
     torch.manual_seed(seed)
-    return _save(transformers.Gemma2ForCausalLM(cfg).eval(), path, seed, max_shard_size)
+    return _save(transformers.Gemma2ForCausalLM(cfg).eval(), path, max_shard_size)
 
 
 def make_gemma3(path, seed: int):
@@ -56,7 +56,7 @@ def make_gemma3(path, seed: int):
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})
     torch.manual_seed(seed)
-    return _save(transformers.Gemma3ForCausalLM(cfg).eval(), path, seed, None)
+    return _save(transformers.Gemma3ForCausalLM(cfg).eval(), path, None)
 
 
 def test_gemma2_matches_hf(tmp_path, monkeypatch):
@@ -180,7 +180,7 @@ def test_refused_configs(change, message):
         ModelConfig.from_hf({**PRESETS["gemma-3-4b"]["config"], **change})
 
 
-def test_gemma2s_hidden_act_is_not_refused():
+def test_hidden_act_is_read_only_where_transformers_reads_it():
     """Gemma 2's configs carry `hidden_act` beside `hidden_activation`; transformers reads only the
     latter, and so does flexsgl (for the other architectures hidden_act must still be silu)."""
     assert ModelConfig.from_hf({**PRESETS["gemma-2-9b"]["config"], "hidden_act": "gelu"}).architecture
@@ -219,7 +219,8 @@ def test_backends_for_the_gemma_variants(preset, fake_gpu):  # noqa: F811
     assert f"Override 'fi-decode' cannot run here: it does not take the attention variant {local.name!r}'s " \
            in str(e.value)
     auto = resolve_override("auto", GPU, **kw)
-    assert auto.decode.name == "flex" and auto.small_decode is None  # auto never picks one that cannot serve it
+    # auto never picks one that cannot serve them: FA3 prefill, flex decode, no small-batch decode kernel
+    assert (auto.prefill.name, auto.decode.name, auto.small_decode) == ("fa3-prefill", "flex", None)
 
 
 @pytest.mark.parametrize("model", ["tiny-gemma2", "tiny-gemma3"])
