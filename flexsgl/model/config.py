@@ -81,13 +81,13 @@ class ModelConfig:
     # every layer where it marks none)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
-    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2); None: GQA
     # Gemma: tanh caps of the attention scores and of the final logits (None: none), the softmax
     # scale's query_pre_attn_scalar**-0.5, and the RoPE base of the sliding-window layers (Gemma 3)
     attn_softcap: float | None = None
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
     rope_local_theta: float | None = None
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2); None: GQA
     moe: MoEConfig | None = None
     hf: dict = field(default_factory=dict, compare=False, repr=False)
     # Under tensor parallelism (shard below): this rank, the number of ranks, and the whole model's config.
