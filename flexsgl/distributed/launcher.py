@@ -96,6 +96,9 @@ def refuse(cfg: EngineConfig, mcfg, device: torch.device) -> None:
     if mcfg.moe is not None and mcfg.mla is None:
         raise TensorParallelError(f"Tensor parallelism is not supported yet for {mcfg.architecture} (its experts "
                                   "do not split across ranks); use tensor_parallel_size 1.")
+    if mcfg.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        raise TensorParallelError(f"Tensor parallelism is not supported yet for {mcfg.architecture}; use "
+                                  "tensor_parallel_size 1.")
     if mcfg.num_heads % n:
         raise TensorParallelError(f"The model's {mcfg.num_heads} attention heads do not split across "
                                   f"tensor_parallel_size {n} ranks; use a divisor of {mcfg.num_heads}.")

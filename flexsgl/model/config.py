@@ -27,9 +27,11 @@ class Architecture:
     # "module:function" giving each layer's attention variant from the ModelConfig (default:
     # window_variants, the sliding windows the config names)
     variants: str | None = None
+    ignores: tuple[str, ...] = ()  # UNSUPPORTED_SETTINGS keys HF's modeling code of it never reads
 
 
 DECODER = "flexsgl.model.decoder:DecoderForCausalLM"
+GEMMA, GEMMA_VARIANTS = "flexsgl.model.gemma:GemmaForCausalLM", "flexsgl.model.gemma_config:gemma_variants"
 # The one architecture registry: HF architecture name -> what flexsgl builds for it. Llama 3 is the
 # Qwen3 decoder without q/k norm; Mistral is Llama with a sliding window on every layer; Qwen3-MoE is
 # Qwen3 with a mixture of experts for the MLP.
@@ -42,6 +44,11 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": Architecture("deepseek_v2", "flexsgl.model.deepseek_v2:DeepseekV2ForCausalLM",
                                           qk_norm=False, rope_types=("default", "yarn"),
                                           extra_fields="flexsgl.model.mla_config:deepseek_v2_fields"),
+    "Gemma2ForCausalLM": Architecture("gemma2", GEMMA, qk_norm=False, rope_types=("default",), ignores=("hidden_act",),
+                                      extra_fields="flexsgl.model.gemma_config:gemma2_fields", variants=GEMMA_VARIANTS),
+    "Gemma3ForCausalLM": Architecture("gemma3_text", GEMMA, qk_norm=True, rope_types=("default", "linear"),
+                                      ignores=("hidden_act",), extra_fields="flexsgl.model.gemma_config:gemma3_fields",
+                                      variants=GEMMA_VARIANTS),
 }
 
 
@@ -77,6 +84,12 @@ class ModelConfig:
     # every layer where it marks none)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    # Gemma: tanh caps of the attention scores and of the final logits (None: none), the softmax
+    # scale's query_pre_attn_scalar**-0.5, and the RoPE base of the sliding-window layers (Gemma 3)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2); None: GQA
     moe: MoEConfig | None = None
     hf: dict = field(default_factory=dict, compare=False, repr=False)
@@ -134,7 +147,7 @@ class ModelConfig:
             raise CheckpointError(f"{source} has a quantization_config ({short_repr(method)}); flexsgl serves "
                                   "unquantized float32, float16 and bfloat16 weights only.")
         for key, supported in UNSUPPORTED_SETTINGS.items():
-            if key in d and d[key] not in supported:
+            if key in d and key not in ARCHITECTURES[arch].ignores and d[key] not in supported:
                 raise CheckpointError(f"{source} sets {key} to {short_repr(d[key])}, which flexsgl does not run "
                                       f"(it runs {' or '.join(map(repr, supported))}).")
         # transformers 5 writes `rope_parameters`; older checkpoints write rope_theta + rope_scaling.
@@ -183,9 +196,9 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             rms_norm_eps=get.number(d, "rms_norm_eps", 1e-6),
-            rope_theta=theta,
+            rope_theta=fields.pop("rope_theta", theta),
             max_position=get.positive("max_position_embeddings", 4096),
-            tie_word_embeddings=get.typed("tie_word_embeddings", bool, False),
+            tie_word_embeddings=fields.pop("tie_word_embeddings", get.typed("tie_word_embeddings", bool, False)),
             attention_bias=get.typed("attention_bias", bool, False),
             eos_token_ids=eos,
             torch_dtype=dtype if isinstance(dtype, str) else None,

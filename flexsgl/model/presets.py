@@ -54,6 +54,31 @@ def _deepseek_v2(hidden, layers, heads, inter, kv_rank, nope, rope, v, experts, 
     }
 
 
+def _gemma2(hidden, layers, heads, kv, inter, window=4096, scalar=256, vocab=256000, max_pos=8192, head_dim=256):
+    return {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": scalar, "sliding_window": window, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": max_pos, "attention_bias": False, "bos_token_id": 2, "eos_token_id": 1,
+        "pad_token_id": 0, "torch_dtype": "float32",
+    }
+
+
+def _gemma3(hidden, layers, heads, kv, inter, window, rope_scaling=None, vocab=262144, max_pos=32768, head_dim=256):
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "query_pre_attn_scalar": 256,
+        "sliding_window": window, "sliding_window_pattern": 6, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+        "rope_local_base_freq": 10000, "rope_scaling": rope_scaling, "max_position_embeddings": max_pos,
+        "attention_bias": False, "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+
+
 # Named presets: embedded configs so `--load-format dummy` works offline. `hub` is where real weights live.
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": {"hub": "Qwen/Qwen3-0.6B", "config": _qwen3(1024, 28, 16, 8, 3072, True)},
@@ -91,6 +116,12 @@ PRESETS: dict[str, dict] = {
                          "config": _deepseek_v2(2048, 27, 16, 10944, 512, 128, 64, 128, 64, 2, 6, 1408)},
     # Mistral-7B-v0.1's shape: a sliding window of 4,096 keys on every layer.
     "mistral-7b": {"hub": "mistralai/Mistral-7B-v0.1", "config": _mistral(4096, 32, 32, 8, 14336, window=4096)},
+    # Gemma 2 9B: softcaps, sliding and global layers alternating; Gemma 3 1B (it) and 4B's text model:
+    # five local layers to one global, with their own RoPE bases (the 4B is multimodal on the hub: dummy only).
+    "gemma-2-9b": {"hub": "google/gemma-2-9b", "config": _gemma2(3584, 42, 16, 8, 14336)},
+    "gemma-3-1b": {"hub": "google/gemma-3-1b-it", "config": _gemma3(1152, 26, 4, 1, 6912, window=512)},
+    "gemma-3-4b": {"hub": None, "config": _gemma3(2560, 34, 8, 4, 10240, window=1024, vocab=262208, max_pos=131072,
+                                                  rope_scaling={"rope_type": "linear", "factor": 8.0})},
     # A few hundred thousand parameters: seeded random weights, runs anywhere in a blink.
     "tiny": {"hub": None, "config": {**_qwen3(128, 2, 4, 2, 256, True, vocab=512, max_pos=4096, head_dim=32),
                                      "eos_token_id": None, "torch_dtype": "float32"}},
@@ -101,6 +132,13 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen3-moe": {"hub": None, "config": {**_qwen3_moe(128, 2, 4, 2, 256, experts=8, top_k=2, moe_inter=64,
                                                             vocab=512, max_pos=4096, head_dim=32),
                                                "eos_token_id": None, "bos_token_id": None, "torch_dtype": "float32"}},
+    # Gemma's shapes in miniature: windows of 48 keys, a softmax scale other than head_dim**-0.5; Gemma 3's
+    # global layer with linear RoPE scaling.
+    "tiny-gemma2": {"hub": None, "config": {**_gemma2(128, 2, 4, 2, 256, window=48, scalar=32, vocab=512,
+                                                      max_pos=4096, head_dim=64), "eos_token_id": None}},
+    "tiny-gemma3": {"hub": None, "config": {**_gemma3(128, 6, 4, 2, 256, window=48, vocab=512, max_pos=4096,
+                                                      head_dim=64, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+                                            "eos_token_id": None, "torch_dtype": "float32"}},
     # DeepSeek-V2's shape in miniature: MLA, YaRN, a dense layer then a MoE layer with a shared expert.
     "tiny-mla": {"hub": None, "config": {**_deepseek_v2(128, 2, 4, 256, 64, 32, 16, 32, 8, 1, 2, 64, vocab=512,
                                                          max_pos=4096, yarn_factor=4.0, original_max_pos=1024,
