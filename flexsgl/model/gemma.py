@@ -56,7 +56,9 @@ class OnePlus(Whole):
     """A norm weight held as 1 + the checkpoint's, computed in float32 and rounded once."""
 
     def load(self, param: torch.Tensor, read, part) -> None:
-        param.copy_(1.0 + read(None).float())
+        w = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        read(None, w)
+        param.copy_(1.0 + w)
 
 
 ONE_PLUS = OnePlus()
