@@ -5,7 +5,8 @@ read over the device's memory bandwidth. Bytes per step = the weights read (ever
 a tied embedding/lm_head matrix once; an *untied* input embedding table is left out, since a step
 gathers only one row of it per request, and reported apart as `embedding_bytes`; of a MoE model's
 routed experts, only those the batch is expected to pick, see `decode_floor`) + the KV cache read
-by the batch at its mean context (an MLA model's latent cache). Under tensor parallelism the floor
+by the batch at its mean context (an MLA model's latent cache), of which a layer with a sliding
+window of W keys reads at most W per request. Under tensor parallelism the floor
 is one rank's: its part of the weights (a 1/tp share of each split matrix, the norms whole) and
 its KV heads, read by every rank at once; the all-reduces between ranks are not in it. The bandwidth is measured here
 with a large device-to-device copy, which reads and writes every byte: bandwidth = 2 * bytes / time.
@@ -71,7 +72,10 @@ def decode_floor(llm, batch_size: int, mean_context: float, bandwidth: float) ->
         w = {**w, "routed_expert_bytes": routed, "routed_fraction_read": read,
              "weight_bytes_read": w["weight_bytes_read"] - routed * (1 - read)}
     itemsize = llm.dtype.itemsize
-    kv = batch_size * mean_context * llm.model.cfg.kv_bytes_per_token(itemsize)  # this rank's KV heads
+    cfg = llm.model.cfg  # this rank's KV heads
+    windows = [None if v is None else v.window for v in llm.resolved.variants] or [None] * cfg.num_layers
+    tokens = sum(mean_context if w is None else min(mean_context, w) for w in windows)  # read per request
+    kv = batch_size * tokens * (cfg.kv_bytes_per_token(itemsize) // cfg.num_layers)
     step = w["weight_bytes_read"] + kv
     return {**w, "kv_bytes_read": kv, "mean_context": mean_context, "bytes_per_step": step,
             "floor_tpot_s": step / bandwidth}

@@ -64,6 +64,9 @@ def refuse(cfg: EngineConfig, mcfg, device: torch.device) -> None:
     if mcfg.mla is not None:
         raise TensorParallelError(f"Tensor parallelism is not supported yet for {mcfg.architecture} "
                                   "(multi-head latent attention); use tensor_parallel_size 1.")
+    if mcfg.moe is not None:
+        raise TensorParallelError(f"Tensor parallelism is not supported yet for {mcfg.architecture} "
+                                  "(mixture of experts); use tensor_parallel_size 1.")
     if mcfg.num_heads % n:
         raise TensorParallelError(f"The model's {mcfg.num_heads} attention heads do not split across "
                                   f"tensor_parallel_size {n} ranks; use a divisor of {mcfg.num_heads}.")
