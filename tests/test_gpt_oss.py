@@ -23,12 +23,12 @@ WINDOW = 40
 LIMIT = 1.2  # the SwiGLU clamp, low enough that random weights reach it
 
 
-def hf_config(window: int = WINDOW):
+def hf_config(window: int = WINDOW, head_dim: int = 16):
     import transformers
 
     return transformers.GptOssConfig(vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=6,
-                                     num_experts_per_tok=2, sliding_window=window, swiglu_limit=LIMIT,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                                     num_local_experts=6, num_experts_per_tok=2, sliding_window=window, swiglu_limit=LIMIT,
                                      rms_norm_eps=1e-6, max_position_embeddings=2048, initializer_range=0.15,
                                      eos_token_id=None, bos_token_id=None, pad_token_id=None,
                                      tie_word_embeddings=False)
@@ -46,11 +46,11 @@ def randomize(module: torch.nn.Module) -> None:
                 p.normal_(0.0, 0.3)
 
 
-def make_gpt_oss(path, seed: int, window: int = WINDOW, max_shard_size: str | None = None):
+def make_gpt_oss(path, seed: int, window: int = WINDOW, max_shard_size: str | None = None, head_dim: int = 16):
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(hf_config(window)).eval()
+    model = transformers.GptOssForCausalLM(hf_config(window, head_dim)).eval()
     randomize(model)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
@@ -68,6 +68,22 @@ def test_gpt_oss_compiled_matches_hf(tmp_path, monkeypatch):
     """Compiled on the CPU: the experts' gathered products, the window's block lists and the sinks
     inside compiled layers."""
     check_family(tmp_path, monkeypatch, make_gpt_oss, WINDOW, compile=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("override,one_at_a_time", [("flex", False), ("flex", True), ("fa3", False)])
+def test_bf16_engine_tracks_hf_on_a_gpu(tmp_path, monkeypatch, override, one_at_a_time):
+    """Compiled in bfloat16 with decode replayed from CUDA graphs (the experts' grouped products with
+    their biases; the sinks through flex's log-sum-exp or FA3's `sinks`; at batch 1 the projections'
+    matrix-vector kernel), head_dim 64 as GPT-OSS's, against transformers in float32 and bfloat16."""
+    from tests.test_gpu import check_tracks_hf
+    from tests.test_gpu_overrides import skip_unless_runs
+
+    skip_unless_runs(override)
+    seed = random.randrange(1 << 30)
+    make_gpt_oss(tmp_path, seed, head_dim=64)
+    check_tracks_hf(str(tmp_path), monkeypatch, seed, 16, one_at_a_time, max_total_tokens=32768,
+                    cuda_graph_bs=[1, 2, 8], override=override)
 
 
 def test_a_sharded_checkpoint_loads(tmp_path, monkeypatch):
