@@ -5,8 +5,8 @@ read over the device's memory bandwidth. Bytes per step = the weights read (ever
 a tied embedding/lm_head matrix once; an *untied* input embedding table is left out, since a step
 gathers only one row of it per request, and reported apart as `embedding_bytes`; of a MoE model's
 routed experts, only those the batch is expected to pick, see `decode_floor`) + the KV cache read
-by the batch at its mean context (an MLA model's latent cache; a layer with an attention window reads
-at most the window). Under tensor parallelism the floor
+by the batch at its mean context (an MLA model's latent cache), of which a layer with a sliding
+window of W keys reads at most W per request. Under tensor parallelism the floor
 is one rank's: its part of the weights (a 1/tp share of each split matrix, the norms whole) and
 its KV heads, read by every rank at once; the all-reduces between ranks are not in it. The bandwidth is measured here
 with a large device-to-device copy, which reads and writes every byte: bandwidth = 2 * bytes / time.

@@ -28,6 +28,8 @@ class Architecture:
     # window_variants, the sliding windows the config names)
     variants: str | None = None
     ignores: tuple[str, ...] = ()  # UNSUPPORTED_SETTINGS keys HF's modeling code of it never reads
+    # "module:function" counting the parameters of a ModelConfig (default: the dense decoder's count)
+    params: str | None = None
 
 
 DECODER = "flexsgl.model.decoder:DecoderForCausalLM"
@@ -49,6 +51,11 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": Architecture("gemma3_text", GEMMA, qk_norm=True, rope_types=("default", "linear"),
                                       ignores=("hidden_act",), extra_fields="flexsgl.model.gemma_config:gemma3_fields",
                                       variants=GEMMA_VARIANTS),
+    "GptOssForCausalLM": Architecture("gpt_oss", "flexsgl.model.gpt_oss:GptOssForCausalLM", qk_norm=False,
+                                      rope_types=("default", "yarn"),
+                                      extra_fields="flexsgl.model.gpt_oss_config:gpt_oss_fields",
+                                      variants="flexsgl.model.gpt_oss_config:gpt_oss_variants",
+                                      params="flexsgl.model.gpt_oss_config:gpt_oss_params"),
 }
 
 
@@ -92,6 +99,10 @@ class ModelConfig:
     rope_local_theta: float | None = None
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2); None: GQA
     moe: MoEConfig | None = None
+    # GPT-OSS's experts' clamped SwiGLU: (up + 1) * gate * sigmoid(alpha * gate), gate clamped above at
+    # limit, up to [-limit, limit]
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     hf: dict = field(default_factory=dict, compare=False, repr=False)
     # Under tensor parallelism (shard below): this rank, the number of ranks, and the whole model's config.
     tp_rank: int = 0
@@ -144,6 +155,9 @@ class ModelConfig:
                                   f"{', '.join(ARCHITECTURES)}.")
         if d.get("quantization_config") is not None:
             method = d["quantization_config"].get("quant_method", "?") if isinstance(d["quantization_config"], dict) else "?"
+            if str(method).lower() == "mxfp4":
+                raise CheckpointError(f"{source} is an MXFP4-quantized checkpoint, which flexsgl does not "
+                                      "dequantize; a bfloat16 checkpoint of the model loads.")
             raise CheckpointError(f"{source} has a quantization_config ({short_repr(method)}); flexsgl serves "
                                   "unquantized float32, float16 and bfloat16 weights only.")
         for key, supported in UNSUPPORTED_SETTINGS.items():
@@ -234,6 +248,9 @@ class ModelConfig:
     def num_params(self) -> int:
         if self.mla is not None:
             return deepseek_v2_params(self)
+        count = ARCHITECTURES[self.architecture].params
+        if count is not None:
+            return _load(count)(self)
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         layer = attn + 2 * h + (2 * d if self.qk_norm else 0)

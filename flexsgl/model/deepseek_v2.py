@@ -31,8 +31,6 @@ MoE layer end in one all-reduce each, rank 0 adding the residual to its partial 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -42,34 +40,11 @@ from flexsgl.kernels import gemv, latent_query
 from flexsgl.kernels.latent_query import latent_query_reference
 from flexsgl.kernels.norm_rope import rotate_pairs
 from flexsgl.model.config import ModelConfig
-from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from flexsgl.model.mla_config import yarn_mscale
+from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, yarn_inv_freq
 from flexsgl.model.moe import MoE, expert_part
 from flexsgl.model.weight_loaders import StackedExperts, allocate, fused_rows, packed_name, split_loader
 
 LATENT_NORM_EPS = 1e-6  # HF's DeepseekV2RMSNorm default, used for q_a_layernorm and kv_a_layernorm
-
-
-def yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
-    """YaRN's frequencies and attention factor, as HF computes them (float32)."""
-    factor, old_len = s["factor"], s["original_max_position_embeddings"]
-    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
-    attention_factor = s.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
-        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
-                            else yarn_mscale(factor))
-
-    def correction_dim(rotations):
-        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
-    extrapolation = 1 - ramp
-    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
-    return inv_freq, float(attention_factor)
 
 
 class InterleavedRotary(RotaryEmbedding):

@@ -1,4 +1,4 @@
-"""Building blocks shared by the models: RMSNorm, rotary embeddings (default and llama3), gated MLP."""
+"""Building blocks shared by the models: RMSNorm, rotary embeddings (default, llama3 and YaRN), gated MLP."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from flexsgl.kernels.norm_rope import rms_norm
+from flexsgl.model.mla_config import yarn_mscale
 from flexsgl.model.weight_loaders import fused_rows
 
 
@@ -37,10 +38,35 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
+def yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and attention factor, as HF computes them (float32); `truncate` (default
+    true) rounds the ends of the ramp between interpolated and extrapolated frequencies outwards."""
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                            else yarn_mscale(factor))
+
+    def correction_dim(rotations):
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """The cos/sin tables of non-interleaved (rotate-half) RoPE, indexed by absolute position;
     flexsgl/kernels/norm_rope.py's `rotate` applies them (or the fused kernel in
-    flexsgl/kernels/rope_store.py).
+    flexsgl/kernels/rope_store.py). With YaRN scaling its attention factor is folded into them.
 
     The tables are buffers computed from the config, not weights: a model built on the meta device
     computes them once its parameters are allocated (`build`)."""
@@ -54,9 +80,13 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[max_position, head_dim / 2]`, float32, on the default device."""
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        s = self.scaling
+        if s is not None and s.get("rope_type", s.get("type")) == "yarn":
+            inv_freq, factor = yarn_inv_freq(self.head_dim, self.theta, s)
+        else:
+            inv_freq, factor = rope_inv_freq(self.head_dim, self.theta, s), 1.0
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
-        return freqs.cos(), freqs.sin()
+        return freqs.cos() * factor, freqs.sin() * factor
 
     def build(self, device: torch.device) -> None:
         """Compute the tables (in float32 on the CPU, as HF does) and place them on `device`."""

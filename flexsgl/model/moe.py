@@ -20,7 +20,9 @@ host sync, but it copies an expert's weights once per pair, so it is only fit fo
 
 Expert weights are stacked, `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]` (HF's layout in
 transformers 5); checkpoints with one tensor per expert load into slices of them (their weight
-loaders, flexsgl/model/weight_loaders.py StackedExperts).
+loaders, flexsgl/model/weight_loaders.py StackedExperts). `Experts` may also hold a bias per expert
+and projection, added to each pair's products, and a subclass may change the gated activation
+(`glu`; GPT-OSS's clamped SwiGLU, flexsgl/model/gpt_oss.py).
 
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension (and
 of the shared experts'), routes every token alike with the replicated router, and computes a
@@ -65,13 +67,27 @@ GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", Non
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    """Stacked routed experts: gate_up_proj `[E, 2I, H]` (gate rows, then up rows), down_proj `[E, H, I]`
+    and, with `bias`, gate_up_proj_bias `[E, 2I]` and down_proj_bias `[E, H]`."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, bias: bool = False):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.gate_up_proj.weight_loader = StackedExperts(num_experts, halves=2)
         self.down_proj.weight_loader = StackedExperts(num_experts, halves=1)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+            self.gate_up_proj_bias.weight_loader = StackedExperts(num_experts, halves=2)
+            self.down_proj_bias.weight_loader = StackedExperts(num_experts, halves=1)
         self.sm90 = False  # on an SM90+ GPU: set once by `place`, outside compiled code
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gated activation of gate_up `[..., 2I]` (gate, then up): SiLU(gate) * up, `[..., I]`."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def place(self, device: torch.device) -> None:
         """Note what the device is (before the first step: compiled code reads a plain bool)."""
@@ -87,18 +103,25 @@ class Experts(nn.Module):
         t, k = experts.shape
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # pairs sorted by expert; pair p is token p // k
-        ends = torch.searchsorted(flat[order], torch.arange(self.down_proj.shape[0], device=x.device),
+        by_expert = flat[order]
+        ends = torch.searchsorted(by_expert, torch.arange(self.down_proj.shape[0], device=x.device),
                                   right=True).to(torch.int32)  # where each expert's segment ends
         gate_up = GROUPED_MM(x[order // k], self.gate_up_proj.transpose(1, 2), offs=ends)
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = GROUPED_MM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[by_expert]
+        out = GROUPED_MM(self.glu(gate_up), self.down_proj.transpose(1, 2), offs=ends)
+        if self.down_proj_bias is not None:
+            out = out + self.down_proj_bias[by_expert]
         out = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # back to (token, slot) order
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
     def _gathered(self, x, experts, weights):
         gate_up = torch.einsum("th,tkih->tki", x, self.gate_up_proj[experts])
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, self.down_proj[experts])
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[experts]
+        out = torch.einsum("tki,tkhi->tkh", self.glu(gate_up), self.down_proj[experts])
+        if self.down_proj_bias is not None:
+            out = out + self.down_proj_bias[experts]
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
 

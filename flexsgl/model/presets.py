@@ -79,6 +79,21 @@ def _gemma3(hidden, layers, heads, kv, inter, window, rope_scaling=None, vocab=2
     }
 
 
+def _gpt_oss(layers, experts, hidden=2880, heads=64, kv=8, head_dim=64, inter=2880, top_k=4, window=128,
+             vocab=201088, max_pos=131072):
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim, "attention_bias": True,
+        "num_local_experts": experts, "num_experts_per_tok": top_k, "swiglu_limit": 7.0, "hidden_act": "silu",
+        "sliding_window": window, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "rms_norm_eps": 1e-5, "rope_theta": 150000, "max_position_embeddings": max_pos,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "tie_word_embeddings": False, "pad_token_id": 199999, "eos_token_id": 200002, "torch_dtype": "bfloat16",
+    }
+
+
 # Named presets: embedded configs so `--load-format dummy` works offline. `hub` is where real weights live.
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": {"hub": "Qwen/Qwen3-0.6B", "config": _qwen3(1024, 28, 16, 8, 3072, True)},
@@ -122,6 +137,10 @@ PRESETS: dict[str, dict] = {
     "gemma-3-1b": {"hub": "google/gemma-3-1b-it", "config": _gemma3(1152, 26, 4, 1, 6912, window=512)},
     "gemma-3-4b": {"hub": None, "config": _gemma3(2560, 34, 8, 4, 10240, window=1024, vocab=262208, max_pos=131072,
                                                   rope_scaling={"rope_type": "linear", "factor": 8.0})},
+    # GPT-OSS-20B's and -120B's own configs in bfloat16 (random weights only: the published checkpoints
+    # are MXFP4, which flexsgl refuses): sinks, a window of 128 on every other layer, 32 or 128 experts.
+    "gpt-oss-20b": {"hub": None, "config": _gpt_oss(24, 32)},
+    "gpt-oss-120b": {"hub": None, "config": _gpt_oss(36, 128)},
     # A few hundred thousand parameters: seeded random weights, runs anywhere in a blink.
     "tiny": {"hub": None, "config": {**_qwen3(128, 2, 4, 2, 256, True, vocab=512, max_pos=4096, head_dim=32),
                                      "eos_token_id": None, "torch_dtype": "float32"}},
@@ -144,6 +163,10 @@ PRESETS: dict[str, dict] = {
                                                          max_pos=4096, yarn_factor=4.0, original_max_pos=1024,
                                                          mscale=1.0),
                                          "eos_token_id": None, "bos_token_id": None, "torch_dtype": "float32"}},
+    # GPT-OSS's shape in miniature: sinks, a window of 48 on the first of two layers, 4 experts, top-2.
+    "tiny-gpt-oss": {"hub": None, "config": {**_gpt_oss(2, 4, hidden=128, heads=4, kv=2, head_dim=32, inter=128,
+                                                         top_k=2, window=48, vocab=512, max_pos=4096),
+                                             "pad_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}},
 }
 # Models shipped inside the package, by name. tiny-docs: a 3.4M-parameter Qwen3 trained by
 # tools/train_tiny.py on the standard library's docstrings (see its training.json).

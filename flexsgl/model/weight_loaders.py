@@ -178,3 +178,27 @@ class StackedExperts(WeightLoader):
             at = half * local * self.size if part is None else 0  # where the half starts in what is read
             read(lead + (slice(at + self.rank * local, at + (self.rank + 1) * local),),
                  dst.narrow(-2, half * local, local))
+
+
+class TransposedExperts(WeightLoader):
+    """Stacked experts `[E, rows, cols]` from one tensor of the whole stack stored transposed,
+    `[E, cols, rows]` (x @ W: HF's GPT-OSS layout); with `interleaved`, a stacked gate_up (gate rows,
+    then up rows) from a tensor whose gate and up alternate (gate in even columns, up in odd ones),
+    or its bias `[E, 2I]` from one whose entries alternate so."""
+
+    def __init__(self, interleaved: bool):
+        self.interleaved = interleaved
+
+    def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
+        return full.transpose(1, 2) if full.dim() == 3 else full  # the checkpoint tensor's shape
+
+    def load(self, param: torch.Tensor, read: Reader, part) -> None:
+        src = torch.empty(self.part_of(param, part).shape, dtype=param.dtype, device=param.device)
+        read(None, src)
+        e, rows = param.shape[:2]
+        if not self.interleaved:
+            param.copy_(src.transpose(1, 2))
+        elif param.dim() == 3:  # [E, H, I, 2] (column 2i + half) -> [E, 2, I, H]
+            param.view(e, 2, rows // 2, -1).copy_(src.reshape(e, src.shape[1], rows // 2, 2).permute(0, 3, 2, 1))
+        else:  # the bias: [E, I, 2] -> [E, 2, I]
+            param.view(e, 2, rows // 2).copy_(src.reshape(e, rows // 2, 2).transpose(1, 2))
