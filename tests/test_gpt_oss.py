@@ -121,7 +121,7 @@ def test_moe_matches_hf_modules(monkeypatch, grouped):
     params = dict(ours.named_parameters())
     assert params.keys() == dict(hf.named_parameters()).keys()
     for name, t in hf.named_parameters():
-        weight_loader(params[name]).load(params[name].data, lambda index, t=t.detach(): t, None)
+        weight_loader(params[name]).load(params[name].data, lambda index, out, t=t.detach(): out.copy_(t), None)
     monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda *a: grouped)
     x = torch.randn(37, hcfg.hidden_size)
     gate_up = x.double() @ hf.experts.gate_up_proj.double() + hf.experts.gate_up_proj_bias.double()[:, None]

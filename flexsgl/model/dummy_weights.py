@@ -70,5 +70,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, full: torch.nn.Module 
     of the very tensors the whole model gets, through each parameter's weight loader."""
     full = model if full is None else full
     for i, ((name, p), f) in enumerate(zip(model.named_parameters(), full.parameters())):
-        whole = DummyTensor(f.shape, seed * 1000003 + i, p.device, p.dtype, name.endswith("norm.weight"))
-        weight_loader(p).load(p, whole.reader(torch.empty(f.shape, device="meta")), None)  # as one whole tensor
+        loader = weight_loader(p)
+        shape = loader.part_of(f, None).shape  # the checkpoint tensor's (transposed, for some experts)
+        whole = DummyTensor(shape, seed * 1000003 + i, p.device, p.dtype, name.endswith("norm.weight"))
+        loader.load(p, whole.reader(torch.empty(shape, device="meta")), None)  # as one whole tensor
