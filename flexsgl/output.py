@@ -8,6 +8,8 @@ TokenEvent per token; OutputProcessor.process takes them in batch order. For eac
 2. stop tokens and length: EOS (unless ignore_eos) and stop_token_ids end the output ("stop", with
    the id as `stop_reason` for a stop_token_id), and so does the max_new_tokens-th token
    ("length"). min_tokens needs nothing here: the sampler never picks a stop token before it;
+   a request with structured outputs hands the token to its grammar's matcher, and ends ("stop")
+   once its grammar is complete and allows nothing more;
 3. the text (TextState) grows by what the token completes; a stop string in that text ends the
    output there ("stop", with the string as `stop_reason`), from the min_tokens-th token on, the
    token that reached max_new_tokens included; after a stop token no stop string is looked for;
@@ -115,6 +117,10 @@ class OutputProcessor:
             if r.logprobs is not None and ev.logprobs is not None:
                 r.logprobs.append(ev.logprobs)
             r.finish_reason, r.stop_reason = _stop_token(r, ev.token)
+            if r.grammar is not None and r.finish_reason is None and not _follow_grammar(r, ev.token):
+                endings.append(Ending(r, FinishReason.ERROR, f"The sampled token {ev.token} breaks the request's "
+                                                             "structured-output grammar."))
+                continue
             if r.text_state is not None and r.text_state.growing:
                 self._add_text(r, ev.token)
             error, raised = _run_callback(r)
@@ -160,6 +166,7 @@ class OutputProcessor:
             index=req.index,
             stop_reason=req.stop_reason,
             logprobs=None if req.logprobs is None else list(req.logprobs),
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )
         if text is not None and text.error is not None:
             out.text, out.finish_reason, out.error = None, FinishReason.ERROR.value, out.error or text.error
@@ -173,6 +180,16 @@ def _stop_token(r: Request, token: int) -> tuple[FinishReason | None, int | None
     if len(r.output_ids) >= r.sampling.max_new_tokens:
         return FinishReason.LENGTH, None
     return None, None
+
+
+def _follow_grammar(r: Request, token: int) -> bool:
+    """Advance r's grammar by `token`; its end (with no stop token to end it) is a stop. False if
+    the grammar refuses the token (a fault: the sampler's bitmask allows only what it does)."""
+    if not r.grammar.accept(token):
+        return False
+    if r.grammar.ended:
+        r.finish_reason = FinishReason.STOP
+    return True
 
 
 def _run_callback(r: Request) -> tuple[str | None, BaseException | None]:

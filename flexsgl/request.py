@@ -50,6 +50,8 @@ class RequestOutput:
     index: int = 0  # which of its prompt's n samples
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
+    # Per prompt token, when SamplingParams.prompt_logprobs is set: None for the first, which no token precedes.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -101,6 +103,8 @@ class Request:
     error: str | None = None  # why it was refused or failed, in one sentence
     text_state: TextState | None = None  # when the engine has a tokenizer (flexsgl/output.py)
     on_token: object = None  # optional callback(request) after each new token (flexsgl/output.py)
+    grammar: object = None  # structured outputs: its Matcher (sampling/grammar.py), once its grammar is compiled
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when SamplingParams.prompt_logprobs is set
 
     def __post_init__(self):
         if self.sampling.seed is not None:
@@ -108,6 +112,8 @@ class Request:
         self.fill_ids = self.prompt_ids
         if self.sampling.logprobs is not None:
             self.logprobs = []
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def all_ids(self) -> list[int]:

@@ -83,14 +83,18 @@ def check_prompt(prompt, index: int) -> str | list[int]:
 
 
 class RequestFactory:
-    def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int):
-        """`config`: the model's ModelConfig; `capacity`: KV pages a request may ever use."""
+    def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int,
+                 no_structured_outputs: str | None = None):
+        """`config`: the model's ModelConfig; `capacity`: KV pages a request may ever use;
+        `no_structured_outputs`: why this engine cannot take structured outputs (None: it can)."""
         self.model_name, self.config, self.tokenizer = model_name, config, tokenizer
         self.page_size, self.capacity = page_size, capacity
+        self.no_structured_outputs = no_structured_outputs
         self._ids = itertools.count()
 
     def __reduce__(self):
-        return RequestFactory, (self.model_name, self.config, self.tokenizer, self.page_size, self.capacity)
+        return RequestFactory, (self.model_name, self.config, self.tokenizer, self.page_size, self.capacity,
+                                self.no_structured_outputs)
 
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> Request:
         """Check one prompt and its sampling parameters and turn them into a Request (not queued);
@@ -113,6 +117,10 @@ class RequestFactory:
                               "leaving no room for a new token.")
         if any(t >= vocab for t in sampling.stop_token_ids):
             raise SamplingParamsError(f"stop_token_ids of prompt {index} hold ids outside the vocabulary [0, {vocab}).")
+        if any(t >= vocab for t, _ in sampling.logit_bias):
+            raise SamplingParamsError(f"logit_bias of prompt {index} names ids outside the vocabulary [0, {vocab}).")
+        if sampling.structured_outputs is not None:
+            self.check_structured(sampling.structured_outputs)
         eos = self.config.eos_token_ids
         if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -126,6 +134,15 @@ class RequestFactory:
                         leader=first) for i in range(1, sampling.n)]
         first.shares_prompt = bool(rest)
         return [first, *rest]
+
+    def check_structured(self, spec) -> None:
+        """Raise SamplingParamsError unless this engine can constrain an output to `spec` (parsed
+        here, so a schema, regex or grammar that cannot be used is refused before it runs)."""
+        if self.no_structured_outputs is not None:
+            raise SamplingParamsError(f"Structured outputs cannot be used here: {self.no_structured_outputs}.")
+        from flexsgl.sampling import grammar
+
+        grammar.parse(spec)
 
     def refusal(self, req: Request) -> str | None:
         """Why `req` can never run here (longer than the context or the whole KV cache), or None."""

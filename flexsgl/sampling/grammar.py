@@ -1,0 +1,159 @@
+"""Structured outputs through xgrammar: a request's constraint parsed (and checked), compiled for
+the tokenizer off the step loop and cached, a matcher per request that follows its tokens, and the
+token bitmask of each step's rows, filled on the host for sampler.apply_token_bitmask.
+
+- parse(): a StructuredOutputsParams as an xgrammar Grammar; a schema, regex or grammar that does
+  not parse raises SamplingParamsError (the server answers 400). Cached by constraint.
+- GrammarCompiler: compiles Grammars for one tokenizer on worker threads (xgrammar's compiler,
+  which caches compiled grammars); `submit` returns a Future.
+- Matcher: one request's place in its grammar: it accepts each sampled token, and ends the request
+  once the grammar is complete (with a stop token, or without one when the request has none).
+- fill_bitmask(): the [rows, ceil(vocab / 32)] int32 mask of a step's sampled rows; a row without
+  a grammar (or whose grammar has ended) allows every token.
+
+JSON schemas are compiled without free whitespace (`, ` and `: ` separators, no newlines), so a
+model cannot wander in whitespace; xgrammar is imported on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from flexsgl.errors import SamplingParamsError
+from flexsgl.sampling.structured import StructuredOutputsParams
+
+COMPILE_THREADS = 2
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+?:\d+:\s*")  # "[06:25:51] /project/cpp/x.cc:83: "
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError:
+        raise SamplingParamsError("Structured outputs need xgrammar: pip install xgrammar.") from None
+    return xgrammar
+
+
+@functools.lru_cache(maxsize=256)
+def parse(spec: StructuredOutputsParams):
+    """`spec` as an xgrammar Grammar; one that cannot be parsed raises SamplingParamsError."""
+    xgr = _xgr()
+    kind = spec.kind
+    try:
+        if kind == "json":
+            try:
+                schema = json.loads(spec.json)
+            except ValueError as e:
+                raise SamplingParamsError(f"The JSON schema is not JSON ({e}).") from None
+            if not isinstance(schema, dict):
+                raise SamplingParamsError("The JSON schema must be a JSON object.")
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except SamplingParamsError:
+        raise
+    except Exception as e:
+        what = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+                "grammar": "grammar", "choice": "choice list"}[kind]
+        raise SamplingParamsError(f"The {what} of structured_outputs cannot be used: {_message(e)}.") from None
+
+
+def _message(e: Exception) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    text = _XGRAMMAR_PREFIX.sub("", lines[0] if lines else type(e).__name__).strip().rstrip(".")
+    return text[:300]
+
+
+def tokenizer_info(tokenizer, vocab_size: int):
+    """xgrammar's view of `tokenizer` over the model's `vocab_size` logits: a transformers
+    tokenizer's vocabulary, or for the byte tokenizer of the presets, one byte per token id below
+    256 (ids above it never allowed)."""
+    xgr = _xgr()
+    from flexsgl.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        vocab = [bytes([i]) for i in range(256)]
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[])
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer on COMPILE_THREADS worker threads, one Future per
+    distinct constraint (xgrammar caches the compiled grammars too)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        xgr = _xgr()
+        self.vocab_size = vocab_size
+        self.info = tokenizer_info(tokenizer, vocab_size)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS)
+        self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="flexsgl-grammar")
+        self._futures: dict[StructuredOutputsParams, Future] = {}
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """A Future of `spec` compiled (its exception: SamplingParamsError, saying why)."""
+        fut = self._futures.get(spec)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            fut = self._futures[spec] = self.pool.submit(self._compile, spec)
+        return fut
+
+    def _compile(self, spec: StructuredOutputsParams):
+        grammar = parse(spec)
+        try:
+            return self.compiler.compile_grammar(grammar)
+        except Exception as e:
+            raise SamplingParamsError(f"The {spec.kind} of structured_outputs could not be compiled for this "
+                                      f"tokenizer: {_message(e)}.") from None
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Matcher:
+    """One request's state in its compiled grammar. `stop_ids`: the request's stop tokens; with
+    none (ignore_eos and no stop_token_ids) the grammar ends the output once it is complete."""
+
+    def __init__(self, compiled, stop_ids: tuple[int, ...]):
+        xgr = _xgr()
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids) or None,
+                                          terminate_without_stop_token=not stop_ids)
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it."""
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def ended(self) -> bool:
+        """Whether the grammar allows nothing more (it took a stop token, or is complete without one)."""
+        return self.matcher.is_terminated()
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmask(matchers: list[Matcher | None], vocab_size: int, pinned: bool) -> torch.Tensor:
+    """The int32 [len(matchers), ceil(vocab / 32)] bitmask of a step's sampled rows, on the host
+    (pinned memory for a CUDA upload): each live matcher's allowed tokens, every token elsewhere."""
+    mask = torch.empty(len(matchers), bitmask_words(vocab_size), dtype=torch.int32, pin_memory=pinned)
+    mask.numpy().fill(-1)
+    for row, m in enumerate(matchers):
+        if m is not None and not m.ended:
+            m.matcher.fill_next_token_bitmask(mask, row)
+    return mask
+
+
+def allowed_tokens(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids a bitmask row allows (for tests and messages)."""
+    bits = np.unpackbits(mask_row.astype("<i4").view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits)
