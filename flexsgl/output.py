@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from flexsgl.detokenizer import IncrementalDetokenizer
+from flexsgl.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
 from flexsgl.errors import describe
 from flexsgl.log import logger
 from flexsgl.request import FinishReason, Request, RequestOutput, TokenEvent
@@ -46,7 +46,7 @@ class TextState:
     Stop strings are looked for only in the text that a new token could have completed."""
 
     def __init__(self, tokenizer, prompt_ids: list[int]):
-        self.detokenizer: IncrementalDetokenizer | None = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.detokenizer: IncrementalDetokenizer | StreamDetokenizer | None = make_detokenizer(tokenizer, prompt_ids)
         self.text = ""  # the output's text so far (cut at a stop string)
         self.new_text = ""  # the text released with the latest token
         self.released = 0  # characters of `text` released so far
