@@ -194,6 +194,7 @@ class LLM:
         return [self._add(r, on_token) for r in reqs]
 
     def _add(self, req: Request, on_token) -> int:
+        req.added_at = time.monotonic()
         self.outputs.start(req, on_token)
         self._live[req.request_id] = req
         self._next_id = max(self._next_id, req.request_id + 1)
@@ -265,6 +266,11 @@ class LLM:
         self._admit_compiled()
         batch = self.scheduler.schedule()
         launched = failure = None
+        if batch is not None and batch.mode == "prefill":
+            now = time.monotonic()
+            for r in batch.requests:
+                if r.scheduled_at is None:
+                    r.scheduled_at = now
         if batch is not None:
             try:
                 launched = self.runner.run(batch, sample=not self._constrained(batch))

@@ -167,6 +167,7 @@ class OutputProcessor:
             stop_reason=req.stop_reason,
             logprobs=None if req.logprobs is None else list(req.logprobs),
             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            time_in_queue=None if req.scheduled_at is None else req.scheduled_at - req.added_at,
         )
         if text is not None and text.error is not None:
             out.text, out.finish_reason, out.error = None, FinishReason.ERROR.value, out.error or text.error

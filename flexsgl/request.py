@@ -52,6 +52,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
     # Per prompt token, when SamplingParams.prompt_logprobs is set: None for the first, which no token precedes.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    time_in_queue: float | None = None  # seconds from entering the engine to its first step (None: it never ran)
 
     @property
     def prompt_tokens(self) -> int:
@@ -94,6 +95,8 @@ class Request:
     num_computed: int = 0
     num_scheduled_outputs: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    added_at: float = 0.0  # time.monotonic() when the engine took it
+    scheduled_at: float | None = None  # time.monotonic() of its first step
     shares_prompt: bool = False  # a leader: its prompt pages go to the prefix cache once prefilled
     # The output
     output_ids: list[int] = field(default_factory=list)
