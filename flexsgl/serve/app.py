@@ -116,7 +116,7 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
         info = _check(engine, body.model, model_name)
         if info.tokenizer is None:
             raise APIError(400, f"Model {model_name!r} has no tokenizer, so it cannot chat.")
-        plan = tools.plan(body.tools, body.tool_choice, options.tool_call_parser)
+        plan = tools.plan(body.tools, body.tool_choice, options.tool_call_parser, body.parallel_tool_calls is not False)
         intake.check_chars(body.characters(), info, "The messages")
 
         def make():

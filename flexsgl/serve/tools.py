@@ -8,7 +8,8 @@ tool_choice (OpenAI's):
   explicit "auto" is refused.
 - "required": the output is constrained (structured outputs) to a JSON array of
   {"name", "parameters"} objects, one of the tools' each, so the calls always parse and their
-  arguments follow the tools' schemas; as vLLM does.
+  arguments follow the tools' schemas; as vLLM does (one call at most with parallel_tool_calls
+  false).
 - {"type": "function", "function": {"name": ...}}: the output is constrained to that function's
   parameters schema and is its arguments.
 
@@ -55,16 +56,17 @@ class ToolPlan:
     mode: str
     functions: dict[str, dict]  # name -> the function's JSON schema of parameters
     name: str | None = None  # the named function
+    parallel: bool = True  # several calls allowed (parallel_tool_calls)
 
     def constraint(self) -> StructuredOutputsParams | None:
         if self.mode == "named":
             return StructuredOutputsParams(json=self.functions[self.name])
         if self.mode == "required":
-            return StructuredOutputsParams(json=required_schema(self.functions))
+            return StructuredOutputsParams(json=required_schema(self.functions, self.parallel))
         return None
 
 
-def plan(tools: list[dict] | None, tool_choice, parser: str | None) -> ToolPlan:
+def plan(tools: list[dict] | None, tool_choice, parser: str | None, parallel: bool = True) -> ToolPlan:
     """Check `tools` and `tool_choice` (SamplingParamsError, a 400, says what is wrong)."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -88,7 +90,7 @@ def plan(tools: list[dict] | None, tool_choice, parser: str | None) -> ToolPlan:
             raise SamplingParamsError('tool_choice "auto" needs the server to be started with --tool-call-parser.')
         return ToolPlan("auto", functions)
     if tool_choice in ("none", "required"):
-        return ToolPlan(tool_choice, functions)
+        return ToolPlan(tool_choice, functions, parallel=parallel)
     if isinstance(tool_choice, dict):
         f = tool_choice.get("function")
         name = f.get("name") if isinstance(f, dict) else None
@@ -102,11 +104,15 @@ def plan(tools: list[dict] | None, tool_choice, parser: str | None) -> ToolPlan:
                               '"function": {"name": ...}}.')
 
 
-def required_schema(functions: dict[str, dict]) -> dict:
-    """A JSON array of one or more calls, each {"name": one of the functions, "parameters": its schema}."""
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+def required_schema(functions: dict[str, dict], parallel: bool = True) -> dict:
+    """A JSON array of one or more calls (one without `parallel`), each {"name": one of the
+    functions, "parameters": its schema}."""
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
          "required": ["name", "parameters"]} for name, params in functions.items()]}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 # ---- the output
