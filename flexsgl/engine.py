@@ -288,8 +288,7 @@ class LLM:
         if deferred is not None:
             try:
                 sampled = [r for r, s in zip(batch.requests, batch.samples) if s]
-                mask = grammar.fill_bitmask([r.grammar for r in sampled], self.config.vocab_size,
-                                            self.device.type == "cuda")
+                mask = self.grammars.fill_bitmask([r.grammar for r in sampled], self.device.type == "cuda")
                 self._pending = self.runner.sample(deferred, mask)
             except Exception as e:
                 failure = self._step_failed(batch, e)

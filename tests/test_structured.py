@@ -227,3 +227,26 @@ def test_prompt_logprobs_match_hf_in_float64(hf, chunk):
         assert abs(lps[i].logprob - ref[i - 1, prompt[i]].item()) < 1e-3, f"seed={seed} position {i}"
         top = ref[i - 1].topk(3)
         assert [v for _, v in lps[i].top] == pytest.approx(top.values.tolist(), abs=1e-3), f"seed={seed}"
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["row by row", "batch matcher"])
+def test_the_bitmask_allows_the_grammars_tokens_and_every_token_elsewhere(batched):
+    """The byte tokenizer's 256-token grammar vocabulary inside a padded model vocabulary: a
+    constrained row allows exactly the grammar's next bytes, an unconstrained row everything."""
+    from flexsgl.tokenizer import ByteTokenizer
+
+    rng = random.Random()
+    vocab = rng.randrange(300, 2000)
+    compiler = grammar.GrammarCompiler(ByteTokenizer(), vocab)
+    if batched:
+        compiler.batch = xgr.BatchGrammarMatcher(max_threads=2)
+    letters = "".join(sorted(rng.sample("abcdefghij", 3)))
+    compiled = compiler.submit(StructuredOutputsParams(regex=f"[{letters}]x")).result()
+    rows = [grammar.Matcher(compiled, (vocab - 1,)) if rng.random() < 0.6 else None
+            for _ in range(grammar.BATCH_FILL_ROWS + 4)]
+    mask = compiler.fill_bitmask(rows, pinned=False)
+    for i, m in enumerate(rows):
+        want = [ord(c) for c in letters] if m is not None else list(range(vocab))
+        assert grammar.allowed_tokens(mask[i].numpy(), vocab).tolist() == want, f"vocab={vocab} row {i}"
+    m = next(m for m in rows if m is not None)
+    assert m.accept(ord(letters[0])) and m.accept(ord("x")) and m.ended, "complete without the stop token in range"

@@ -8,8 +8,14 @@ token bitmask of each step's rows, filled on the host for sampler.apply_token_bi
   which caches compiled grammars); `submit` returns a Future.
 - Matcher: one request's place in its grammar: it accepts each sampled token, and ends the request
   once the grammar is complete (with a stop token, or without one when the request has none).
-- fill_bitmask(): the [rows, ceil(vocab / 32)] int32 mask of a step's sampled rows; a row without
-  a grammar (or whose grammar has ended) allows every token.
+- GrammarCompiler.fill_bitmask(): the [rows, ceil(vocab / 32)] int32 mask of a step's sampled
+  rows; a row without a grammar (or whose grammar has ended) allows every token. With many rows and
+  cores to spare, xgrammar's batch matcher fills them on several threads.
+
+The grammar sees the tokenizer's own vocabulary (for the presets' byte tokenizer, 256 tokens): ids
+past it, up to the model's vocab_size (padding rows of the embedding), are never allowed. A
+grammar over a 256-token vocabulary is filled in microseconds where one over the padded 150k
+would spend most of its time on the padding.
 
 JSON schemas are compiled without free whitespace (`, ` and `: ` separators, no newlines), so a
 model cannot wander in whitespace; xgrammar is imported on first use.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -29,6 +36,7 @@ from flexsgl.errors import SamplingParamsError
 from flexsgl.sampling.structured import StructuredOutputsParams
 
 COMPILE_THREADS = 2
+BATCH_FILL_ROWS = 16  # rows from which the bitmask is filled on several threads (where there are cores)
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+?:\d+:\s*")  # "[06:25:51] /project/cpp/x.cc:83: "
 
 
@@ -76,16 +84,15 @@ def _message(e: Exception) -> str:
 
 
 def tokenizer_info(tokenizer, vocab_size: int):
-    """xgrammar's view of `tokenizer` over the model's `vocab_size` logits: a transformers
-    tokenizer's vocabulary, or for the byte tokenizer of the presets, one byte per token id below
-    256 (ids above it never allowed)."""
+    """xgrammar's view of `tokenizer` (at most the model's `vocab_size` tokens): a transformers
+    tokenizer's vocabulary, or for the byte tokenizer of the presets, one byte per token id below 256."""
     xgr = _xgr()
     from flexsgl.tokenizer import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
-        vocab = [bytes([i]) for i in range(256)]
-        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[])
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        vocab = [bytes([i]) for i in range(min(256, vocab_size))]
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[])
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=min(vocab_size, len(tokenizer)))
 
 
 class GrammarCompiler:
@@ -94,11 +101,14 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int):
         xgr = _xgr()
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # the model's (its logits' width)
         self.info = tokenizer_info(tokenizer, vocab_size)
+        self.grammar_vocab = self.info.vocab_size  # the tokens a grammar sees
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS)
         self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="flexsgl-grammar")
         self._futures: dict[StructuredOutputsParams, Future] = {}
+        threads = min(8, (os.cpu_count() or 1) // 2)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=threads) if threads >= 2 else None
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """A Future of `spec` compiled (its exception: SamplingParamsError, saying why)."""
@@ -118,15 +128,41 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
+    def fill_bitmask(self, matchers: list[Matcher | None], pinned: bool) -> torch.Tensor:
+        """The int32 [len(matchers), ceil(vocab / 32)] bitmask of a step's sampled rows, on the host
+        (pinned memory for a CUDA upload): each live matcher's allowed tokens, every token elsewhere."""
+        mask = torch.empty(len(matchers), bitmask_words(self.vocab_size), dtype=torch.int32, pin_memory=pinned)
+        full = mask.numpy()
+        full.fill(-1)
+        live = [(row, m.matcher) for row, m in enumerate(matchers) if m is not None and not m.ended]
+        if not live:
+            return mask
+        words = bitmask_words(self.grammar_vocab)
+        part = torch.empty(len(live), words, dtype=torch.int32)
+        if self.batch is not None and len(live) >= BATCH_FILL_ROWS:
+            self.batch.batch_fill_next_token_bitmask([m for _, m in live], part)
+        else:
+            for i, (_, m) in enumerate(live):
+                m.fill_next_token_bitmask(part, i)
+        rows = np.fromiter((row for row, _ in live), dtype=np.int64, count=len(live))
+        full[rows] = 0  # past the grammar's vocabulary: never allowed
+        full[rows, :words] = part.numpy()
+        tail = self.grammar_vocab % 32
+        if tail:
+            full[rows, words - 1] &= np.int32((1 << tail) - 1)
+        return mask
+
 
 class Matcher:
-    """One request's state in its compiled grammar. `stop_ids`: the request's stop tokens; with
-    none (ignore_eos and no stop_token_ids) the grammar ends the output once it is complete."""
+    """One request's state in its compiled grammar. `stop_ids`: the request's stop tokens (those in
+    the grammar's vocabulary); with none (ignore_eos and no stop_token_ids) the grammar ends the
+    output once it is complete."""
 
     def __init__(self, compiled, stop_ids: tuple[int, ...]):
         xgr = _xgr()
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids) or None,
-                                          terminate_without_stop_token=not stop_ids)
+        stops = [t for t in stop_ids if t < compiled.tokenizer_info.vocab_size]
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None,
+                                          terminate_without_stop_token=not stops)
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it."""
@@ -140,17 +176,6 @@ class Matcher:
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
-
-
-def fill_bitmask(matchers: list[Matcher | None], vocab_size: int, pinned: bool) -> torch.Tensor:
-    """The int32 [len(matchers), ceil(vocab / 32)] bitmask of a step's sampled rows, on the host
-    (pinned memory for a CUDA upload): each live matcher's allowed tokens, every token elsewhere."""
-    mask = torch.empty(len(matchers), bitmask_words(vocab_size), dtype=torch.int32, pin_memory=pinned)
-    mask.numpy().fill(-1)
-    for row, m in enumerate(matchers):
-        if m is not None and not m.ended:
-            m.matcher.fill_next_token_bitmask(mask, row)
-    return mask
 
 
 def allowed_tokens(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:

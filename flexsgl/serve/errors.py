@@ -3,7 +3,8 @@
 - APIError: a handler's own answer (status, message, type, code).
 - Guard (ASGI middleware, before routing): `--api-key` (a missing or wrong key: 401; /health and
   /metrics are open), and the body limit (`--max-request-bytes`: a Content-Length over it is
-  answered 413 before the body is read, a body that grows past it while read is cut off with 413).
+  answered 413 without parsing or keeping the body, a body that grows past it while read is cut
+  off with 413).
 - install(): the handlers that give every other 4xx and 5xx its OpenAI body: a body that is not
   JSON, or nested too deeply to parse, a body of the wrong shape (400, naming the field), bad
   input from the engine's checks (400), an unknown route (404), a method a route does not take
@@ -67,6 +68,8 @@ class Guard:
                                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            while (await receive()).get("more_body"):  # read and drop it: a client still sending gets the answer
+                pass
             return await error_response(f"The request body has {int(length)} bytes; this server takes at most "
                                         f"{self.max_bytes} (--max-request-bytes).", 413)(scope, receive, send)
         seen = 0
