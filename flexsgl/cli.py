@@ -139,8 +139,13 @@ def bench(
     request_rate: str = typer.Option(None, help="serve: requests per second, Poisson arrivals, or inf (default); "
                                      "several (8,32,inf) are timed one after another on one server."),
     max_concurrency: int = typer.Option(None, help="serve: most requests in flight (default: no limit)."),
-    base_url: str = typer.Option(None, help="serve: measure this running server (http://HOST:PORT) instead of "
-                                 "starting one per --override."),
+    base_url: str = typer.Option(None, help="serve: measure this running server (http://HOST:PORT: flexsgl, vLLM, "
+                                 "SGLang or any OpenAI-compatible one; pass its --model) instead of starting one "
+                                 "per --override."),
+    dataset_path: str = typer.Option(None, help="serve: a ShareGPT-format JSON file; each request is a conversation's "
+                                     "first turn, its output as long as the reply (or --output-len)."),
+    structured: str = typer.Option(None, help="serve: constrain every output to a JSON schema (json-schema), to "
+                                   "compare with an unconstrained run."),
     *, engine: EngineConfig,
 ) -> None:
     """Measure throughput, latency, prefill or serving on one or more attention backends; one table, one column
@@ -150,7 +155,8 @@ def bench(
 
     args = b.BenchArgs(workload=workload, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                        batch_size=batch_size, repeats=repeats, overrides=list(override or []), seed=seed,
-                       engine=engine, request_rate=request_rate, max_concurrency=max_concurrency, base_url=base_url)
+                       engine=engine, request_rate=request_rate, max_concurrency=max_concurrency, base_url=base_url,
+                       dataset_path=dataset_path, structured=structured)
     if json_path and not os.path.isdir(os.path.dirname(os.path.abspath(json_path))):
         fail(f"The folder of --json {json_path!r} does not exist.")
     try:
