@@ -261,8 +261,8 @@ class LLM:
         Returns an interrupt raised by a callback, to be raised once the step is complete.
 
         A step that samples a request with structured outputs is launched up to its logits; its
-        bitmask needs the previous step's tokens, so it is filled (and the step sampled) once they
-        are read back, while the device runs the forward pass."""
+        token mask needs the previous step's tokens, so it is filled (and the step sampled) once
+        they are read back, while the device runs the forward pass."""
         self._admit_compiled()
         batch = self.scheduler.schedule()
         launched = failure = None
@@ -288,7 +288,7 @@ class LLM:
         if deferred is not None:
             try:
                 sampled = [r for r, s in zip(batch.requests, batch.samples) if s]
-                mask = self.grammars.fill_bitmask([r.grammar for r in sampled], self.device.type == "cuda")
+                mask = self.grammars.fill_mask([r.grammar for r in sampled], self.device.type == "cuda")
                 self._pending = self.runner.sample(deferred, mask)
             except Exception as e:
                 failure = self._step_failed(batch, e)

@@ -8,8 +8,9 @@ TokenEvent per token; OutputProcessor.process takes them in batch order. For eac
 2. stop tokens and length: EOS (unless ignore_eos) and stop_token_ids end the output ("stop", with
    the id as `stop_reason` for a stop_token_id), and so does the max_new_tokens-th token
    ("length"). min_tokens needs nothing here: the sampler never picks a stop token before it;
-   a request with structured outputs hands the token to its grammar's matcher, and ends ("stop")
-   once its grammar is complete and allows nothing more;
+   a request with structured outputs hands the token to its grammar's matcher (every such token
+   of the step in one call), and ends ("stop") once its grammar is complete and allows nothing
+   more (a grammar that refuses the token ends it with reason "error");
 3. the text (TextState) grows by what the token completes; a stop string in that text ends the
    output there ("stop", with the string as `stop_reason`), from the min_tokens-th token on, the
    token that reached max_new_tokens included; after a stop token no stop string is looked for;
@@ -112,15 +113,19 @@ class OutputProcessor:
         """Hand each token to its request (see the module docstring); returns the requests that end,
         and a KeyboardInterrupt or SystemExit that a callback raised (the first), if any."""
         endings, interrupt = [], None
+        allowed = _follow_grammars(events)
         for ev in events:
             r = ev.request
             if r.logprobs is not None and ev.logprobs is not None:
                 r.logprobs.append(ev.logprobs)
             r.finish_reason, r.stop_reason = _stop_token(r, ev.token)
-            if r.grammar is not None and r.finish_reason is None and not _follow_grammar(r, ev.token):
-                endings.append(Ending(r, FinishReason.ERROR, f"The sampled token {ev.token} breaks the request's "
-                                                             "structured-output grammar."))
-                continue
+            if r.grammar is not None:
+                if not allowed[r.request_id]:
+                    endings.append(Ending(r, FinishReason.ERROR, f"The sampled token {ev.token} breaks the "
+                                                                 "request's structured-output grammar."))
+                    continue
+                if r.grammar.ended and r.finish_reason is None:  # complete, with no stop token to end it
+                    r.finish_reason = FinishReason.STOP
             if r.text_state is not None and r.text_state.growing:
                 self._add_text(r, ev.token)
             error, raised = _run_callback(r)
@@ -183,14 +188,17 @@ def _stop_token(r: Request, token: int) -> tuple[FinishReason | None, int | None
     return None, None
 
 
-def _follow_grammar(r: Request, token: int) -> bool:
-    """Advance r's grammar by `token`; its end (with no stop token to end it) is a stop. False if
-    the grammar refuses the token (a fault: the sampler's bitmask allows only what it does)."""
-    if not r.grammar.accept(token):
-        return False
-    if r.grammar.ended:
-        r.finish_reason = FinishReason.STOP
-    return True
+def _follow_grammars(events: list[TokenEvent]) -> dict[int, bool]:
+    """Advance the grammar of each request with structured outputs by its token, all in one call;
+    by request id, whether its grammar allowed the token (it refuses none the sampler's token
+    mask allowed)."""
+    mine = [ev for ev in events if ev.request.grammar is not None]
+    if not mine:
+        return {}
+    from flexsgl.sampling.grammar import accept_tokens
+
+    ok = accept_tokens([ev.request.grammar for ev in mine], [ev.token for ev in mine])
+    return {ev.request.request_id: a for ev, a in zip(mine, ok)}
 
 
 def _run_callback(r: Request) -> tuple[str | None, BaseException | None]:

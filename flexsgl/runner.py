@@ -11,7 +11,7 @@ the device.
   after it has launched the next one (see scheduler.py).
 
 A step with structured outputs is launched in two halves: `run(batch, sample=False)` plans,
-uploads and runs the forward pass, and `sample(launched, bitmask)` samples under the token bitmask
+uploads and runs the forward pass, and `sample(launched, mask)` samples under the token mask
 the host filled meanwhile (it needs the previous step's tokens), then starts the read-back.
 """
 
@@ -30,7 +30,7 @@ from flexsgl.compile import compile_steps
 from flexsgl.step.graphs import GraphManager
 from flexsgl.log import logger, progress
 from flexsgl.request import TokenLogprobs
-from flexsgl.sampling.sampler import sample, token_logprobs
+from flexsgl.sampling.sampler import TokenMask, sample, token_logprobs
 from flexsgl.scheduler import ScheduledBatch
 from flexsgl.step.inputs import StepInputs, upload
 from flexsgl.step.plan import StepPlan, padding_plan, plan_step
@@ -147,7 +147,7 @@ class ModelRunner:
             if not sample:
                 return DeferredStep(batch, plan, step, *self._forward(step))
             return self._launch(batch, step, plan)
-        assert sample, "a step sampled under a bitmask runs on one rank"
+        assert sample, "a step sampled under a token mask runs on one rank"
         plan = self.plan(batch)
         self.tp.send_step(plan)
         try:
@@ -183,11 +183,11 @@ class ModelRunner:
         return self._read_back(batch, step, logits, tokens, plan)
 
     @torch.inference_mode()
-    def sample(self, launched: DeferredStep, bitmask: torch.Tensor) -> StepOutput:
-        """Sample a step launched with sample=False under `bitmask` (host int32 [rows, ceil(V / 32)],
-        sampling/grammar.py), and start its read-back."""
+    def sample(self, launched: DeferredStep, mask: TokenMask) -> StepOutput:
+        """Sample a step launched with sample=False under `mask` (on the host, sampling/grammar.py),
+        and start its read-back."""
         step = launched.step
-        step.sampling.bitmask = bitmask.to(self.device, non_blocking=True)
+        step.sampling.token_mask = mask.to(self.device)
         tokens = self._sample(launched.logits, step, launched.greedy)
         return self._read_back(launched.batch, step, launched.logits, tokens, launched.plan)
 
@@ -232,7 +232,7 @@ class ModelRunner:
 
 @dataclass
 class DeferredStep:
-    """A step launched up to its logits, to be sampled once its bitmask is filled (ModelRunner.sample)."""
+    """A step launched up to its logits, to be sampled once its token mask is filled (ModelRunner.sample)."""
 
     batch: ScheduledBatch
     plan: StepPlan

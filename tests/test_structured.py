@@ -20,7 +20,7 @@ from flexsgl import LLM, SamplingParams  # noqa: E402
 from flexsgl.errors import SamplingParamsError  # noqa: E402
 from flexsgl.model.presets import EMBEDDED  # noqa: E402
 from flexsgl.sampling import grammar  # noqa: E402
-from flexsgl.sampling.sampler import LogitBias, SamplingTensors, apply_token_bitmask, sample  # noqa: E402
+from flexsgl.sampling.sampler import LogitBias, SamplingTensors, TokenMask, apply_token_mask, sample  # noqa: E402
 from flexsgl.sampling.structured import StructuredOutputsParams  # noqa: E402
 
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
@@ -55,19 +55,39 @@ def random_schema(rng: random.Random) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
-def test_bitmask_matches_xgrammars_kernel_and_the_bits():
+def token_mask(words: torch.Tensor, open_rows: list[bool], vocab: int) -> TokenMask:
+    flat = torch.cat([words.flatten(), torch.tensor([-1 if o else 0 for o in open_rows], dtype=torch.int32)])
+    return TokenMask(flat, len(open_rows), vocab)
+
+
+def test_the_token_mask_matches_xgrammars_kernel_and_the_bits():
     seed = random.randrange(2**31)
     g = torch.Generator().manual_seed(seed)
     rows, vocab = 5, 1000 + seed % 37  # a vocabulary that is not a multiple of 32
     logits = torch.randn(rows, vocab, generator=g)
-    mask = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), generator=g, dtype=torch.int64).int()
-    got = apply_token_bitmask(logits, mask)
+    words = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), generator=g, dtype=torch.int64).int()
+    got = apply_token_mask(logits, token_mask(words, [False] * rows, vocab))
     ref = logits.clone()
-    xgr.apply_token_bitmask_inplace(ref, mask)
+    xgr.apply_token_bitmask_inplace(ref, words)
     assert torch.equal(got, ref), f"seed={seed}"
     for r in range(rows):  # the bits read by hand: bit j of word w allows token 32 w + j
-        allowed = grammar.allowed_tokens(mask[r].numpy(), vocab)
+        allowed = grammar.allowed_tokens(words[r].numpy(), vocab)
         assert np.array_equal(np.flatnonzero(torch.isfinite(got[r]).numpy()), allowed), f"seed={seed}"
+
+
+def test_a_mask_over_a_smaller_vocabulary_closes_the_rest_in_constrained_rows_only():
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab, grammar_vocab = 4, 700, 256
+    logits = torch.randn(rows, vocab, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (rows, 8), generator=g, dtype=torch.int64).int()
+    open_rows = [True, False, True, False]
+    got = apply_token_mask(logits, token_mask(words, open_rows, grammar_vocab))
+    for r in range(rows):
+        allowed = set(grammar.allowed_tokens(words[r].numpy(), grammar_vocab).tolist())
+        allowed |= set(range(grammar_vocab, vocab)) if open_rows[r] else set()
+        want = torch.tensor([logits[r, t].item() if t in allowed else float("-inf") for t in range(vocab)])
+        assert torch.equal(got[r], want), f"seed={seed} row {r}"
 
 
 def test_logit_bias_is_added_before_sampling():
@@ -244,9 +264,11 @@ def test_the_bitmask_allows_the_grammars_tokens_and_every_token_elsewhere(batche
     compiled = compiler.submit(StructuredOutputsParams(regex=f"[{letters}]x")).result()
     rows = [grammar.Matcher(compiled, (vocab - 1,)) if rng.random() < 0.6 else None
             for _ in range(grammar.BATCH_FILL_ROWS + 4)]
-    mask = compiler.fill_bitmask(rows, pinned=False)
+    mask = compiler.fill_mask(rows, pinned=False)
+    logits = torch.zeros(len(rows), vocab)
+    allowed = torch.isfinite(apply_token_mask(logits, mask))
     for i, m in enumerate(rows):
         want = [ord(c) for c in letters] if m is not None else list(range(vocab))
-        assert grammar.allowed_tokens(mask[i].numpy(), vocab).tolist() == want, f"vocab={vocab} row {i}"
+        assert torch.nonzero(allowed[i]).flatten().tolist() == want, f"vocab={vocab} row {i}"
     m = next(m for m in rows if m is not None)
     assert m.accept(ord(letters[0])) and m.accept(ord("x")) and m.ended, "complete without the stop token in range"

@@ -1,6 +1,6 @@
 """Structured outputs through xgrammar: a request's constraint parsed (and checked), compiled for
 the tokenizer off the step loop and cached, a matcher per request that follows its tokens, and the
-token bitmask of each step's rows, filled on the host for sampler.apply_token_bitmask.
+token mask of each step's rows, filled on the host for sampler.apply_token_mask.
 
 - parse(): a StructuredOutputsParams as an xgrammar Grammar; a schema, regex or grammar that does
   not parse raises SamplingParamsError (the server answers 400). Cached by constraint.
@@ -8,14 +8,14 @@ token bitmask of each step's rows, filled on the host for sampler.apply_token_bi
   which caches compiled grammars); `submit` returns a Future.
 - Matcher: one request's place in its grammar: it accepts each sampled token, and ends the request
   once the grammar is complete (with a stop token, or without one when the request has none).
-- GrammarCompiler.fill_bitmask(): the [rows, ceil(vocab / 32)] int32 mask of a step's sampled
-  rows; a row without a grammar (or whose grammar has ended) allows every token. With many rows and
-  cores to spare, xgrammar's batch matcher fills them on several threads.
+- GrammarCompiler.fill_mask(): the TokenMask (sampler.py) of a step's sampled rows; a row without
+  a grammar (or whose grammar has ended) allows every token. With many rows and cores to spare,
+  xgrammar's batch matcher fills them on several threads.
 
 The grammar sees the tokenizer's own vocabulary (for the presets' byte tokenizer, 256 tokens): ids
-past it, up to the model's vocab_size (padding rows of the embedding), are never allowed. A
-grammar over a 256-token vocabulary is filled in microseconds where one over the padded 150k
-would spend most of its time on the padding.
+past it, up to the model's vocab_size (padding rows of the embedding), are never allowed in a
+constrained row. The mask holds the grammar's vocabulary only: for a 256-token one, 8 words a row
+to fill and upload instead of 4,748 for a padded 152k.
 
 JSON schemas are compiled without free whitespace (`, ` and `: ` separators, no newlines), so a
 model cannot wander in whitespace; xgrammar is imported on first use.
@@ -33,10 +33,11 @@ import numpy as np
 import torch
 
 from flexsgl.errors import SamplingParamsError
+from flexsgl.sampling.sampler import TokenMask
 from flexsgl.sampling.structured import StructuredOutputsParams
 
 COMPILE_THREADS = 2
-BATCH_FILL_ROWS = 16  # rows from which the bitmask is filled on several threads (where there are cores)
+BATCH_FILL_ROWS = 16  # rows from which the mask is filled on several threads (where there are cores)
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+?:\d+:\s*")  # "[06:25:51] /project/cpp/x.cc:83: "
 
 
@@ -128,50 +129,52 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def fill_bitmask(self, matchers: list[Matcher | None], pinned: bool) -> torch.Tensor:
-        """The int32 [len(matchers), ceil(vocab / 32)] bitmask of a step's sampled rows, on the host
-        (pinned memory for a CUDA upload): each live matcher's allowed tokens, every token elsewhere."""
-        mask = torch.empty(len(matchers), bitmask_words(self.vocab_size), dtype=torch.int32, pin_memory=pinned)
-        full = mask.numpy()
-        full.fill(-1)
+    def fill_mask(self, matchers: list[Matcher | None], pinned: bool) -> TokenMask:
+        """The TokenMask of a step's sampled rows, on the host (pinned memory for a CUDA upload):
+        each live matcher's allowed tokens, every token in the other rows."""
+        rows, words = len(matchers), bitmask_words(self.grammar_vocab)
+        flat = torch.empty(rows * words + rows, dtype=torch.int32, pin_memory=pinned)
+        host = flat.numpy()
+        host.fill(-1)
+        mask = TokenMask(flat, rows, self.grammar_vocab)
         live = [(row, m.matcher) for row, m in enumerate(matchers) if m is not None and not m.ended]
         if not live:
             return mask
-        words = bitmask_words(self.grammar_vocab)
-        part = torch.empty(len(live), words, dtype=torch.int32)
+        host[rows * words + np.fromiter((row for row, _ in live), dtype=np.int64, count=len(live))] = 0
+        bits = mask.words
         if self.batch is not None and len(live) >= BATCH_FILL_ROWS:
-            self.batch.batch_fill_next_token_bitmask([m for _, m in live], part)
+            self.batch.batch_fill_next_token_bitmask([m for _, m in live], bits, [row for row, _ in live])
         else:
-            for i, (_, m) in enumerate(live):
-                m.fill_next_token_bitmask(part, i)
-        rows = np.fromiter((row for row, _ in live), dtype=np.int64, count=len(live))
-        full[rows] = 0  # past the grammar's vocabulary: never allowed
-        full[rows, :words] = part.numpy()
-        tail = self.grammar_vocab % 32
-        if tail:
-            full[rows, words - 1] &= np.int32((1 << tail) - 1)
+            for row, m in live:
+                m.fill_next_token_bitmask(bits, row)
         return mask
 
 
 class Matcher:
     """One request's state in its compiled grammar. `stop_ids`: the request's stop tokens (those in
     the grammar's vocabulary); with none (ignore_eos and no stop_token_ids) the grammar ends the
-    output once it is complete."""
+    output once it is complete. `ended`: the grammar allows nothing more (it took a stop token, or
+    is complete without one)."""
 
     def __init__(self, compiled, stop_ids: tuple[int, ...]):
         xgr = _xgr()
-        stops = [t for t in stop_ids if t < compiled.tokenizer_info.vocab_size]
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None,
-                                          terminate_without_stop_token=not stops)
+        self.stops = frozenset(t for t in stop_ids if t < compiled.tokenizer_info.vocab_size)
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(self.stops) or None,
+                                          terminate_without_stop_token=not self.stops)
+        self.ended = False
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it."""
-        return bool(self.matcher.accept_token(token))
+        return accept_tokens([self], [token])[0]
 
-    @property
-    def ended(self) -> bool:
-        """Whether the grammar allows nothing more (it took a stop token, or is complete without one)."""
-        return self.matcher.is_terminated()
+
+def accept_tokens(matchers: list[Matcher], tokens: list[int]) -> list[bool]:
+    """Advance each matcher by its token, in one call into xgrammar; whether each was allowed."""
+    ok = _xgr().BatchGrammarMatcher.batch_accept_token([m.matcher for m in matchers], tokens)
+    for m, t, accepted in zip(matchers, tokens, ok):
+        if accepted:  # with stop tokens the grammar ends on one; without, once it is complete
+            m.ended = t in m.stops if m.stops else m.matcher.is_terminated()
+    return ok
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -179,6 +182,6 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def allowed_tokens(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The token ids a bitmask row allows (for tests and messages)."""
+    """The token ids a row of mask words allows (xgrammar's layout), below `vocab_size`."""
     bits = np.unpackbits(mask_row.astype("<i4").view(np.uint8), bitorder="little")[:vocab_size]
     return np.flatnonzero(bits)

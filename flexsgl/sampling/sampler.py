@@ -49,6 +49,29 @@ class LogitBias:
 
 
 @dataclass
+class TokenMask:
+    """The tokens each row may sample (structured outputs), in xgrammar's layout: bit j of
+    words[s, w] allows token 32 w + j, for the tokens below `vocab` (the grammar's vocabulary);
+    tokens from `vocab` on are allowed in the `open` rows (those without a grammar) only. One flat
+    int32 buffer holds both, so it goes to the device in one copy."""
+
+    flat: torch.Tensor  # [S * W + S] int32: the words, then one open flag per row
+    rows: int
+    vocab: int
+
+    @property
+    def words(self) -> torch.Tensor:
+        return self.flat[:self.flat.numel() - self.rows].view(self.rows, -1)
+
+    @property
+    def open(self) -> torch.Tensor:
+        return self.flat[self.flat.numel() - self.rows:] != 0
+
+    def to(self, device: torch.device) -> "TokenMask":
+        return TokenMask(self.flat.to(device, non_blocking=True), self.rows, self.vocab)
+
+
+@dataclass
 class SamplingTensors:
     """Per-row sampling parameters on the device, plus host flags that pick the cheapest path."""
 
@@ -64,7 +87,7 @@ class SamplingTensors:
     min_tokens: MinTokens | None = None  # some row has min_tokens
     logprobs: int = -1  # the most top log-probabilities a row asked for; -1: no row asked
     logit_bias: LogitBias | None = None  # some row has a logit bias
-    bitmask: torch.Tensor | None = None  # [S, ceil(V / 32)] int32: the tokens each row may sample (structured outputs)
+    token_mask: TokenMask | None = None  # some row has structured outputs
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -107,13 +130,17 @@ def block_stop_tokens(logits: torch.Tensor, m: MinTokens, step: torch.Tensor) ->
     return logits.scatter(1, m.stop_ids, torch.where(block, float("-inf"), kept))
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [S, V] with every token whose bit is 0 at -inf: bit j of bitmask[s, w] allows token
-    32 w + j of row s (xgrammar's layout)."""
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """logits [S, V] with every token the mask does not allow at -inf."""
     vocab = logits.shape[-1]
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab]
-    return logits.masked_fill(allowed == 0, float("-inf"))
+    n = min(vocab, mask.vocab)
+    ids = torch.arange(n, device=logits.device)
+    allowed = (mask.words[:, ids >> 5] >> (ids & 31).int()) & 1
+    head = logits[:, :n].masked_fill(allowed == 0, float("-inf"))
+    if n == vocab:
+        return head
+    tail = logits[:, n:].masked_fill(~mask.open[:, None], float("-inf"))
+    return torch.cat([head, tail], dim=1)
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +169,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, argmax: torch.Tensor | Non
     """logits [S, V] (any float dtype; sampled in float32) -> token ids [S] int64. argmax: the
     logits' row_argmax if already taken (a CUDA graph takes it); where every row is greedy and
     nothing changes the logits, it is the result itself."""
-    if st.penalties is not None or st.min_tokens is not None or st.logit_bias is not None or st.bitmask is not None:
+    if st.penalties is not None or st.min_tokens is not None or st.logit_bias is not None or st.token_mask is not None:
         argmax = None  # of other logits
         logits = logits.float()
         if st.logit_bias is not None:
@@ -152,8 +179,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, argmax: torch.Tensor | Non
             logits = apply_penalties(logits, st.penalties)
         if st.min_tokens is not None:
             logits = block_stop_tokens(logits, st.min_tokens, st.step)
-        if st.bitmask is not None:
-            logits = apply_token_bitmask(logits, st.bitmask)
+        if st.token_mask is not None:
+            logits = apply_token_mask(logits, st.token_mask)
     greedy = row_argmax(logits) if argmax is None else argmax  # upcasting first would change no value
     if st.all_greedy:
         return greedy
