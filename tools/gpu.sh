@@ -36,6 +36,10 @@
 #                  `OVERRIDES="--override auto --override flex" tools/gpu.sh throughput`. Needs fastapi and
 #                  uvicorn, which the image lacks: stage them with tools/stage_serve.sh, carry .gpu/serve and
 #                  run its install.sh first
+#   serve-structured  bench serve, Qwen3-0.6B dummy, auto, all at once: unconstrained, then every output
+#                  constrained to a JSON schema (--structured json-schema), one server each (~300 s on a
+#                  cold cache); the second's output tok/s over the first's is the cost of structured
+#                  outputs. Stage and install .gpu/serve as for serve
 #   tp-tests       (2 GPUs) pytest -m gpu tests/test_tensor_parallel.py: TP=2 against TP=1 on a Qwen3-8B-wide
 #                  dummy of 4 layers (bf16 logits, greedy tokens; NCCL inside compiled layers and CUDA
 #                  graphs) and greedy tokens of the tiny presets (float32)
@@ -79,7 +83,7 @@ suite() {  # NAME, then pytest's arguments
     "$@" --benchmark-json="$OUT/benchmarks-$name.json" --benchmark-columns=median,rounds
 }
 declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
-                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
+                   [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560 [serve-structured]=560
                    [tp-tests]=200 [tp-latency]=240 [tp-throughput]=200 [tp-70b]=200)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
@@ -129,6 +133,10 @@ for s in "${steps[@]}"; do
          done ;;
     serve) timeout "$LIMIT" "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate 8,32,inf --override auto \
              --override flex --json "$OUT/serve.json" ;;
+    serve-structured) for s in "" json-schema; do
+                        timeout $((LIMIT / 2)) "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate inf \
+                          ${s:+--structured $s} --json "$OUT/serve-structured${s:+-$s}.json"
+                      done ;;
     tp-tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_tensor_parallel.py ;;
     tp-latency) for tp in 1 2; do
                   timeout $((LIMIT / 2)) "${BENCH[@]}" "${TP_LATENCY[@]}" --model qwen3-8b --tp "$tp" \
@@ -152,7 +160,7 @@ for s in "${steps[@]}"; do
   log="$OUT/$s.log"
   case $s in
     tests|check|tp-tests) grep -E "passed|failed|error" "$log" | tail -3 ;;
-    latency|throughput|repeat|prefill|mla|serve|tp-latency|tp-throughput|tp-70b) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
+    latency|throughput|repeat|prefill|mla|serve|serve-structured|tp-latency|tp-throughput|tp-70b) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
     flash-prefill) grep -E "passed|failed|error|\[flexsgl\] [a-z0-9,<=@./ -]+: TTFT" "$log" | tail -6 ;;
     startup) grep -E "^(flex|auto) (cold|warm)" "$log" ;;
     profile) grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time|decode floor" "$log" ;;
