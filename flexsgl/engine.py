@@ -102,7 +102,7 @@ class LLM:
             self._finalizer = weakref.finalize(self, self._channel.close)
         structured = None
         if self._channel is not None:
-            structured = "structured outputs do not run under tensor parallelism yet"
+            structured = "the other tensor-parallel ranks sample without the token mask"
         elif self.tokenizer is None:
             structured = f"model {self.src.name!r} has no tokenizer"
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity,

@@ -355,6 +355,21 @@ def test_serve_refuses_bad_arguments_with_one_line(args):
     assert r.exit_code == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.output, r.output
 
 
+def test_a_port_in_use_exits_2_with_one_sentence():
+    from typer.testing import CliRunner
+
+    from flexsgl.cli import app
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = CliRunner().invoke(app, ["serve", "--port", str(port)])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert f"Port {port}" in lines[0] and "already in use" in lines[0] and "Traceback" not in r.output
+
+
 def test_an_engine_process_that_dies_ends_every_request_with_an_error():
     """Streams and whole responses in flight end with an error, /health stops being 200, and later
     requests are refused with the reason."""

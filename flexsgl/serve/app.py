@@ -13,7 +13,9 @@
   over the limit 413, a request while the engine is not serving 503, a request the engine failed 500.
 - A handler's work before the engine (templates, tokenizing, parsing constraints) runs on the
   intake's threads (intake.py), after a check of the text's length, so the event loop keeps
-  answering other clients.
+  answering other clients. Bodies are parsed here (pydantic's JSON parser, in one pass); one larger
+  than BIG_BODY_BYTES waits for any other such body to be parsed first, and for one turn of the
+  event loop, so that several large bodies at once never hold the loop for longer than one parse.
 - A client that disconnects (mid-stream, or while waiting for a whole response) aborts its
   requests, which release their KV pages.
 """
@@ -27,7 +29,9 @@ import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from flexsgl.errors import PromptError, short_repr
 from flexsgl.log import logger
@@ -41,6 +45,7 @@ from flexsgl.serve.protocol import ChatRequest, CompletionRequest, DetokenizeReq
 from flexsgl.serve.responses import Choices, sse
 
 DISCONNECT_POLL_S = 0.5  # how often a handler waiting for a whole response checks its client is there
+BIG_BODY_BYTES = 1 << 20
 DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
 request_log = logging.getLogger("flexsgl.requests")
 
@@ -60,6 +65,15 @@ class ServerOptions:
 def build_app(engine: EngineClient, model_name: str, options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions()
     intake = Intake()
+    big_bodies = asyncio.Semaphore(1)
+
+    async def parse(request: Request, model):
+        raw = await request.body()
+        if len(raw) <= BIG_BODY_BYTES:
+            return _validate(raw, model)
+        async with big_bodies:
+            await asyncio.sleep(0)  # what else is ready runs first
+            return _validate(raw, model)
     if options.request_log:
         request_log.setLevel(logging.INFO)
 
@@ -90,7 +104,8 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
                                             "max_model_len": engine.info.config.max_position if engine.serving else None}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await parse(request, CompletionRequest)
         info = _check(engine, body.model, model_name)
         prompts = body.prompts()
         for i, p in enumerate(prompts):
@@ -112,7 +127,8 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
         return await _run(engine, request, reqs, choices, body, sampling.logprobs is not None)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await parse(request, ChatRequest)
         info = _check(engine, body.model, model_name)
         if info.tokenizer is None:
             raise APIError(400, f"Model {model_name!r} has no tokenizer, so it cannot chat.")
@@ -137,7 +153,8 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
         return await _run(engine, request, reqs, choices, body, body.logprobs)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(request: Request):
+        body = await parse(request, TokenizeRequest)
         info = _check(engine, body.model, model_name)
         if info.tokenizer is None:
             raise APIError(400, f"Model {model_name!r} has no tokenizer.")
@@ -167,7 +184,8 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
         return out
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(request: Request):
+        body = await parse(request, DetokenizeRequest)
         info = _check(engine, body.model, model_name)
         vocab = info.config.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
@@ -178,6 +196,16 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
         return {"prompt": await intake.run(_decode, info.tokenizer, body.tokens)}
 
     return app
+
+
+def _validate(raw: bytes, model):
+    """`raw` as `model`; a body that is not JSON, or not of the model's shape, raises
+    RequestValidationError (errors.py answers it), its fields' places under "body"."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise RequestValidationError([{k: v for k, v in err.items() if k != "input"} | {"loc": ("body", *err["loc"])}
+                                      for err in e.errors()]) from None
 
 
 def _decode(tokenizer, ids: list[int]) -> str:

@@ -100,11 +100,13 @@ def install(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             reason = (first.get("ctx") or {}).get("error") or first.get("msg", "invalid JSON")
+            if "recursion limit" in reason:
+                return error_response(f"The request body is nested too deeply to parse ({reason}).", 400)
             return error_response(f"The request body is not valid JSON ({reason}).", 400)
         raw = [str(x) for x in first.get("loc", ())[1:]]
         loc = [x for x in raw if not _TYPE_TAG.match(x)]  # a union's member types are not fields
         where = ".".join(loc) or None
-        if where is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        if where is None and first.get("type") in ("model_type", "model_attributes_type", "dict_type"):
             return error_response("The request body must be a JSON object (sent as application/json).", 400)
         msg = first.get("msg", "invalid").rstrip(".")
         message = f"{where} has a value of the wrong type ({msg})." if len(loc) < len(raw) else \
