@@ -199,7 +199,7 @@ def serve(
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /tokenize, /detokenize, /health, /metrics), streaming with stream: true."""
     try:
-        from flexsgl.serve import PortInUseError, listen, serve as run_server
+        from flexsgl.serve import listen, serve as run_server
         from flexsgl.serve.app import DEFAULT_MAX_REQUEST_BYTES, ServerOptions
         import fastapi, uvicorn, prometheus_client  # noqa: F401  (the serve extra)
     except ImportError as e:

@@ -29,7 +29,6 @@ Errors (flexsgl/errors.py has the types):
 
 from __future__ import annotations
 
-import concurrent.futures
 import numbers
 import time
 import weakref
@@ -107,8 +106,7 @@ class LLM:
             structured = f"model {self.src.name!r} has no tokenizer"
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity,
                                        structured)
-        self.grammars: grammar.GrammarCompiler | None = None  # made for the first structured request
-        self._compiling: list[tuple[Request, concurrent.futures.Future]] = []  # waiting for their grammar
+        self.grammars = grammar.GrammarQueue(self.tokenizer, mcfg.vocab_size)  # requests waiting for their grammar
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._next_id = 0  # above every id added (abort tells a finished request from an unknown one)
         self._done: list[Request] = []  # finished, to be returned by the next step()
@@ -136,7 +134,7 @@ class LLM:
         if self._channel is not None:
             self._channel.close()
             self.health.kill("it was shut down")
-        if getattr(self, "grammars", None) is not None:
+        if hasattr(self, "grammars"):
             self.grammars.shutdown()
 
     def __enter__(self) -> "LLM":
@@ -199,11 +197,8 @@ class LLM:
         self._live[req.request_id] = req
         self._next_id = max(self._next_id, req.request_id + 1)
         reason = self.scheduler.refusal(req)
-        spec = req.sampling.structured_outputs
-        if reason is None and spec is not None:  # it waits for its grammar, compiled on another thread
-            if self.grammars is None:
-                self.grammars = grammar.GrammarCompiler(self.tokenizer, self.config.vocab_size)
-            self._compiling.append((req, self.grammars.submit(spec)))
+        if reason is None and req.sampling.structured_outputs is not None:  # it waits for its grammar
+            self.grammars.add(req)
         elif reason is None:
             self.scheduler.add(req)
         else:
@@ -228,7 +223,7 @@ class LLM:
         if not req.finished:
             self.scheduler.finish(req, FinishReason.ABORT)
             self._done.append(req)
-            self._compiling = [(r, f) for r, f in self._compiling if r is not req]
+            self.grammars.discard(req)
 
     # ---- steps
 
@@ -294,9 +289,8 @@ class LLM:
                 failure = self._step_failed(batch, e)
         if failure is not None:  # after the previous step's tokens, which these requests may have
             self._finish_all(batch.requests, failure)
-        if batch is None and pending is None and self._compiling:  # idle but for grammars: wait a moment
-            concurrent.futures.wait([f for _, f in self._compiling], COMPILE_WAIT_S,
-                                    concurrent.futures.FIRST_COMPLETED)
+        if batch is None and pending is None:  # idle (but for grammars being compiled): wait a moment
+            self.grammars.wait(COMPILE_WAIT_S)
         return interrupt
 
     def _step_failed(self, batch, e: Exception) -> str:
@@ -310,21 +304,14 @@ class LLM:
         return any(r.grammar is not None for r, s in zip(batch.requests, batch.samples) if s)
 
     def _admit_compiled(self) -> None:
-        """Queue the requests whose grammar has compiled, in the order they came; a grammar that
-        failed to compile ends its request with the reason."""
-        if not self._compiling or not any(f.done() for _, f in self._compiling):
-            return
-        still = []
-        for req, fut in self._compiling:
-            if not fut.done():
-                still.append((req, fut))
-            elif fut.exception() is not None:
-                self.scheduler.finish(req, FinishReason.ERROR, str(fut.exception()))
-                self._done.append(req)
-            else:
-                req.grammar = grammar.Matcher(fut.result(), req.stop_ids)
-                self.scheduler.add(req)
-        self._compiling = still
+        """Queue the requests whose grammar has compiled; a grammar that failed to compile ends its
+        request with the reason."""
+        compiled, failed = self.grammars.ready()
+        for req in compiled:
+            self.scheduler.add(req)
+        for req, error in failed:
+            self.scheduler.finish(req, FinishReason.ERROR, error)
+            self._done.append(req)
 
     def _read_back(self, pending) -> BaseException | None:
         """Hand the tokens of a launched step to the output path (flexsgl/output.py) and finish the
@@ -359,11 +346,14 @@ class LLM:
     @property
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished or self._pending is not None or bool(self._done)
-                or bool(self._compiling))
+                or bool(self.grammars))
 
     def stats(self) -> dict:
-        """Counters: prefix-cache hit tokens, preemptions, evicted pages, steps, pages free/cached/running."""
-        return self.scheduler.stats()
+        """Counters: prefix-cache hit tokens, preemptions, evicted pages, steps, pages free/cached/running;
+        requests running and waiting (those waiting for their grammar included)."""
+        stats = self.scheduler.stats()
+        stats["waiting"] += len(self.grammars)
+        return stats
 
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_token: Callable[[Request], None] | None = None) -> list[RequestOutput]:

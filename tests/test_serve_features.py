@@ -372,7 +372,8 @@ def test_echo_and_prompt_logprobs_match_hf_in_float64(client, tokenizer):
     rng = random.Random()
     prompt = random_prompt(rng, 10)
     ids = tokenizer.encode(prompt)
-    out = complete(client, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2).choices[0]
+    resp = complete(client, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    out = resp.choices[0]
     assert out.text.startswith(prompt)
     lp = out.logprobs
     with torch.no_grad():
@@ -380,7 +381,7 @@ def test_echo_and_prompt_logprobs_match_hf_in_float64(client, tokenizer):
     assert lp.tokens[:len(ids)] == [tokenizer.decode([i]) for i in ids] and lp.token_logprobs[0] is None
     for i in range(1, len(ids)):
         assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-3, i
-    assert lp.text_offset[:2] == [0, len(lp.tokens[0])] and len(lp.tokens) == len(ids) + 3
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])] and len(lp.tokens) == len(ids) + resp.usage.completion_tokens
     whole = client.chat.completions.create(model="tiny-docs", messages=[{"role": "user", "content": prompt}],
                                            max_tokens=2, extra_body={"prompt_logprobs": 1})
     checked(whole)

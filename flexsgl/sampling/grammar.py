@@ -6,6 +6,9 @@ token mask of each step's rows, filled on the host for sampler.apply_token_mask.
   not parse raises SamplingParamsError (the server answers 400). Cached by constraint.
 - GrammarCompiler: compiles Grammars for one tokenizer on worker threads (xgrammar's compiler,
   which caches compiled grammars); `submit` returns a Future.
+- GrammarQueue: the engine's requests waiting for their grammar, outside the scheduler; `ready()`
+  hands back, in the order they came, those whose grammar has compiled (with their Matcher) and
+  those whose grammar failed to compile (with the reason).
 - Matcher: one request's place in its grammar: it accepts each sampled token, and ends the request
   once the grammar is complete (with a stop token, or without one when the request has none).
 - GrammarCompiler.fill_mask(): the TokenMask (sampler.py) of a step's sampled rows; a row without
@@ -23,11 +26,13 @@ model cannot wander in whitespace; xgrammar is imported on first use.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +40,9 @@ import torch
 from flexsgl.errors import SamplingParamsError
 from flexsgl.sampling.sampler import TokenMask
 from flexsgl.sampling.structured import StructuredOutputsParams
+
+if TYPE_CHECKING:  # requests are read and given their matcher here, never made
+    from flexsgl.request import Request
 
 COMPILE_THREADS = 2
 BATCH_FILL_ROWS = 16  # rows from which the mask is filled on several threads (where there are cores)
@@ -148,6 +156,55 @@ class GrammarCompiler:
             for row, m in live:
                 m.fill_next_token_bitmask(bits, row)
         return mask
+
+
+class GrammarQueue:
+    """Requests waiting for their grammar to compile (the compiler is made for the first one)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.compiler: GrammarCompiler | None = None
+        self.waiting: list[tuple[Request, Future]] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, req: Request) -> None:
+        if self.compiler is None:
+            self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self.waiting.append((req, self.compiler.submit(req.sampling.structured_outputs)))
+
+    def discard(self, req: Request) -> None:
+        self.waiting = [(r, f) for r, f in self.waiting if r is not req]
+
+    def ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """(the requests whose grammar compiled, each given its Matcher; the requests whose grammar
+        failed, with why), taken off the queue, in the order they came."""
+        if not any(f.done() for _, f in self.waiting):
+            return [], []
+        compiled, failed, still = [], [], []
+        for req, fut in self.waiting:
+            if not fut.done():
+                still.append((req, fut))
+            elif fut.exception() is not None:
+                failed.append((req, str(fut.exception())))
+            else:
+                req.grammar = Matcher(fut.result(), req.stop_ids)
+                compiled.append(req)
+        self.waiting = still
+        return compiled, failed
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a grammar to compile."""
+        if self.waiting:
+            concurrent.futures.wait([f for _, f in self.waiting], timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def fill_mask(self, matchers: list[Matcher | None], pinned: bool) -> TokenMask:
+        return self.compiler.fill_mask(matchers, pinned)
+
+    def shutdown(self) -> None:
+        if self.compiler is not None:
+            self.compiler.shutdown()
 
 
 class Matcher:

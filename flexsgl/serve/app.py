@@ -34,7 +34,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from flexsgl.errors import PromptError, short_repr
-from flexsgl.log import logger
 from flexsgl.serve import chat, errors, tools
 from flexsgl.serve.engine_client import EngineClient
 from flexsgl.serve.errors import APIError, error_body
