@@ -268,7 +268,7 @@ class LLM:
                     r.scheduled_at = now
         if batch is not None:
             try:
-                launched = self.runner.run(batch, sample=not self._constrained(batch))
+                launched = self.runner.run_forward(batch) if self._constrained(batch) else self.runner.run(batch)
             except EngineDeadError as e:  # a tensor-parallel rank died, or the ranks parted ways
                 raise self.health.kill(str(e)) from e
             except Exception as e:  # building the batch, the forward pass, sampling

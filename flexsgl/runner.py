@@ -10,8 +10,8 @@ the device.
 - read-back: the tokens copied to the host asynchronously. The host reads a step's tokens only
   after it has launched the next one (see scheduler.py).
 
-A step with structured outputs is launched in two halves: `run(batch, sample=False)` plans,
-uploads and runs the forward pass, and `sample(launched, mask)` samples under the token mask
+A step with structured outputs is launched in two halves: `run_forward(batch)` plans, uploads
+and runs the forward pass, and `sample(launched, mask)` samples under the token mask
 the host filled meanwhile (it needs the previous step's tokens), then starts the read-back.
 """
 
@@ -137,17 +137,12 @@ class ModelRunner:
         return self.model(fb.input_ids, fb.positions, fb)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, sample: bool = True) -> StepOutput | DeferredStep:
+    def run(self, batch: ScheduledBatch) -> StepOutput:
         """Launch `batch`: plan it on the host, upload, run the model and sample (nothing waits for the
-        device). Under tensor parallelism the plan goes to every other rank first, which executes it.
-        sample=False stops after the forward pass: `sample` finishes the step (one rank only)."""
+        device). Under tensor parallelism the plan goes to every other rank first, which executes it."""
         if self.tp is None:
             plan = self.plan(batch)
-            step = self.upload(plan)
-            if not sample:
-                return DeferredStep(batch, plan, step, *self._forward(step))
-            return self._launch(batch, step, plan)
-        assert sample, "a step sampled under a token mask runs on one rank"
+            return self._launch(batch, self.upload(plan), plan)
         plan = self.plan(batch)
         self.tp.send_step(plan)
         try:
@@ -173,6 +168,14 @@ class ModelRunner:
     def upload(self, plan: StepPlan) -> StepInputs:
         """The device side of a plan: into a CUDA graph's buffers where the step replays one."""
         return upload(plan, self.device, self.tokens, self.token_counts, self.graphs)
+
+    @torch.inference_mode()
+    def run_forward(self, batch: ScheduledBatch) -> DeferredStep:
+        """Launch `batch` up to its logits (one rank only); `sample` finishes it."""
+        assert self.tp is None, "a step sampled under a token mask runs on one rank"
+        plan = self.plan(batch)
+        step = self.upload(plan)
+        return DeferredStep(batch, plan, step, *self._forward(step))
 
     def _launch(self, batch: ScheduledBatch | None, step: StepInputs, plan: StepPlan | None = None) -> StepOutput | None:
         """Forward, sample and (on rank 0) start the read-back of an uploaded step."""
@@ -232,7 +235,8 @@ class ModelRunner:
 
 @dataclass
 class DeferredStep:
-    """A step launched up to its logits, to be sampled once its token mask is filled (ModelRunner.sample)."""
+    """A step launched up to its logits (ModelRunner.run_forward), to be sampled once its token mask
+    is filled (ModelRunner.sample)."""
 
     batch: ScheduledBatch
     plan: StepPlan
