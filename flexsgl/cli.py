@@ -169,8 +169,13 @@ def bench(
     request_rate: str = typer.Option(None, help="serve: requests per second, Poisson arrivals, or inf (default); "
                                      "several (8,32,inf) are timed one after another on one server."),
     max_concurrency: int = typer.Option(None, help="serve: most requests in flight (default: no limit)."),
-    base_url: str = typer.Option(None, help="serve: measure this running server (http://HOST:PORT) instead of "
-                                 "starting one per --override."),
+    base_url: str = typer.Option(None, help="serve: measure this running server (http://HOST:PORT: flexsgl, vLLM, "
+                                 "SGLang or any OpenAI-compatible one; pass its --model) instead of starting one "
+                                 "per --override."),
+    dataset_path: str = typer.Option(None, help="serve: a ShareGPT-format JSON file; each request is a conversation's "
+                                     "first turn, its output as long as the reply (or --output-len)."),
+    structured: str = typer.Option(None, help="serve: constrain every output to a JSON schema (json-schema), to "
+                                   "compare with an unconstrained run."),
     *, engine: EngineConfig,
 ) -> None:
     """Measure throughput, latency, prefill or serving on one or more attention backends; one table, one column
@@ -180,7 +185,8 @@ def bench(
 
     args = b.BenchArgs(workload=workload, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                        batch_size=batch_size, repeats=repeats, overrides=list(override or []), seed=seed,
-                       engine=engine, request_rate=request_rate, max_concurrency=max_concurrency, base_url=base_url)
+                       engine=engine, request_rate=request_rate, max_concurrency=max_concurrency, base_url=base_url,
+                       dataset_path=dataset_path, structured=structured)
     if json_path and not os.path.isdir(os.path.dirname(os.path.abspath(json_path))):
         fail(f"The folder of --json {json_path!r} does not exist.")
     try:
@@ -203,27 +209,60 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
     port: int = typer.Option(8000, help="Port to listen on."),
     served_model_name: str = typer.Option(None, help="The model name clients pass (default: MODEL as given)."),
+    api_key: str = typer.Option(None, help="Clients must send 'Authorization: Bearer KEY' (default: no key; "
+                                "/health and /metrics stay open)."),
+    chat_template: str = typer.Option(None, help="A Jinja chat template (a file, or the template itself) used "
+                                      "in place of the model's."),
+    reasoning_parser: str = typer.Option(None, help="Move <think>...</think> into reasoning_content: qwen3 or "
+                                         "deepseek_r1."),
+    tool_call_parser: str = typer.Option(None, help="Parse tool calls of tool_choice auto: hermes (also qwen3), "
+                                         "llama3_json or mistral."),
+    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice", hidden=True,
+                                                 help="Accepted for vLLM's command lines; --tool-call-parser "
+                                                 "turns auto tool choice on."),
+    enable_log_requests: bool = typer.Option(False, "--enable-log-requests", "--enable-request-log",
+                                             help="Log each request's prompt, parameters and end."),
+    max_request_bytes: int = typer.Option(None, help="Largest request body taken; a larger one is answered "
+                                          "413 (default: 64 MiB)."),
     *, engine: EngineConfig,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics), streaming with stream: true."""
+    /tokenize, /detokenize, /health, /metrics), streaming with stream: true."""
     try:
-        from flexsgl.serve import serve as run_server
-        import fastapi, uvicorn  # noqa: F401  (the serve extra)
+        from flexsgl.serve import listen, serve as run_server
+        from flexsgl.serve.app import DEFAULT_MAX_REQUEST_BYTES, ServerOptions
+        import fastapi, uvicorn, prometheus_client  # noqa: F401  (the serve extra)
     except ImportError as e:
-        fail(f"flexsgl serve needs FastAPI and uvicorn ({e.name} is missing): pip install 'flexsgl[serve]'.")
+        fail(f"flexsgl serve needs FastAPI, uvicorn and prometheus_client ({e.name} is missing): "
+             "pip install 'flexsgl[serve]'.")
     if not 0 < port < 65536:
         fail(f"--port must be from 1 to 65535, got {port}.")
+    from flexsgl.serve import reasoning, tools
+
+    if reasoning_parser is not None and reasoning_parser.replace("-", "_") not in reasoning.PARSERS:
+        fail(f"--reasoning-parser {reasoning_parser!r} is not one of {', '.join(reasoning.PARSERS)}.")
+    if tool_call_parser is not None and tool_call_parser not in tools.PARSERS:
+        fail(f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(tools.PARSERS)}.")
+    if max_request_bytes is not None and max_request_bytes < 1024:
+        fail(f"--max-request-bytes must be at least 1024, got {max_request_bytes}.")
+    if api_key is not None and not api_key:
+        fail("--api-key must not be empty.")
     try:
         from flexsgl.model.presets import DEFAULT_MODEL
         from flexsgl.model.source import resolve
+        from flexsgl.serve.chat import load_template
 
+        options = ServerOptions(api_key=api_key, chat_template=chat_template and load_template(chat_template),
+                                reasoning_parser=reasoning_parser and reasoning_parser.replace("-", "_"),
+                                tool_call_parser=tool_call_parser, request_log=enable_log_requests,
+                                max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
         config = engine.replace(model=model)
         # A model that cannot be found, options that cannot run together: say so now.
         config.resolve(resolve(config.model or DEFAULT_MODEL, config.load_format).config)
-    except ValueError as e:
+        sock = listen(host, port)
+    except (ValueError, OSError) as e:
         fail(str(e))
-    run_server(config, host=host, port=port, served_model_name=served_model_name)
+    run_server(config, host=host, port=port, served_model_name=served_model_name, options=options, sock=sock)
 
 
 @app.command()

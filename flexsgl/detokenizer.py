@@ -1,10 +1,18 @@
 """Incremental detokenization: the text each new token completes, one token at a time.
 
-The detokenizer decodes a short window of token ids per new token (the tokens since the last
-text it released, plus the ones before them as context), so the work per token does not grow
-with the output; it holds text back while the window ends in an incomplete UTF-8 character (the
-tokenizer shows it as U+FFFD). A request's text as a whole (stop strings, what a stream may show
-yet) is flexsgl/output.py's RequestText.
+Two detokenizers with one interface (`step`, `flush`), chosen by `make_detokenizer`:
+
+- StreamDetokenizer, for a fast (Rust) tokenizer without clean-up of tokenization spaces: the
+  `tokenizers` library's DecodeStream, one call per token in Rust;
+- IncrementalDetokenizer, for any other tokenizer: a short window of token ids decoded per new
+  token (the tokens since the last text it released, plus the ones before them as context), so
+  the work per token does not grow with the output.
+
+Both start from the last CONTEXT_TOKENS prompt tokens (a word's leading space depends on what
+precedes it) and hold text back while it ends in an incomplete UTF-8 character (the tokenizer
+shows it as U+FFFD); `flush` releases what is held at the end. They give the same text. A
+request's text as a whole (stop strings, what a stream may show yet) is flexsgl/output.py's
+TextState.
 """
 
 from __future__ import annotations
@@ -38,3 +46,59 @@ class IncrementalDetokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(shown):]
+
+
+class StreamDetokenizer:
+    """DecodeStream over the tokenizer's Rust backend; what it holds back at the end is flushed as
+    IncrementalDetokenizer does, from the tokens since its last text."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer, self.backend = tokenizer, tokenizer.backend_tokenizer
+        context = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self.shown = context[-CONTEXT_TOKENS:]  # the last tokens whose text went out (context for flush)
+        self.held: list[int] = []  # tokens since the last text
+
+    def step(self, token: int) -> str:
+        text = self.stream.step(self.backend, token)
+        if text is None:
+            self.held.append(token)
+            return ""
+        self.shown = (self.shown + self.held + [token])[-CONTEXT_TOKENS:]
+        self.held = []
+        return text
+
+    def flush(self) -> str:
+        if not self.held:
+            return ""
+        rest = IncrementalDetokenizer(self.tokenizer, self.shown)
+        for t in self.held:
+            rest.ids.append(t)
+        self.held = []
+        return rest.flush()
+
+
+def make_detokenizer(tokenizer, prompt_ids: list[int]):
+    """A StreamDetokenizer where the tokenizer allows one, else an IncrementalDetokenizer (also for
+    a prompt whose context ends in an incomplete character, which DecodeStream would release with
+    the first output token)."""
+    if stream_capable(tokenizer):
+        context = tokenizer.decode(list(prompt_ids[-CONTEXT_TOKENS:]), skip_special_tokens=True)
+        if not context.endswith("\ufffd"):
+            return StreamDetokenizer(tokenizer, prompt_ids)
+    return IncrementalDetokenizer(tokenizer, prompt_ids)
+
+
+def stream_capable(tokenizer) -> bool:
+    """Whether DecodeStream gives what tokenizer.decode(ids, skip_special_tokens=True) does: a fast
+    tokenizer whose decode adds no clean-up of tokenization spaces."""
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False) or not getattr(tokenizer, "is_fast", False):
+        return False
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
+    except ImportError:
+        return False
+    return isinstance(getattr(tokenizer, "backend_tokenizer", None), Tokenizer)

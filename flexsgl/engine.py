@@ -47,12 +47,15 @@ from flexsgl.interrupts import deferred_interrupts
 from flexsgl.output import OutputProcessor
 from flexsgl.request import FinishReason, Request, RequestOutput
 from flexsgl.request_factory import RequestFactory, check_callback, prompt_list, sampling_list
+from flexsgl.runner import DeferredStep
+from flexsgl.sampling import grammar
 from flexsgl.sampling.params import SamplingParams
 from flexsgl.scheduler import Scheduler
 from flexsgl.tokenizer import load_tokenizer
 
 # generate() shows a progress bar (stderr, at log level info) for calls of this many prompts or tokens.
 PROGRESS_PROMPTS, PROGRESS_TOKENS = 8, 1024
+COMPILE_WAIT_S = 0.01  # how long an idle step waits for a grammar being compiled
 
 
 class LLM:
@@ -103,8 +106,14 @@ class LLM:
             self._finalizer = weakref.finalize(self, self._channel.close)
         takes = tuple(n for v in self.resolved.variants if v is not None for n, p in v.params.items()
                       if isinstance(p, PerRequest))
+        structured = None
+        if self._channel is not None:
+            structured = "the other tensor-parallel ranks sample without the token mask"
+        elif self.tokenizer is None:
+            structured = f"model {self.src.name!r} has no tokenizer"
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity,
-                                       tuple(dict.fromkeys(takes)), self.scheduler.held_tokens)
+                                       tuple(dict.fromkeys(takes)), self.scheduler.held_tokens, structured)
+        self.grammars = grammar.GrammarQueue(self.tokenizer, mcfg.vocab_size)  # requests waiting for their grammar
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._next_id = 0  # above every id added (abort tells a finished request from an unknown one)
         self._done: list[Request] = []  # finished, to be returned by the next step()
@@ -133,6 +142,8 @@ class LLM:
         if self._channel is not None:
             self._channel.close()
             self.health.kill("it was shut down")
+        if hasattr(self, "grammars"):
+            self.grammars.shutdown()
 
     def __enter__(self) -> "LLM":
         return self
@@ -191,11 +202,14 @@ class LLM:
         return [self._add(r, on_token) for r in reqs]
 
     def _add(self, req: Request, on_token) -> int:
+        req.added_at = time.monotonic()
         self.outputs.start(req, on_token)
         self._live[req.request_id] = req
         self._next_id = max(self._next_id, req.request_id + 1)
         reason = self.scheduler.refusal(req)
-        if reason is None:
+        if reason is None and req.sampling.structured_outputs is not None:  # it waits for its grammar
+            self.grammars.add(req)
+        elif reason is None:
             self.scheduler.add(req)
         else:
             self.scheduler.finish(req, FinishReason.REFUSED, f"Request refused: {reason}.")
@@ -219,6 +233,7 @@ class LLM:
         if not req.finished:
             self.scheduler.finish(req, FinishReason.ABORT)
             self._done.append(req)
+            self.grammars.discard(req)
 
     # ---- steps
 
@@ -248,28 +263,65 @@ class LLM:
     def _advance(self) -> BaseException | None:
         """Schedule and launch the next step, then read back and hand out the previous one. Every
         fault a request can be blamed for ends that request here; what escapes kills the engine.
-        Returns an interrupt raised by a callback, to be raised once the step is complete."""
+        Returns an interrupt raised by a callback, to be raised once the step is complete.
+
+        A step that samples a request with structured outputs is launched up to its logits; its
+        token mask needs the previous step's tokens, so it is filled (and the step sampled) once
+        they are read back, while the device runs the forward pass."""
+        self._admit_compiled()
         batch = self.scheduler.schedule()
         launched = failure = None
+        if batch is not None and batch.mode == "prefill":
+            now = time.monotonic()
+            for r in batch.requests:
+                if r.scheduled_at is None:
+                    r.scheduled_at = now
         if batch is not None:
             try:
-                launched = self.runner.run(batch)
+                launched = self.runner.run_forward(batch) if self._constrained(batch) else self.runner.run(batch)
             except EngineDeadError as e:  # a tensor-parallel rank died, or the ranks parted ways
                 raise self.health.kill(str(e)) from e
             except Exception as e:  # building the batch, the forward pass, sampling
-                self.health.check_device(e, self.device)
-                self.scheduler.unschedule(batch)
-                failure = f"The step that ran this request failed: {describe(e)}."
-                logger.debug("step failed for requests %s", [r.request_id for r in batch.requests], exc_info=True)
-        pending, self._pending = self._pending, launched
+                failure = self._step_failed(batch, e)
+        deferred = launched if isinstance(launched, DeferredStep) else None
+        pending, self._pending = self._pending, None if deferred is not None else launched
         interrupt = None
         if pending is not None:  # read the previous step while this one runs
             interrupt = self._read_back(pending)
         elif batch is None and self.scheduler.has_unfinished:
             raise self.health.kill("the scheduler has unfinished requests but nothing it can run")
+        if deferred is not None:
+            try:
+                sampled = [r for r, s in zip(batch.requests, batch.samples) if s]
+                mask = self.grammars.fill_mask([r.grammar for r in sampled], self.device.type == "cuda")
+                self._pending = self.runner.sample(deferred, mask)
+            except Exception as e:
+                failure = self._step_failed(batch, e)
         if failure is not None:  # after the previous step's tokens, which these requests may have
             self._finish_all(batch.requests, failure)
+        if batch is None and pending is None:  # idle (but for grammars being compiled): wait a moment
+            self.grammars.wait(COMPILE_WAIT_S)
         return interrupt
+
+    def _step_failed(self, batch, e: Exception) -> str:
+        self.health.check_device(e, self.device)
+        self.scheduler.unschedule(batch)
+        logger.debug("step failed for requests %s", [r.request_id for r in batch.requests], exc_info=True)
+        return f"The step that ran this request failed: {describe(e)}."
+
+    @staticmethod
+    def _constrained(batch) -> bool:
+        return any(r.grammar is not None for r, s in zip(batch.requests, batch.samples) if s)
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar has compiled; a grammar that failed to compile ends its
+        request with the reason."""
+        compiled, failed = self.grammars.ready()
+        for req in compiled:
+            self.scheduler.add(req)
+        for req, error in failed:
+            self.scheduler.finish(req, FinishReason.ERROR, error)
+            self._done.append(req)
 
     def _read_back(self, pending) -> BaseException | None:
         """Hand the tokens of a launched step to the output path (flexsgl/output.py) and finish the
@@ -283,6 +335,11 @@ class LLM:
             self._finish_all(pending.batch.requests, f"Reading back the step that ran this request failed: "
                                                      f"{describe(e)}.")
             return None
+        for i, first, lps in pending.prompt_logprobs():
+            req = pending.batch.requests[i]
+            have = len(req.prompt_logprobs)
+            if first <= have:  # recomputed after a preemption: only what is new
+                req.prompt_logprobs += lps[have - first:]
         events = self.scheduler.process(pending.batch, tokens, pending.logprobs)
         endings, interrupt = self.outputs.process(events)
         for req, reason, error in endings:
@@ -298,11 +355,15 @@ class LLM:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self._pending is not None or bool(self._done)
+        return (self.scheduler.has_unfinished or self._pending is not None or bool(self._done)
+                or bool(self.grammars))
 
     def stats(self) -> dict:
-        """Counters: prefix-cache hit tokens, preemptions, evicted pages, steps, pages free/cached/running."""
-        return self.scheduler.stats()
+        """Counters: prefix-cache hit tokens, preemptions, evicted pages, steps, pages free/cached/running;
+        requests running and waiting (those waiting for their grammar included)."""
+        stats = self.scheduler.stats()
+        stats["waiting"] += len(self.grammars)
+        return stats
 
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_token: Callable[[Request], None] | None = None) -> list[RequestOutput]:

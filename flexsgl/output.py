@@ -8,6 +8,9 @@ TokenEvent per token; OutputProcessor.process takes them in batch order. For eac
 2. stop tokens and length: EOS (unless ignore_eos) and stop_token_ids end the output ("stop", with
    the id as `stop_reason` for a stop_token_id), and so does the max_new_tokens-th token
    ("length"). min_tokens needs nothing here: the sampler never picks a stop token before it;
+   a request with structured outputs hands the token to its grammar's matcher (every such token
+   of the step in one call), and ends ("stop") once its grammar is complete and allows nothing
+   more (a grammar that refuses the token ends it with reason "error");
 3. the text (TextState) grows by what the token completes; a stop string in that text ends the
    output there ("stop", with the string as `stop_reason`), from the min_tokens-th token on, the
    token that reached max_new_tokens included; after a stop token no stop string is looked for;
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from flexsgl.detokenizer import IncrementalDetokenizer
+from flexsgl.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
 from flexsgl.errors import describe
 from flexsgl.log import logger
 from flexsgl.request import FinishReason, Request, RequestOutput, TokenEvent
@@ -44,7 +47,7 @@ class TextState:
     Stop strings are looked for only in the text that a new token could have completed."""
 
     def __init__(self, tokenizer, prompt_ids: list[int]):
-        self.detokenizer: IncrementalDetokenizer | None = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.detokenizer: IncrementalDetokenizer | StreamDetokenizer | None = make_detokenizer(tokenizer, prompt_ids)
         self.text = ""  # the output's text so far (cut at a stop string)
         self.new_text = ""  # the text released with the latest token
         self.released = 0  # characters of `text` released so far
@@ -110,11 +113,19 @@ class OutputProcessor:
         """Hand each token to its request (see the module docstring); returns the requests that end,
         and a KeyboardInterrupt or SystemExit that a callback raised (the first), if any."""
         endings, interrupt = [], None
+        allowed = _follow_grammars(events)
         for ev in events:
             r = ev.request
             if r.logprobs is not None and ev.logprobs is not None:
                 r.logprobs.append(ev.logprobs)
             r.finish_reason, r.stop_reason = _stop_token(r, ev.token)
+            if r.grammar is not None:
+                if not allowed[r.request_id]:
+                    endings.append(Ending(r, FinishReason.ERROR, f"The sampled token {ev.token} breaks the "
+                                                                 "request's structured-output grammar."))
+                    continue
+                if r.grammar.ended and r.finish_reason is None:  # complete, with no stop token to end it
+                    r.finish_reason = FinishReason.STOP
             if r.text_state is not None and r.text_state.growing:
                 self._add_text(r, ev.token)
             error, raised = _run_callback(r)
@@ -160,6 +171,8 @@ class OutputProcessor:
             index=req.index,
             stop_reason=req.stop_reason,
             logprobs=None if req.logprobs is None else list(req.logprobs),
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            time_in_queue=None if req.scheduled_at is None else req.scheduled_at - req.added_at,
         )
         if text is not None and text.error is not None:
             out.text, out.finish_reason, out.error = None, FinishReason.ERROR.value, out.error or text.error
@@ -173,6 +186,19 @@ def _stop_token(r: Request, token: int) -> tuple[FinishReason | None, int | None
     if len(r.output_ids) >= r.sampling.max_new_tokens:
         return FinishReason.LENGTH, None
     return None, None
+
+
+def _follow_grammars(events: list[TokenEvent]) -> dict[int, bool]:
+    """Advance the grammar of each request with structured outputs by its token, all in one call;
+    by request id, whether its grammar allowed the token (it refuses none the sampler's token
+    mask allowed)."""
+    mine = [ev for ev in events if ev.request.grammar is not None]
+    if not mine:
+        return {}
+    from flexsgl.sampling.grammar import accept_tokens
+
+    ok = accept_tokens([ev.request.grammar for ev in mine], [ev.token for ev in mine])
+    return {ev.request.request_id: a for ev, a in zip(mine, ok)}
 
 
 def _run_callback(r: Request) -> tuple[str | None, BaseException | None]:

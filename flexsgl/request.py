@@ -50,6 +50,9 @@ class RequestOutput:
     index: int = 0  # which of its prompt's n samples
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
+    # Per prompt token, when SamplingParams.prompt_logprobs is set: None for the first, which no token precedes.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    time_in_queue: float | None = None  # seconds from entering the engine to its first step (None: it never ran)
 
     @property
     def prompt_tokens(self) -> int:
@@ -95,6 +98,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     shared_pages: int = 0  # leading pages it holds through the prefix cache (since its last admission)
     dropped_pages: int = 0  # leading pages behind every layer's attention window, given back to the pool
+    added_at: float = 0.0  # time.monotonic() when the engine took it
+    scheduled_at: float | None = None  # time.monotonic() of its first step
     shares_prompt: bool = False  # a leader: its prompt pages go to the prefix cache once prefilled
     # The output
     output_ids: list[int] = field(default_factory=list)
@@ -104,6 +109,8 @@ class Request:
     error: str | None = None  # why it was refused or failed, in one sentence
     text_state: TextState | None = None  # when the engine has a tokenizer (flexsgl/output.py)
     on_token: object = None  # optional callback(request) after each new token (flexsgl/output.py)
+    grammar: object = None  # structured outputs: its Matcher (sampling/grammar.py), once its grammar is compiled
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when SamplingParams.prompt_logprobs is set
 
     def __post_init__(self):
         if self.sampling.seed is not None:
@@ -111,6 +118,8 @@ class Request:
         self.fill_ids = self.prompt_ids
         if self.sampling.logprobs is not None:
             self.logprobs = []
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def all_ids(self) -> list[int]:

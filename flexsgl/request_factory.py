@@ -84,18 +84,20 @@ def check_prompt(prompt, index: int) -> str | list[int]:
 
 class RequestFactory:
     def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int,
-                 attention_params: tuple[str, ...] = (), held_tokens: int | None = None):
+                 attention_params: tuple[str, ...] = (), held_tokens: int | None = None,
+                 no_structured_outputs: str | None = None):
         """`config`: the model's ModelConfig; `capacity`: KV pages a request may ever use;
         `attention_params`: the per-request parameters the engine's attention variants take;
-        `held_tokens`: the most KV slots a request holds at once (refusal)."""
+        `held_tokens`: the most KV slots a request holds at once (refusal);
+        `no_structured_outputs`: why this engine cannot take structured outputs (None: it can)."""
         self.model_name, self.config, self.tokenizer = model_name, config, tokenizer
         self.page_size, self.capacity, self.attention_params = page_size, capacity, attention_params
-        self.held_tokens = held_tokens
+        self.held_tokens, self.no_structured_outputs = held_tokens, no_structured_outputs
         self._ids = itertools.count()
 
     def __reduce__(self):
         return RequestFactory, (self.model_name, self.config, self.tokenizer, self.page_size, self.capacity,
-                                self.attention_params, self.held_tokens)
+                                self.attention_params, self.held_tokens, self.no_structured_outputs)
 
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> Request:
         """Check one prompt and its sampling parameters and turn them into a Request (not queued);
@@ -123,6 +125,10 @@ class RequestFactory:
             takes = f"it takes {', '.join(self.attention_params)}" if self.attention_params else "it takes none"
             raise SamplingParamsError(f"attention_params of prompt {index} name {unknown[0]!r}, which no attention "
                                       f"variant of this engine takes ({takes}).")
+        if any(t >= vocab for t, _ in sampling.logit_bias):
+            raise SamplingParamsError(f"logit_bias of prompt {index} names ids outside the vocabulary [0, {vocab}).")
+        if sampling.structured_outputs is not None:
+            self.check_structured(sampling.structured_outputs)
         eos = self.config.eos_token_ids
         if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -136,6 +142,15 @@ class RequestFactory:
                         leader=first) for i in range(1, sampling.n)]
         first.shares_prompt = bool(rest)
         return [first, *rest]
+
+    def check_structured(self, spec) -> None:
+        """Raise SamplingParamsError unless this engine can constrain an output to `spec` (parsed
+        here, so a schema, regex or grammar that cannot be used is refused before it runs)."""
+        if self.no_structured_outputs is not None:
+            raise SamplingParamsError(f"Structured outputs cannot be used here: {self.no_structured_outputs}.")
+        from flexsgl.sampling import grammar
+
+        grammar.parse(spec)
 
     def refusal(self, req: Request) -> str | None:
         """Why `req` can never run here (longer than the context or the whole KV cache), or None."""

@@ -9,6 +9,10 @@ the device.
   feeds back as each request's next input;
 - read-back: the tokens copied to the host asynchronously. The host reads a step's tokens only
   after it has launched the next one (see scheduler.py).
+
+A step with structured outputs is launched in two halves: `run_forward(batch)` plans, uploads
+and runs the forward pass, and `sample(launched, mask)` samples under the token mask
+the host filled meanwhile (it needs the previous step's tokens), then starts the read-back.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from flexsgl.compile import compile_steps
 from flexsgl.step.graphs import GraphManager
 from flexsgl.log import logger, progress
 from flexsgl.request import TokenLogprobs
-from flexsgl.sampling.sampler import sample, token_logprobs
+from flexsgl.sampling.sampler import TokenMask, sample, token_logprobs
 from flexsgl.scheduler import ScheduledBatch
 from flexsgl.step.inputs import StepInputs, upload
 from flexsgl.step.plan import StepPlan, padding_plan, plan_step
@@ -45,6 +49,22 @@ class StepOutput:
     ready: torch.cuda.Event | None
     logprobs: list[TokenLogprobs | None] | None = None  # per sampled row, set by tokens()
     wait: Callable[[torch.cuda.Event], None] | None = None  # how to wait for `ready` (default: synchronize)
+    host_prompt: torch.Tensor | None = None  # prompt tokens' packed token_logprobs rows [P, 2 + 2k]
+    plan: StepPlan | None = None  # where host_prompt's rows belong
+
+    def prompt_logprobs(self) -> list[tuple[int, int, list[TokenLogprobs]]]:
+        """After tokens(): per request asking for them, (its index in the batch, the index of its first
+        prompt token here, their TokenLogprobs)."""
+        if self.host_prompt is None:
+            return []
+        rows, k, out, at = self.host_prompt.tolist(), self.plan.prompt_k, [], 0
+        for i, first, n in self.plan.prompt_spans:
+            want = self.batch.requests[i].sampling.prompt_logprobs
+            out.append((i, first, [TokenLogprobs(int(row[0]), row[1], [(int(t), v) for t, v in
+                                                                       zip(row[2 + k:2 + k + want], row[2:])])
+                                   for row in rows[at:at + n]]))
+            at += n
+        return out
 
     def tokens(self) -> list[int]:
         """Wait for the step (the one read-back per step) and return its tokens."""
@@ -128,12 +148,12 @@ class ModelRunner:
         """Launch `batch`: plan it on the host, upload, run the model and sample (nothing waits for the
         device). Under tensor parallelism the plan goes to every other rank first, which executes it."""
         if self.tp is None:
-            step = self.build(batch)
-            return self._launch(batch, step)
+            plan = self.plan(batch)
+            return self._launch(batch, self.upload(plan), plan)
         plan = self.plan(batch)
         self.tp.send_step(plan)
         try:
-            return self._launch(batch, self.upload(plan))
+            return self._launch(batch, self.upload(plan), plan)
         except Exception as e:  # the other ranks run this step: they may now wait on rank 0 forever
             raise self.tp.failed(e) from e
 
@@ -156,13 +176,30 @@ class ModelRunner:
         """The device side of a plan: into a CUDA graph's buffers where the step replays one."""
         return upload(plan, self.device, self.tokens, self.token_counts, self.graphs, self.variants)
 
-    def _launch(self, batch: ScheduledBatch | None, step: StepInputs) -> StepOutput | None:
+    @torch.inference_mode()
+    def run_forward(self, batch: ScheduledBatch) -> DeferredStep:
+        """Launch `batch` up to its logits (one rank only); `sample` finishes it."""
+        assert self.tp is None, "a step sampled under a token mask runs on one rank"
+        plan = self.plan(batch)
+        step = self.upload(plan)
+        return DeferredStep(batch, plan, step, *self._forward(step))
+
+    def _launch(self, batch: ScheduledBatch | None, step: StepInputs, plan: StepPlan | None = None) -> StepOutput | None:
         """Forward, sample and (on rank 0) start the read-back of an uploaded step."""
         logits, greedy = self._forward(step)
         tokens = self._sample(logits, step, greedy)
         if batch is None:  # a tensor-parallel worker: rank 0 alone reads tokens back
             return None
-        return self._read_back(batch, step, logits, tokens)
+        return self._read_back(batch, step, logits, tokens, plan)
+
+    @torch.inference_mode()
+    def sample(self, launched: DeferredStep, mask: TokenMask) -> StepOutput:
+        """Sample a step launched with sample=False under `mask` (on the host, sampling/grammar.py),
+        and start its read-back."""
+        step = launched.step
+        step.sampling.token_mask = mask.to(self.device)
+        tokens = self._sample(launched.logits, step, launched.greedy)
+        return self._read_back(launched.batch, step, launched.logits, tokens, launched.plan)
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits, each sampled row's argmax where a CUDA graph took it, and wrote it into the token buffer)."""
@@ -183,15 +220,33 @@ class ModelRunner:
         return tokens
 
     def _read_back(self, batch: ScheduledBatch, step: StepInputs, logits: torch.Tensor,
-                   tokens: torch.Tensor) -> StepOutput:
-        """The step's tokens, with their log-probabilities where asked, on their way to the host
-        (asynchronously on CUDA)."""
+                   tokens: torch.Tensor, plan: StepPlan | None) -> StepOutput:
+        """The step's tokens, with their log-probabilities where asked (and the prompt tokens'), on
+        their way to the host (asynchronously on CUDA)."""
         if step.sampling.logprobs >= 0:
             tokens = token_logprobs(logits[:step.rows], tokens, step.sampling.logprobs)
+        prompt = None
+        if step.prompt_targets is not None:
+            n = step.prompt_targets.shape[0]
+            prompt = token_logprobs(logits[step.rows:step.rows + n], step.prompt_targets, step.prompt_k)
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
+            if prompt is not None:
+                prompt = torch.empty(prompt.shape, dtype=prompt.dtype, pin_memory=True).copy_(prompt, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-            return StepOutput(batch, host, ready, wait=self.wait)
-        return StepOutput(batch, tokens, None)
+            return StepOutput(batch, host, ready, wait=self.wait, host_prompt=prompt, plan=plan)
+        return StepOutput(batch, tokens, None, host_prompt=prompt, plan=plan)
+
+
+@dataclass
+class DeferredStep:
+    """A step launched up to its logits (ModelRunner.run_forward), to be sampled once its token mask
+    is filled (ModelRunner.sample)."""
+
+    batch: ScheduledBatch
+    plan: StepPlan
+    step: StepInputs
+    logits: torch.Tensor
+    greedy: torch.Tensor | None

@@ -167,7 +167,8 @@ class Scheduler:
             if r.leader is not None and not (r.leader.output_ids or r.leader.finished):
                 break  # a sample of n waits for its leader's prompt pages to reach the prefix cache
             r.fill_ids = r.all_ids
-            pages, node = self.cache.match(r.fill_ids[: len(r.fill_ids) - 1])  # compute at least one token
+            # Compute at least one token; a request that wants its prompt's log-probabilities computes it all.
+            pages, node = self.cache.match([] if r.prompt_logprobs is not None else r.fill_ids[: len(r.fill_ids) - 1])
             first_chunk = min(len(r.fill_ids) - len(pages) * self.ps, budget)
             need = KVPool.num_pages_for(len(pages) * self.ps + first_chunk, self.ps) - len(pages)
             matched_evictable = sum(len(n.pages) for n in _path(node) if n.ref == 0)  # locked once admitted

@@ -133,7 +133,8 @@ def test_serve_starts_a_server_and_measures_its_streams(tmp_path):
                             "--output-len", "3:6", "--request-rate", "50,inf", "--max-concurrency", "4",
                             "--max-total-tokens", "1024")
     assert report["resolved"] == {"num_prompts": 6, "input_len": [8, 16], "output_len": [3, 6],
-                                  "request_rate": "50.0,inf", "max_concurrency": 4}
+                                  "request_rate": "50.0,inf", "max_concurrency": 4, "dataset_path": None,
+                                  "structured": None}
     # One server, warmed up once, then one timed pass per rate, in the order given.
     assert [r["request_rate"] for r in report["results"]] == ["50.0", "inf"]
     assert len({(r["startup_s"], r["warmup_s"]) for r in report["results"]}) == 1
@@ -147,6 +148,30 @@ def test_serve_starts_a_server_and_measures_its_streams(tmp_path):
         assert res["ttft_p50_s"] > 0 and res["tpot_p50_s"] > 0
     assert out.splitlines()[0].startswith("serve: tiny (dummy) on cpu") and "ITL ms p99" in out
     assert "@ 50.0/s" in out and "@ inf/s" in out
+
+
+def test_serve_takes_a_sharegpt_file_and_json_schema_constrained_requests(tmp_path):
+    """Each prompt a conversation's first turn, its output as long as the reply (the tiny preset's
+    byte tokenizer: one token per byte), every output constrained to the bench's JSON schema."""
+    import random
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    words = ["alpha", "beta", "gamma", "delta", "omega"]
+    convs = [{"conversations": [{"from": "human", "value": " ".join(rng.choices(words, k=rng.randrange(2, 6)))},
+                                {"from": "gpt", "value": " ".join(rng.choices(words, k=rng.randrange(1, 4)))}]}
+             for _ in range(12)]
+    convs.append({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "too short"}]})
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    out, report = run_bench(tmp_path, "--workload", "serve", "--num-prompts", "5", "--dataset-path", str(path),
+                            "--structured", "json-schema", "--max-total-tokens", "1024", "--seed", str(seed))
+    res = report["results"][0]
+    usable = [c["conversations"] for c in convs if len(c["conversations"][0]["value"]) >= 4]
+    lengths = {(len(h["value"]), len(g["value"])) for h, g in usable}
+    assert res["requests"] == 5 and res["output_tokens"] == res["requested_output_tokens"], f"seed={seed}"
+    assert res["input_tokens"] <= 5 * max(i for i, _ in lengths) and res["output_tokens"] >= 5 * 4, f"seed={seed}"
+    assert report["resolved"]["structured"] == "json-schema" and report["resolved"]["dataset_path"] == str(path)
 
 
 BAD = {
@@ -173,6 +198,11 @@ BAD = {
     "zero-concurrency": ["--workload", "serve", "--max-concurrency", "0"],
     "base-url-and-override": ["--workload", "serve", "--base-url", "http://127.0.0.1:1", "--override", "flex"],
     "base-url-not-http": ["--workload", "serve", "--base-url", "localhost:8000"],
+    "unknown-structured": ["--workload", "serve", "--structured", "xml"],
+    "structured-for-throughput": ["--structured", "json-schema"],
+    "dataset-not-a-file": ["--workload", "serve", "--dataset-path", "/no/such/sharegpt.json"],
+    "dataset-and-input-len": ["--workload", "serve", "--dataset-path", __file__, "--input-len", "4:8"],
+    "dataset-not-json": ["--workload", "serve", "--dataset-path", __file__],
 }
 
 

@@ -157,6 +157,25 @@ def test_incremental_text_of_the_embedded_tokenizer_matches_a_whole_decode(tiny_
     assert "".join(deltas) == req.text_state.text == tiny_docs.tokenizer.decode(ids, skip_special_tokens=True), f"seed={seed}"
 
 
+def test_the_stream_detokenizer_gives_the_windowed_decodes_text(tiny_docs):
+    """DecodeStream (the embedded model's fast tokenizer) against the windowed decode, delta by
+    delta, on random token sequences heavy in tokens of partial UTF-8 characters."""
+    from flexsgl.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
+
+    tok = tiny_docs.tokenizer
+    vocab = len(tok)
+    partial = [i for i in range(vocab) if "\ufffd" in tok.decode([i])]
+    assert partial, "the vocabulary has byte tokens"
+    assert isinstance(make_detokenizer(tok, [5, 6]), StreamDetokenizer)
+    for _ in range(100):
+        seed = random.randrange(2**31)
+        rng = random.Random(seed)
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 8))]
+        ids = [rng.choice(partial) if rng.random() < 0.4 else rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        got, ref = make_detokenizer(tok, prompt), IncrementalDetokenizer(tok, prompt)
+        assert [got.step(t) for t in ids] + [got.flush()] == [ref.step(t) for t in ids] + [ref.flush()], f"seed={seed}"
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_a_stop_string_across_tokens_ends_the_text_and_is_never_streamed(include):
     text = "alpha beta STOP gamma"

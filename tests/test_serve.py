@@ -142,10 +142,13 @@ def post(url: str, body: bytes) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def metric(base: str, name: str) -> float:
+def metric(base: str, name: str, **labels) -> float:
+    """The sum of /metrics' samples named `name` whose labels include `labels` (0 if none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = get(base + "/metrics")[1]
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def random_prompt(rng: random.Random, n: int = 8) -> str:
@@ -198,13 +201,13 @@ def test_n_samples_share_the_prompt_pages_and_match_the_offline_api(server, clie
     prompt, seed = random_prompt(rng, 40), rng.randrange(2**31)  # > 2 pages of 16 tokens
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, n=2, ignore_eos=True)
     refs = offline.generate(prompt, sp)
-    hits = metric(server, "flexsgl_prefix_cache_hit_tokens_total")
+    hits = metric(server, "flexsgl:prefix_cache_hits_total")
     out = client.completions.create(model="tiny-docs", prompt=prompt, max_tokens=12, temperature=1.0, seed=seed, n=2,
                                     extra_body={"ignore_eos": True})
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [r.text for r in refs], seed
     full_pages = (refs[0].prompt_tokens - 1) // 16 * 16
     assert refs[1].cached_tokens == full_pages > 0, "offline: sample 1 reuses sample 0's prompt pages"
-    assert metric(server, "flexsgl_prefix_cache_hit_tokens_total") - hits >= full_pages
+    assert metric(server, "flexsgl:prefix_cache_hits_total") - hits >= full_pages
 
 
 def test_stop_strings_cut_the_text(client, offline):
@@ -259,25 +262,25 @@ def test_logprobs_match_hf_in_float64(client, offline):
 
 
 def test_a_disconnect_aborts_the_request_and_frees_its_pages(server, client):
-    idle = metric(server, "flexsgl_kv_pages_used")
-    aborted = metric(server, 'flexsgl_requests_finished_total{reason="abort"}')
+    idle = metric(server, "flexsgl:kv_pages_used")
+    aborted = metric(server, "flexsgl:request_success_total", finished_reason="abort")
     stream = client.completions.create(model="tiny-docs", prompt=random_prompt(random.Random()), max_tokens=900,
                                        temperature=1.0, stream=True, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 3:
             break
-    assert metric(server, "flexsgl_kv_pages_used") > idle, "the request holds pages while it runs"
+    assert metric(server, "flexsgl:kv_pages_used") > idle, "the request holds pages while it runs"
     stream.close()
     deadline = time.monotonic() + TIMEOUT
-    while metric(server, 'flexsgl_requests_finished_total{reason="abort"}') == aborted:
+    while metric(server, "flexsgl:request_success_total", finished_reason="abort") == aborted:
         assert time.monotonic() < deadline, "the request was not aborted after its client went away"
         time.sleep(0.1)
-    assert metric(server, "flexsgl_kv_pages_used") == idle
-    assert metric(server, "flexsgl_num_requests_running") == 0
+    assert metric(server, "flexsgl:kv_pages_used") == idle
+    assert metric(server, "flexsgl:num_requests_running") == 0
 
 
 def test_a_client_that_leaves_before_a_whole_response_aborts_its_request(server):
-    aborted = metric(server, 'flexsgl_requests_finished_total{reason="abort"}')
+    aborted = metric(server, "flexsgl:request_success_total", finished_reason="abort")
     body = json.dumps({"model": "tiny-docs", "prompt": random_prompt(random.Random()), "max_tokens": 900,
                        "ignore_eos": True}).encode()
     host, port = server.removeprefix("http://").split(":")
@@ -285,14 +288,14 @@ def test_a_client_that_leaves_before_a_whole_response_aborts_its_request(server)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         deadline = time.monotonic() + TIMEOUT
-        while metric(server, "flexsgl_kv_pages_used") == 0:  # it is running
+        while metric(server, "flexsgl:kv_pages_used") == 0:  # it is running
             assert time.monotonic() < deadline
             time.sleep(0.05)
     deadline = time.monotonic() + TIMEOUT
-    while metric(server, 'flexsgl_requests_finished_total{reason="abort"}') == aborted:
+    while metric(server, "flexsgl:request_success_total", finished_reason="abort") == aborted:
         assert time.monotonic() < deadline, "the request was not aborted after its client went away"
         time.sleep(0.1)
-    assert metric(server, "flexsgl_kv_pages_used") == 0
+    assert metric(server, "flexsgl:kv_pages_used") == 0
 
 
 def test_64_concurrent_streams_match_the_offline_api(client, offline):
@@ -323,7 +326,10 @@ BAD = [
     {"max_tokens": -1}, {"max_tokens": "many"}, {"temperature": -0.5}, {"temperature": "hot"}, {"top_p": 0},
     {"top_p": 1.5}, {"n": 0}, {"n": 100000}, {"presence_penalty": 3}, {"frequency_penalty": -2.5},
     {"repetition_penalty": 0}, {"logprobs": 30}, {"logprobs": -1}, {"stop": [""]}, {"stop": 5}, {"seed": -1},
-    {"min_tokens": 50, "max_tokens": 10}, {"top_k": -1}, {"echo": True}, {"logit_bias": {"5": 1}},
+    {"min_tokens": 50, "max_tokens": 10}, {"top_k": -1}, {"echo": "yes"}, {"logit_bias": {"5": 101}},
+    {"logit_bias": {"x": 1}}, {"logit_bias": {"99999": 1}}, {"prompt_logprobs": 21},
+    {"structured_outputs": {"regex": "[a-"}}, {"guided_json": {"type": "nope"}}, {"guided_grammar": "root ::= x"},
+    {"structured_outputs": {"regex": "a", "choice": ["a"]}}, {"guided_regex": "a", "guided_choice": ["a"]},
     {"prompt": ""}, {"prompt": []}, {"prompt": [99999999]}, {"prompt": 5}, {"max_tokens": 5000},
     {"stream_options": {"include_usage": True}}, {"stop_token_ids": [-3]},
 ]
@@ -360,6 +366,21 @@ def test_serve_refuses_bad_arguments_with_one_line(args):
     assert r.exit_code == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.output, r.output
 
 
+def test_a_port_in_use_exits_2_with_one_sentence():
+    from typer.testing import CliRunner
+
+    from flexsgl.cli import app
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = CliRunner().invoke(app, ["serve", "--port", str(port)])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert f"Port {port}" in lines[0] and "already in use" in lines[0] and "Traceback" not in r.output
+
+
 def test_an_engine_process_that_dies_ends_every_request_with_an_error():
     """Streams and whole responses in flight end with an error, /health stops being 200, and later
     requests are refused with the reason."""
@@ -375,7 +396,7 @@ def test_an_engine_process_that_dies_ends_every_request_with_an_error():
             {"model": "tiny-docs", "prompt": random_prompt(rng), "max_tokens": 900, "ignore_eos": True}).encode())))
         waiting.start()
         deadline = time.monotonic() + TIMEOUT
-        while metric(base, "flexsgl_num_requests_running") < 3:
+        while metric(base, "flexsgl:num_requests_running") < 3:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         os.kill(engine_pid(proc.pid), signal.SIGKILL)

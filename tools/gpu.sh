@@ -71,6 +71,10 @@
 #                  attention: bench throughput of the Qwen3-0.6B dummy, flex
 #   families       bench throughput of the gemma-2-9b dummy (softcap and windows), flex and fa3; bench latency of
 #                  the gpt-oss-20b dummy (sinks, windows, MoE) at batch 1 with its floor, flex and fa3
+#   serve-structured  bench serve, Qwen3-0.6B dummy, auto, all at once: unconstrained, then every output
+#                  constrained to a JSON schema (--structured json-schema), one server each (~300 s on a
+#                  cold cache); the second's output tok/s over the first's is the cost of structured
+#                  outputs. Stage and install .gpu/serve as for serve
 #   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
 #                  whole matrix, pages 16/64/128 and GQA 4/8, takes several calls: split it by --pages/--gqa).
 #                  FlexAttention's FLASH backend (flash-attn-4): stage it with tools/stage_flash.sh, then e.g.
@@ -110,7 +114,8 @@ suite() {  # NAME, then pytest's arguments
 declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
                    [tp-tests]=580 [tp-exit]=580 [tp-allreduce]=200 [tp-memory]=500 [tp-bench]=590
-                   [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480)
+                   [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480
+                   [serve-structured]=560)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -244,6 +249,10 @@ for s in "${steps[@]}"; do
                 --json "$OUT/gemma2-throughput.json"
               timeout 220 "${BENCH[@]}" --workload latency --model gpt-oss-20b --repeats 2 --override flex \
                 --override fa3 --json "$OUT/gpt-oss-latency.json" ;;
+    serve-structured) for s in "" json-schema; do
+                        timeout $((LIMIT / 2)) "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate inf \
+                          ${s:+--structured $s} --json "$OUT/serve-structured${s:+-$s}.json"
+                      done ;;
     kernel-matrix) timeout "$LIMIT" python benchmarks/attention_matrix.py ${MATRIX_ARGS:---pages 64 --gqa 4} \
                      --json "$OUT/attention-matrix.json" ;;
     *) echo "unknown step $s"; false ;;
@@ -258,7 +267,7 @@ for s in "${steps[@]}"; do
     tests|check|tp-tests|tp-exit) grep -E "passed|failed|error" "$log" | tail -3 ;;
     tp-allreduce|tp-memory) grep -E "^ *[0-9]+ |^(all-reduce|loading|engine|rank|gpu| +KB)" "$log" | tail -24 ;;
     tp-bench) sed -n '/^TP bench/,$p' "$log" ;;
-    latency|throughput|repeat|prefill|mla|serve) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
+    latency|throughput|repeat|prefill|mla|serve|serve-structured) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
     flash-prefill) grep -E "passed|failed|error|\[flexsgl\] [a-z0-9,<=@./ -]+: TTFT" "$log" | tail -6 ;;
     startup) grep -E "^(flex|auto) (cold|warm)" "$log" ;;
     first-token) cat "$OUT/first-token.txt" ;;

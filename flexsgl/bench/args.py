@@ -5,8 +5,9 @@ resolved into a Plan before anything loads.
   token ids from a fixed seed, EOS ignored.
 - latency: one batch of fixed prompt and output length.
 - prefill: time to first token of one long prompt, per prompt length.
-- serve: the throughput workload's requests sent to `flexsgl serve` with Poisson arrivals at a
-  request rate (and a concurrency limit), streamed (bench/serving.py).
+- serve: the throughput workload's requests (or a ShareGPT file's conversations) sent to
+  `flexsgl serve`, or any OpenAI-compatible server, with Poisson arrivals at a request rate (and a
+  concurrency limit), streamed, optionally constrained to a JSON schema (bench/serving.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flexsgl.config import EngineConfig
 from flexsgl.log import logger
 
 WORKLOADS = ("throughput", "latency", "prefill", "serve")
+STRUCTURED = ("json-schema",)  # --structured: what the serve workload's requests are constrained to
 # Defaults sized for a GPU; the tiny preset on a CPU wants small values on the command line.
 DEFAULTS = {
     "throughput": {"num_prompts": 256, "input_len": "100:1024", "output_len": "100:1024"},
@@ -26,7 +28,8 @@ DEFAULTS = {
 }
 APPLIES = {"num_prompts": ("throughput", "serve"), "batch_size": ("latency",), "repeats": ("latency", "prefill"),
            "output_len": ("throughput", "latency", "serve"), "request_rate": ("serve",),
-           "max_concurrency": ("serve",), "base_url": ("serve",)}
+           "max_concurrency": ("serve",), "base_url": ("serve",), "dataset_path": ("serve",),
+           "structured": ("serve",)}
 
 
 @dataclass
@@ -47,6 +50,8 @@ class BenchArgs:
     request_rate: str | None = None  # serve: requests per second, or inf (default); several: one pass each
     max_concurrency: int | None = None  # serve: most requests in flight (default: no limit)
     base_url: str | None = None  # serve: a running server to measure instead of starting one
+    dataset_path: str | None = None  # serve: a ShareGPT-format JSON file of conversations (default: random prompts)
+    structured: str | None = None  # serve: constrain each output (STRUCTURED) and compare with unconstrained runs
 
 
 @dataclass
@@ -139,6 +144,15 @@ def plan(args: BenchArgs) -> Plan:
                              "server is already running.")
         if args.base_url and not args.base_url.startswith("http://"):
             raise ValueError(f"--base-url should look like http://HOST:PORT, got {args.base_url!r}.")
+        if args.structured is not None and args.structured not in STRUCTURED:
+            raise ValueError(f"--structured {args.structured!r} is not one of {', '.join(STRUCTURED)}.")
+        if args.dataset_path is not None:
+            import os
+
+            if not os.path.isfile(args.dataset_path):
+                raise ValueError(f"--dataset-path {args.dataset_path!r} is not a file.")
+            if args.input_len is not None:
+                raise ValueError("--input-len does not apply with --dataset-path: the prompts are the dataset's.")
     if w in ("throughput", "serve"):
         p.num_prompts = d["num_prompts"]
         p.input_range = parse_range(d["input_len"], "--input-len")

@@ -42,7 +42,8 @@ def resolved(p) -> dict:
         return {"num_prompts": p.num_prompts, "input_len": list(p.input_range), "output_len": list(p.output_range)}
     if p.args.workload == "serve":
         return {"num_prompts": p.num_prompts, "input_len": list(p.input_range), "output_len": list(p.output_range),
-                "request_rate": ",".join(map(str, p.request_rates)), "max_concurrency": p.args.max_concurrency}
+                "request_rate": ",".join(map(str, p.request_rates)), "max_concurrency": p.args.max_concurrency,
+                "dataset_path": p.args.dataset_path, "structured": p.args.structured}
     if p.args.workload == "latency":
         return {"batch_size": p.batch_size, "input_len": p.input_range[0], "output_len": p.output_range[0],
                 "repeats": p.repeats}

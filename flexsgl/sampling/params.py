@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from flexsgl.errors import SamplingParamsError, short_repr
+from flexsgl.sampling.structured import StructuredOutputsParams
 
 
 # Temperatures below this sample greedily, as in vLLM: dividing logits by less overflows float32,
@@ -22,6 +23,7 @@ DEFAULT_MAX_NEW_TOKENS = 16
 MAX_N = 128  # samples of one prompt
 MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI's chat API allows
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,13 @@ class SamplingParams:
     - min_tokens: EOS and stop_token_ids cannot be sampled before this many output tokens.
     - attention_params: values of the engine's attention variants' per-request parameters
       (PerRequest, docs/ATTENTION.md), by name.
+    - logit_bias: {token id: bias in [-100, 100]} added to those logits before sampling (OpenAI's).
+    - structured_outputs: a StructuredOutputsParams (or a mapping of its fields: json, regex,
+      choice, grammar, json_object) that the output must follow, enforced by a token mask on the
+      device (sampling/grammar.py).
+    - prompt_logprobs: None, or how many of the most likely tokens to report with each prompt
+      token's own log-probability (the first prompt token has none); up to MAX_LOGPROBS. Such a
+      request computes its whole prompt (the prefix cache is not read for it).
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -64,6 +73,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     attention_params: dict | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         put = partial(object.__setattr__, self)
@@ -118,6 +130,11 @@ class SamplingParams:
             if bad:
                 raise SamplingParamsError(f"attention_params must map parameter names to numbers, got "
                                           f"{short_repr(self.attention_params)}.")
+        put("logit_bias", _logit_bias(self.logit_bias))
+        put("structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
+        if self.prompt_logprobs is not None:
+            put("prompt_logprobs", _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,
+                                            f"None or an integer from 0 to {MAX_LOGPROBS}"))
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +143,12 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether anything but temperature and the filters changes the logits a token is drawn from."""
+        return (self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
+                or self.structured_outputs is not None)
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with `changes`, checked again (max_tokens is folded into max_new_tokens)."""
@@ -149,6 +172,33 @@ def _stop_strings(value) -> tuple[str, ...]:
         if not isinstance(s, str) or not s:
             raise SamplingParamsError(f"stop must hold non-empty strings, got {short_repr(s)}.")
     return stops
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (or (id, bias) pairs) as sorted pairs, each bias in [-100, 100]."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise SamplingParamsError(f"logit_bias must map token ids to biases, got {short_repr(value)}.")
+    else:
+        pairs = list(value)
+        if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            raise SamplingParamsError(f"logit_bias must map token ids to biases, got {short_repr(value)}.")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise SamplingParamsError(f"logit_bias holds {len(pairs)} entries; at most {MAX_LOGIT_BIAS} are allowed.")
+    out = {}
+    for t, bias in pairs:
+        tid = token_id(t)
+        if tid is None or tid < 0:
+            raise SamplingParamsError(f"logit_bias keys must be non-negative token ids, got {short_repr(t)}.")
+        b = _real("logit_bias", bias, "a map of token ids to numbers in [-100, 100]")
+        if not -100.0 <= b <= 100.0:
+            raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {short_repr(bias)} "
+                                      f"for token {tid}.")
+        out[tid] = b
+    return tuple(sorted(out.items()))
 
 
 def _real(name: str, value, what: str) -> float:

@@ -1,5 +1,6 @@
-"""Token sampling on the device, with no host sync: penalties, min_tokens, greedy, temperature,
-top-k, top-p, min-p; and the log-probabilities that requests ask for, read back with the tokens.
+"""Token sampling on the device, with no host sync: logit bias, penalties, min_tokens, the token
+bitmask of structured outputs, greedy, temperature, top-k, top-p, min-p; and the log-probabilities
+that requests ask for, read back with the tokens.
 
 Randomness is counter-based: the noise for (request seed, output index, vocab id) comes from an
 integer hash, so a request samples the same tokens whatever batch it shares and whichever device
@@ -39,6 +40,38 @@ class MinTokens:
 
 
 @dataclass
+class LogitBias:
+    """Biases added to some rows' logits: entry i adds values[i] to logits[rows[i], ids[i]]."""
+
+    rows: torch.Tensor  # [B] int64
+    ids: torch.Tensor  # [B] int64
+    values: torch.Tensor  # [B] float32
+
+
+@dataclass
+class TokenMask:
+    """The tokens each row may sample (structured outputs), in xgrammar's layout: bit j of
+    words[s, w] allows token 32 w + j, for the tokens below `vocab` (the grammar's vocabulary);
+    tokens from `vocab` on are allowed in the `open` rows (those without a grammar) only. One flat
+    int32 buffer holds both, so it goes to the device in one copy."""
+
+    flat: torch.Tensor  # [S * W + S] int32: the words, then one open flag per row
+    rows: int
+    vocab: int
+
+    @property
+    def words(self) -> torch.Tensor:
+        return self.flat[:self.flat.numel() - self.rows].view(self.rows, -1)
+
+    @property
+    def open(self) -> torch.Tensor:
+        return self.flat[self.flat.numel() - self.rows:] != 0
+
+    def to(self, device: torch.device) -> "TokenMask":
+        return TokenMask(self.flat.to(device, non_blocking=True), self.rows, self.vocab)
+
+
+@dataclass
 class SamplingTensors:
     """Per-row sampling parameters on the device, plus host flags that pick the cheapest path."""
 
@@ -53,6 +86,8 @@ class SamplingTensors:
     penalties: Penalties | None = None  # some row is penalized
     min_tokens: MinTokens | None = None  # some row has min_tokens
     logprobs: int = -1  # the most top log-probabilities a row asked for; -1: no row asked
+    logit_bias: LogitBias | None = None  # some row has a logit bias
+    token_mask: TokenMask | None = None  # some row has structured outputs
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +130,19 @@ def block_stop_tokens(logits: torch.Tensor, m: MinTokens, step: torch.Tensor) ->
     return logits.scatter(1, m.stop_ids, torch.where(block, float("-inf"), kept))
 
 
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """logits [S, V] with every token the mask does not allow at -inf."""
+    vocab = logits.shape[-1]
+    n = min(vocab, mask.vocab)
+    ids = torch.arange(n, device=logits.device)
+    allowed = (mask.words[:, ids >> 5] >> (ids & 31).int()) & 1
+    head = logits[:, :n].masked_fill(allowed == 0, float("-inf"))
+    if n == vocab:
+        return head
+    tail = logits[:, n:].masked_fill(~mask.open[:, None], float("-inf"))
+    return torch.cat([head, tail], dim=1)
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) for x [S, V] (the first index of each row's maximum, as torch's), in two passes:
     each row's maximum per chunk of about a thousand entries, then the best chunk. torch's argmax
@@ -121,13 +169,18 @@ def sample(logits: torch.Tensor, st: SamplingTensors, argmax: torch.Tensor | Non
     """logits [S, V] (any float dtype; sampled in float32) -> token ids [S] int64. argmax: the
     logits' row_argmax if already taken (a CUDA graph takes it); where every row is greedy and
     nothing changes the logits, it is the result itself."""
-    if st.penalties is not None or st.min_tokens is not None:
+    if st.penalties is not None or st.min_tokens is not None or st.logit_bias is not None or st.token_mask is not None:
         argmax = None  # of other logits
         logits = logits.float()
+        if st.logit_bias is not None:
+            b = st.logit_bias
+            logits = logits.index_put((b.rows, b.ids), b.values, accumulate=True)
         if st.penalties is not None:
             logits = apply_penalties(logits, st.penalties)
         if st.min_tokens is not None:
             logits = block_stop_tokens(logits, st.min_tokens, st.step)
+        if st.token_mask is not None:
+            logits = apply_token_mask(logits, st.token_mask)
     greedy = row_argmax(logits) if argmax is None else argmax  # upcasting first would change no value
     if st.all_greedy:
         return greedy

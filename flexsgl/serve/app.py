@@ -1,13 +1,21 @@
-"""The OpenAI-compatible HTTP server (FastAPI): routes, request intake and error answers.
+"""The OpenAI-compatible HTTP server (FastAPI): routes and request intake.
 
 - POST /v1/completions, POST /v1/chat/completions: whole responses, or with stream: true
   server-sent events ending in `data: [DONE]` (a last chunk with usage when
-  stream_options.include_usage is set).
+  stream_options.include_usage is set). Chat takes tools (tools.py), reasoning parsers
+  (reasoning.py) and response_format; both take structured-output constraints (protocol.py).
+- POST /tokenize, POST /detokenize (vLLM's): token ids of a prompt or of chat messages, and text
+  of token ids.
 - GET /v1/models, GET /health (200 once the model is loaded and its graphs captured, 503 before),
-  GET /metrics (Prometheus text, metrics.py).
-- Bad input is answered with 400 and an OpenAI error body (a body of the wrong types, a sampling
-  parameter out of range, a prompt that does not fit), an unknown model with 404, a request while
-  the engine is not serving with 503; a request the engine failed with 500.
+  GET /metrics (Prometheus, metrics.py).
+- Errors (errors.py): every 4xx and 5xx in OpenAI's error format: bad input 400, a missing or
+  wrong API key 401, an unknown model or route 404, a method a route does not take 405, a body
+  over the limit 413, a request while the engine is not serving 503, a request the engine failed 500.
+- A handler's work before the engine (templates, tokenizing, parsing constraints) runs on the
+  intake's threads (intake.py), after a check of the text's length, so the event loop keeps
+  answering other clients. Bodies are parsed here (pydantic's JSON parser, in one pass); one larger
+  than BIG_BODY_BYTES waits for any other such body to be parsed first, and for one turn of the
+  event loop, so that several large bodies at once never hold the loop for longer than one parse.
 - A client that disconnects (mid-stream, or while waiting for a whole response) aborts its
   requests, which release their KV pages.
 """
@@ -16,51 +24,68 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
-from flexsgl.errors import InputError
-from flexsgl.serve import chat
+from flexsgl.errors import PromptError, short_repr
+from flexsgl.serve import chat, errors, tools
 from flexsgl.serve.engine_client import EngineClient
-from flexsgl.serve.protocol import ChatRequest, CompletionRequest
-from flexsgl.serve.responses import Choices, error_body, sse
+from flexsgl.serve.errors import APIError, error_body
+from flexsgl.serve.intake import Intake
+from flexsgl.serve.message import MessageParser
+from flexsgl.serve.metrics import CONTENT_TYPE_LATEST
+from flexsgl.serve.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from flexsgl.serve.responses import Choices, sse
 
 DISCONNECT_POLL_S = 0.5  # how often a handler waiting for a whole response checks its client is there
+BIG_BODY_BYTES = 1 << 20
+DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
+request_log = logging.getLogger("flexsgl.requests")
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
+@dataclass
+class ServerOptions:
+    """What `flexsgl serve` takes besides the engine's options."""
+
+    api_key: str | None = None  # clients must send `Authorization: Bearer KEY`
+    chat_template: str | None = None  # the template's text, in place of the model's
+    reasoning_parser: str | None = None  # reasoning.PARSERS
+    tool_call_parser: str | None = None  # tools.PARSERS
+    request_log: bool = False  # log each request (its prompt, parameters and end) at info level
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
-def build_app(engine: EngineClient, model_name: str) -> FastAPI:
+def build_app(engine: EngineClient, model_name: str, options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
+    intake = Intake()
+    big_bodies = asyncio.Semaphore(1)
+
+    async def parse(request: Request, model):
+        raw = await request.body()
+        if len(raw) <= BIG_BODY_BYTES:
+            return _validate(raw, model)
+        async with big_bodies:
+            await asyncio.sleep(0)  # what else is ready runs first
+            return _validate(raw, model)
+    if options.request_log:
+        request_log.setLevel(logging.INFO)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start(asyncio.get_running_loop())
         yield
         engine.stop()
+        intake.shutdown()
 
     app = FastAPI(title="flexsgl", lifespan=lifespan)
-
-    @app.exception_handler(APIError)
-    async def api_error(request, e: APIError):
-        return JSONResponse(error_body(e.message, e.status, e.kind, code=e.code), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ())[1:]]
-        where = loc[0] if loc else "body"
-        message = f"{'.'.join(loc) or 'The request body'}: {first.get('msg', 'invalid')}."
-        return JSONResponse(error_body(message, 400, param=where), status_code=400)
-
-    @app.exception_handler(InputError)
-    async def bad_input(request, e: InputError):
-        return JSONResponse(error_body(str(e), 400), status_code=400)
+    app.add_middleware(errors.Guard, api_key=options.api_key, max_bytes=options.max_request_bytes)
+    errors.install(app)
 
     @app.get("/health")
     async def health():
@@ -70,7 +95,7 @@ def build_app(engine: EngineClient, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -78,26 +103,113 @@ def build_app(engine: EngineClient, model_name: str) -> FastAPI:
                                             "max_model_len": engine.info.config.max_position if engine.serving else None}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await parse(request, CompletionRequest)
         info = _check(engine, body.model, model_name)
+        prompts = body.prompts()
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                intake.check_chars(len(p), info, f"Prompt {i}")
         sampling = body.to_sampling(info.default_sampling)
-        reqs = [r for i, p in enumerate(body.prompts()) for r in info.requests.make_requests(p, sampling, i)]
-        return await _run(engine, request, reqs, Choices(False, model_name, info.tokenizer, len(reqs),
-                                                          _prompt_tokens(reqs)), body, sampling.logprobs is not None)
+
+        def make():
+            reqs = [r for i, p in enumerate(prompts) for r in info.requests.make_requests(p, sampling, i)]
+            echo = None
+            if body.echo:
+                texts = [p if isinstance(p, str) else _decode(info.tokenizer, p) for p in prompts]
+                echo = [texts[i] for i, p in enumerate(prompts) for _ in range(sampling.n)]
+            return reqs, echo
+
+        reqs, echo = await intake.run(make)
+        choices = Choices(False, model_name, info.tokenizer, len(reqs), _prompt_tokens(reqs), echo=echo)
+        _log_request(choices.id, prompts, sampling)
+        return await _run(engine, request, reqs, choices, body, sampling.logprobs is not None)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await parse(request, ChatRequest)
         info = _check(engine, body.model, model_name)
         if info.tokenizer is None:
             raise APIError(400, f"Model {model_name!r} has no tokenizer, so it cannot chat.")
-        text = chat.render(info.tokenizer, body.message_dicts(), body.add_generation_prompt, body.chat_template_kwargs)
-        ids = chat.encode(info.tokenizer, text)
-        sampling = body.to_sampling(info.default_sampling, info.config.max_position - len(ids))
-        reqs = info.requests.make_requests(ids, sampling)
-        return await _run(engine, request, reqs, Choices(True, model_name, info.tokenizer, len(reqs), len(ids)),
-                          body, body.logprobs)
+        plan = tools.plan(body.tools, body.tool_choice, options.tool_call_parser, body.parallel_tool_calls is not False)
+        intake.check_chars(body.characters(), info, "The messages")
+
+        def make():
+            text = chat.render(info.tokenizer, body.message_dicts(), body.add_generation_prompt,
+                               body.chat_template_kwargs, body.tools, options.chat_template)
+            intake.check_chars(len(text), info, "The rendered chat prompt")
+            ids = chat.encode(info.tokenizer, text)
+            sampling = body.to_sampling(info.default_sampling, info.config.max_position - len(ids), plan.constraint())
+            return text, sampling, info.requests.make_requests(ids, sampling)
+
+        text, sampling, reqs = await intake.run(make)
+        parser = None
+        if options.reasoning_parser or plan.mode != "none":
+            def parser():
+                return MessageParser(options.reasoning_parser, plan, options.tool_call_parser, text)
+        choices = Choices(True, model_name, info.tokenizer, len(reqs), reqs[0].prompt_len, parser=parser)
+        _log_request(choices.id, [text], sampling)
+        return await _run(engine, request, reqs, choices, body, body.logprobs)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await parse(request, TokenizeRequest)
+        info = _check(engine, body.model, model_name)
+        if info.tokenizer is None:
+            raise APIError(400, f"Model {model_name!r} has no tokenizer.")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "Give a prompt or messages (one of them).")
+        if body.prompt is not None:
+            intake.check_chars(len(body.prompt), info, "The prompt")
+        else:
+            intake.check_chars(sum(len(m.content) for m in body.messages if isinstance(m.content, str)), info,
+                               "The messages")
+
+        def make():
+            if body.prompt is not None:
+                ids = list(info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            else:
+                messages = ChatRequest(messages=body.messages).message_dicts()
+                text = chat.render(info.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                   body.tools, options.chat_template)
+                ids = chat.encode(info.tokenizer, text)
+            strs = [_decode(info.tokenizer, [t]) for t in ids] if body.return_token_strs else None
+            return ids, strs
+
+        ids, strs = await intake.run(make)
+        out = {"count": len(ids), "max_model_len": info.config.max_position, "tokens": ids}
+        if strs is not None:
+            out["token_strs"] = strs
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await parse(request, DetokenizeRequest)
+        info = _check(engine, body.model, model_name)
+        vocab = info.config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise PromptError(f"Token id {bad} is outside the vocabulary [0, {vocab}).")
+        if info.tokenizer is None:
+            raise APIError(400, f"Model {model_name!r} has no tokenizer.")
+        return {"prompt": await intake.run(_decode, info.tokenizer, body.tokens)}
 
     return app
+
+
+def _validate(raw: bytes, model):
+    """`raw` as `model`; a body that is not JSON, or not of the model's shape, raises
+    RequestValidationError (errors.py answers it), its fields' places under "body"."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise RequestValidationError([{k: v for k, v in err.items() if k != "input"} | {"loc": ("body", *err["loc"])}
+                                      for err in e.errors()]) from None
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False) if hasattr(tokenizer, "convert_ids_to_tokens") \
+        else tokenizer.decode(ids)
 
 
 def _check(engine: EngineClient, model: str | None, model_name: str):
@@ -112,6 +224,19 @@ def _check(engine: EngineClient, model: str | None, model_name: str):
 
 def _prompt_tokens(reqs) -> int:
     return sum(r.prompt_len for r in reqs if r.index == 0)
+
+
+def _log_request(call_id: str, prompts: list, sampling) -> None:
+    if request_log.isEnabledFor(logging.INFO):
+        shown = [short_repr(p, 200) for p in prompts]
+        request_log.info(f"request {call_id}: prompts {', '.join(shown)}; {sampling}")
+
+
+def _log_end(choices: Choices) -> None:
+    if request_log.isEnabledFor(logging.INFO):
+        done = [o for o in choices.outputs if o is not None]
+        request_log.info(f"request {choices.id} finished: {', '.join(str(o.finish_reason) for o in done)}; "
+                         f"{sum(len(o.token_ids) for o in done)} tokens")
 
 
 async def _run(engine: EngineClient, request: Request, reqs, choices: Choices, body, want_logprobs: bool):
@@ -147,6 +272,7 @@ async def _run(engine: EngineClient, request: Request, reqs, choices: Choices, b
     finally:
         if getter is not None:
             getter.cancel()
+    _log_end(choices)
     failed = [o for o in choices.outputs if o.finish_reason in ("error", "refused")]
     if failed:
         raise APIError(500 if failed[0].finish_reason == "error" else 400, failed[0].error,
@@ -177,6 +303,7 @@ async def _stream(engine: EngineClient, events: asyncio.Queue, ids: list[int], c
         if include_usage and choices.done:
             yield choices.usage_chunk()
         yield "data: [DONE]\n\n"
+        _log_end(choices)
     finally:
         if not choices.done:  # the client went away (or the engine failed): free its pages
             engine.abort(ids)

@@ -4,7 +4,8 @@ Handlers make their requests (tokenized and checked here, with the engine's Requ
 bad input is answered at once) and submit them; submit and abort hand messages to a sender thread,
 so the event loop never blocks on the pipe. A reader thread blocks on the engine's pipe and hands
 each Step message to the event loop in one call, which puts each event on its handler's asyncio
-queue and observes TTFT and TPOT from the messages' arrival times.
+queue and records the metrics (metrics.py) from the messages' arrival times: per HTTP request
+(a Call, whatever its number of choices), its TTFT, TPOT, latency and queue time.
 
 If the engine fails or its process ends, every request in flight ends with an error, /health
 answers 503 with the reason, and later requests are answered 503 with it.
@@ -31,11 +32,25 @@ STOP_TIMEOUT_S = 30  # how long shutdown waits for the engine process before ter
 
 
 @dataclass
+class Call:
+    """One HTTP request's timing and tally, over its choices."""
+
+    choices: int
+    prompt_tokens: int
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    most_tokens: int = 0  # of one choice
+    tokens: int = 0  # of all choices
+    reasons: list = field(default_factory=list)
+    queue_s: float | None = None
+
+
+@dataclass
 class Stream:
     choice: int
     events: asyncio.Queue  # shared by the choices of one HTTP request
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
+    call: Call
     last_token: float | None = None
     tokens: int = 0
 
@@ -90,7 +105,8 @@ class EngineClient:
     # ---- the event loop's side
 
     def submit(self, reqs: list[Request], events: asyncio.Queue) -> list[Stream]:
-        streams = [Stream(i, events) for i in range(len(reqs))]
+        call = Call(len(reqs), sum(r.prompt_len for r in reqs if r.index == 0))
+        streams = [Stream(i, events, call) for i in range(len(reqs))]
         if self.failure is not None:
             for s in streams:
                 events.put_nowait(Event(s.choice, "", error=self.failure))
@@ -98,7 +114,6 @@ class EngineClient:
         for r, s in zip(reqs, streams):
             self.streams[r.request_id] = s
         self.outbox.put(Add(reqs))
-        self.metrics.requests_received += 1
         return streams
 
     def abort(self, request_ids: list[int]) -> None:
@@ -106,28 +121,44 @@ class EngineClient:
 
     def _dispatch(self, msg: Step) -> None:
         now = time.perf_counter()
-        self.metrics.engine_stats = msg.stats
+        m = self.metrics
+        m.engine(msg.stats, self.info.total_pages)
         streams = self.streams
         for rid, text, token, lp in msg.tokens:
             s = streams.get(rid)
             if s is None:
                 continue
-            if s.first_token is None:
-                s.first_token = now
-                self.metrics.ttft.observe(now - s.arrival)
+            c = s.call
+            if c.first_token is None:
+                c.first_token = now
+                m.ttft.observe(now - c.arrival)
+            if s.last_token is not None:
+                m.itl.observe(now - s.last_token)
             s.last_token, s.tokens = now, s.tokens + 1
+            c.last_token, c.tokens, c.most_tokens = now, c.tokens + 1, max(c.most_tokens, s.tokens)
             s.events.put_nowait(Event(s.choice, text, [token], [lp] if lp is not None else []))
         for rid, rest, out in msg.finished:
             s = streams.pop(rid, None)
             if s is None:
                 continue
-            if s.tokens > 1:
-                self.metrics.tpot.observe((s.last_token - s.first_token) / (s.tokens - 1))
-            self.metrics.finished[out.finish_reason] += 1
+            self._end(s.call, out.finish_reason, out.time_in_queue, now)
             s.events.put_nowait(Event(s.choice, rest, output=out))
 
+    def _end(self, c: Call, reason: str, queue_s: float | None, now: float) -> None:
+        """A choice of `c` ended; the last one ends the call in the metrics."""
+        c.reasons.append(reason)
+        if queue_s is not None:
+            c.queue_s = max(c.queue_s or 0.0, queue_s)
+        if len(c.reasons) < c.choices:
+            return
+        if c.most_tokens > 1:
+            self.metrics.tpot.observe((c.last_token - c.first_token) / (c.most_tokens - 1))
+        self.metrics.finished(c.reasons, c.prompt_tokens, c.tokens, now - c.arrival, c.queue_s)
+
     def _fail_all(self) -> None:
+        now = time.perf_counter()
         for s in self.streams.values():
+            self._end(s.call, "error", None, now)
             s.events.put_nowait(Event(s.choice, "", error=self.failure))
         self.streams.clear()
 
@@ -149,7 +180,7 @@ class EngineClient:
                     self._call(self._dispatch, msg)
                 elif isinstance(msg, Ready):
                     self.info = msg.info
-                    self.metrics.total_pages = msg.info.total_pages
+                    self.metrics.pages_total.set(msg.info.total_pages)
                     self.ready.set()
                 elif isinstance(msg, StartFailed):
                     self._failed(msg.reason)

@@ -1,82 +1,118 @@
-"""The server's Prometheus metrics, in the text exposition format: requests running and waiting,
-KV pages, prefix-cache hit tokens, finished requests by reason, and TTFT and TPOT histograms.
+"""The server's Prometheus metrics (prometheus_client), named as vLLM's under a `flexsgl:` prefix,
+each with a `model_name` label.
 
-The HTTP process's event loop writes them: the engine's counters and gauges as they arrive with
-each step (engine_client.py), TTFT and TPOT from when each request's tokens arrive.
+Requests are counted as requests: one HTTP request (whatever its prompts and n) is one request in
+every counter and histogram here, and its tokens are all its choices' tokens.
+
+- Gauges (the engine's, after every step): num_requests_running, num_requests_waiting (engine
+  requests: one per choice, as the scheduler holds them), kv_cache_usage_perc (the share of KV
+  pages held by running requests, 0 to 1), kv_pages_used, kv_pages_cached, kv_pages_free,
+  kv_pages_total.
+- Counters: prompt_tokens_total, generation_tokens_total, request_success_total (by
+  finished_reason: stop, length, abort, error; a request whose choices ended differently counts
+  under the first of error, abort, length, stop), prefix_cache_queries_total and
+  prefix_cache_hits_total (prompt tokens looked up, and found, in the prefix cache; the engine's),
+  num_preemptions_total.
+- Histograms (seconds): time_to_first_token_seconds, inter_token_latency_seconds (every gap between
+  a request's token arrivals), time_per_output_token_seconds (a request's mean gap),
+  e2e_request_latency_seconds, request_queue_time_seconds (its longest wait for admission), and
+  request_prompt_tokens and request_generation_tokens.
+
+The HTTP process's event loop writes them: the engine's gauges and counters as they arrive with
+each step (engine_client.py), latencies from when each request's events arrive.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (the /metrics media type)
 
-# Seconds; the buckets vLLM uses for TTFT and for time per output token.
+prometheus_client.disable_created_metrics()  # no `_created` series beside each counter and histogram
+
+PREFIX = "flexsgl:"
+# Seconds; vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.sum, self.count = 0.0, 0
-        self.lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        with self.lock:
-            for i, b in enumerate(self.buckets):
-                if value <= b:
-                    self.counts[i] += 1
-            self.sum += value
-            self.count += 1
-
-    def lines(self, name: str, help: str) -> list[str]:
-        with self.lock:
-            counts, total, n = list(self.counts), self.sum, self.count
-        out = [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
-        out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, counts)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {n}', f"{name}_sum {total}", f"{name}_count {n}"]
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+FINISH_ORDER = ("error", "abort", "length", "stop")
 
 
 class Metrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.engine_stats: dict = {}  # LLM.stats(), replaced after every step
-        self.total_pages = 0
-        self.requests_received = 0
-        self.finished: Counter = Counter()
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
+        self.registry = CollectorRegistry()
+        label = ["model_name"]
 
-    def render(self) -> str:
-        s = self.engine_stats
-        gauges = [
-            ("num_requests_running", "Requests running (admitted, holding KV pages).", s.get("running", 0)),
-            ("num_requests_waiting", "Requests waiting to be admitted.", s.get("waiting", 0)),
-            ("kv_pages_used", "KV pages held by running requests.", s.get("pages_running", 0)),
-            ("kv_pages_cached", "KV pages held by the prefix cache only (evictable when unreferenced).",
-             s.get("pages_cached", 0)),
-            ("kv_pages_free", "KV pages free.", s.get("pages_free", 0)),
-            ("kv_pages_total", "KV pages in the pool (the dummy page excluded).", self.total_pages),
-        ]
-        counters = [
-            ("prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.",
-             s.get("prefix_hit_tokens", 0)),
-            ("prompt_tokens_total", "Prompt tokens of requests that produced a token.", s.get("prompt_tokens", 0)),
-            ("requests_received_total", "HTTP requests handed to the engine.", self.requests_received),
-            ("preemptions_total", "Requests preempted for KV pages.", s.get("preemptions", 0)),
-        ]
-        out = []
-        for name, help, value in gauges:
-            out += [f"# HELP flexsgl_{name} {help}", f"# TYPE flexsgl_{name} gauge", f"flexsgl_{name} {value}"]
-        for name, help, value in counters:
-            out += [f"# HELP flexsgl_{name} {help}", f"# TYPE flexsgl_{name} counter", f"flexsgl_{name} {value}"]
-        name = "flexsgl_requests_finished_total"
-        out += [f"# HELP {name} Requests finished, by reason.", f"# TYPE {name} counter"]
-        out += [f'{name}{{reason="{r}"}} {n}' for r, n in sorted(dict(self.finished).items())]
-        out += self.ttft.lines("flexsgl_time_to_first_token_seconds", "Time from arrival to the first token.")
-        out += self.tpot.lines("flexsgl_time_per_output_token_seconds",
-                               "Mean time between a request's tokens after its first.")
-        return "\n".join(out) + "\n"
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, label, registry=self.registry).labels(model_name)
+
+        def counter(name, doc, extra=()):
+            c = Counter(PREFIX + name, doc, label + list(extra), registry=self.registry)
+            return c if extra else c.labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Engine requests running (admitted, holding KV pages).")
+        self.waiting = gauge("num_requests_waiting", "Engine requests waiting to be admitted.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV pages held by running requests (0 to 1).")
+        self.pages_used = gauge("kv_pages_used", "KV pages held by running requests.")
+        self.pages_cached = gauge("kv_pages_cached", "KV pages held by the prefix cache only (evictable).")
+        self.pages_free = gauge("kv_pages_free", "KV pages free.")
+        self.pages_total = gauge("kv_pages_total", "KV pages in the pool (the dummy page excluded).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests.")
+        self.success = counter("request_success", "Requests finished, by finish reason.", ["finished_reason"])
+        self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Engine requests preempted for KV pages.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to a request's first token.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's token arrivals.", ITL_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "A request's mean time between tokens after its "
+                              "first.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to a request's end.", LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Time a request waited to be admitted.",
+                               LATENCY_BUCKETS)
+        self.prompt_hist = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.generation_hist = histogram("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
+        self._seen = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
+
+    def engine(self, stats: dict, total_pages: int) -> None:
+        """The engine's stats after a step (LLM.stats())."""
+        self.running.set(stats.get("running", 0))
+        self.waiting.set(stats.get("waiting", 0))
+        used = stats.get("pages_running", 0)
+        self.pages_used.set(used)
+        self.pages_cached.set(stats.get("pages_cached", 0))
+        self.pages_free.set(stats.get("pages_free", 0))
+        self.pages_total.set(total_pages)
+        self.kv_usage.set(used / total_pages if total_pages else 0.0)
+        for key, stat, counter in (("prefix_queries", "prompt_tokens", self.cache_queries),
+                                   ("prefix_hits", "prefix_hit_tokens", self.cache_hits),
+                                   ("preemptions", "preemptions", self.preemptions)):
+            value = stats.get(stat, 0)
+            if value > self._seen[key]:
+                counter.inc(value - self._seen[key])
+                self._seen[key] = value
+
+    def finished(self, reasons: list[str], prompt_tokens: int, generated: int, e2e: float,
+                 queue: float | None) -> None:
+        """One request's end: its choices' finish reasons and token counts, its latency and queue time."""
+        reason = next((r for r in FINISH_ORDER if r in reasons), reasons[0] if reasons else "abort")
+        self.success.labels(self.model_name, reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
+        self.prompt_hist.observe(prompt_tokens)
+        self.generation_hist.observe(generated)
+        self.e2e.observe(e2e)
+        if queue is not None:
+            self.queue.observe(queue)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,10 +1,13 @@
 """The OpenAI request bodies the server takes (pydantic models) and how they become SamplingParams.
 
 Types are checked by pydantic, ranges by SamplingParams: either failure is answered with 400 and
-an OpenAI error body (app.py). Fields a client leaves out take the model's defaults (its
-generation_config.json), then SamplingParams' own. Besides OpenAI's fields, the sampling fields
-vLLM and SGLang take are accepted: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, include_stop_str_in_output. Unknown fields are ignored, as vLLM does.
+an OpenAI error body (errors.py). Fields a client leaves out take the model's defaults (its
+generation_config.json), then SamplingParams' own. Besides OpenAI's fields, the fields vLLM and
+SGLang take are accepted: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, include_stop_str_in_output, prompt_logprobs, chat_template_kwargs, and the
+structured-output constraints (`structured_outputs` {json, regex, choice, grammar, json_object},
+and the older guided_json, guided_regex, guided_grammar, guided_choice). Unknown fields are
+ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from flexsgl.errors import PromptError, SamplingParamsError
 from flexsgl.sampling.params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from flexsgl.sampling.structured import StructuredOutputsParams
 
 Number = StrictFloat  # ints too; not strings or booleans
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
 
 
 class StreamOptions(BaseModel):
@@ -47,15 +52,22 @@ class SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Number] | None = None
+    prompt_logprobs: StrictInt | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
     user: str | None = None
 
-    COPIED: ClassVar[tuple[str, ...]] = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "include_stop_str_in_output",
-              "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+    COPIED: ClassVar[tuple[str, ...]] = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
+                                         "include_stop_str_in_output", "ignore_eos", "presence_penalty",
+                                         "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs")
 
-    def sampling(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """These fields over `defaults`; raises SamplingParamsError (400) for a value out of range."""
-        if self.logit_bias:
-            raise SamplingParamsError("logit_bias is not supported.")
+    def sampling(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
+                 structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """These fields over `defaults`; raises SamplingParamsError (400) for a value out of range.
+        `structured`: a constraint the endpoint derived (response_format, tool_choice)."""
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed with stream: true.")
         given = {name: getattr(self, name) for name in self.COPIED if getattr(self, name) is not None}
@@ -63,11 +75,36 @@ class SamplingFields(BaseModel):
             given["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if max_tokens is not None:  # checked under OpenAI's name, replacing the model's default
             given.update(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, max_tokens=max_tokens)
+        if self.logit_bias:
+            given["logit_bias"] = {_token_key(k): v for k, v in self.logit_bias.items()}
+        own = self.structured()
+        if own is not None and structured is not None:
+            raise SamplingParamsError("Give one constraint on the output: structured_outputs (or a guided_ field) "
+                                      "cannot be combined with response_format or a required tool call.")
+        given["structured_outputs"] = own or structured
         return defaults.replace(logprobs=logprobs, **given)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The constraint of structured_outputs or the guided_ fields, if any (one at most)."""
+        given = {field: getattr(self, name) for name, field in GUIDED.items() if getattr(self, name) is not None}
+        if self.structured_outputs is not None:
+            if given:
+                raise SamplingParamsError("Give structured_outputs or a guided_ field, not both.")
+            return StructuredOutputsParams.of(self.structured_outputs)
+        if len(given) > 1:
+            raise SamplingParamsError(f"Give one guided_ field, got {', '.join('guided_' + k for k in given)}.")
+        return StructuredOutputsParams.of(given) if given else None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _token_key(key: str) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        raise SamplingParamsError(f"logit_bias keys must be token ids, got {key[:40]!r}.") from None
 
 
 class CompletionRequest(SamplingFields):
@@ -87,14 +124,15 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
     def to_sampling(self, defaults: SamplingParams) -> SamplingParams:
-        if self.echo:
-            raise SamplingParamsError("echo is not supported.")
         if self.suffix:
             raise SamplingParamsError("suffix is not supported.")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise SamplingParamsError("best_of is not supported (other than equal to n).")
+        sp = self.sampling(defaults, self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None and sp.prompt_logprobs is None:  # echo shows the prompt's too
+            sp = sp.replace(prompt_logprobs=self.logprobs)
         # OpenAI's default for completions is 16 tokens; a model's generation_config may say otherwise.
-        return self.sampling(defaults, self.max_tokens, self.logprobs)
+        return sp
 
 
 class ChatMessage(BaseModel):
@@ -102,6 +140,13 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatRequest(SamplingFields):
@@ -112,20 +157,40 @@ class ChatRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
 
-    def to_sampling(self, defaults: SamplingParams, room: int) -> SamplingParams:
-        """`room`: tokens left in the context after the prompt, the default limit (as vLLM)."""
-        if self.tools:
-            raise SamplingParamsError("tools are not supported.")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise SamplingParamsError("response_format other than text is not supported.")
+    def to_sampling(self, defaults: SamplingParams, room: int,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """`room`: tokens left in the context after the prompt, the default limit (as vLLM);
+        `structured`: the constraint a required or named tool call puts on the output."""
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs needs logprobs: true.")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if limit is None:
             limit = max(1, room)
-        return self.sampling(defaults, limit, (self.top_logprobs or 0) if self.logprobs else None)
+        formatted = self.response_format_constraint()
+        if formatted is not None and structured is not None:
+            raise SamplingParamsError("response_format cannot be combined with a required or named tool call.")
+        return self.sampling(defaults, limit, (self.top_logprobs or 0) if self.logprobs else None,
+                             formatted or structured)
+
+    def response_format_constraint(self) -> StructuredOutputsParams | None:
+        """response_format as a constraint: json_schema (its `schema`), json_object, or none for text."""
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if rf.type == "json_schema":
+            schema = (rf.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise SamplingParamsError("response_format of type json_schema needs json_schema.schema, "
+                                          "a JSON schema object.")
+            return StructuredOutputsParams(json=schema)
+        raise SamplingParamsError(f"response_format type must be text, json_object or json_schema, "
+                                  f"got {rf.type[:40]!r}.")
 
     def message_dicts(self) -> list[dict]:
         """The messages for apply_chat_template; content given as parts is joined from its text parts."""
@@ -142,3 +207,34 @@ class ChatRequest(SamplingFields):
             out.append(d)
         return out
 
+    def characters(self) -> int:
+        """Characters of the messages' text (checked against the context before rendering)."""
+        n = 0
+        for m in self.messages:
+            if isinstance(m.content, str):
+                n += len(m.content)
+            elif isinstance(m.content, list):
+                n += sum(len(p.get("text", "")) for p in m.content if isinstance(p.get("text"), str))
+        return n
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[StrictInt]

@@ -1,7 +1,9 @@
 """OpenAI response bodies and stream chunks, for completions and chat completions alike.
 
 `Choices` gathers the events of one HTTP request's choices (prompts x n) into text, token ids and
-log-probabilities, and turns them into a whole response or into one chunk per event.
+log-probabilities, and turns them into a whole response or into one chunk per event: a chat
+choice's text goes through its MessageParser (message.py: reasoning and tool calls), a completion
+choice's starts with its prompt when echoed.
 """
 
 from __future__ import annotations
@@ -9,18 +11,19 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Callable
 
 from flexsgl.request import TokenLogprobs
+from flexsgl.serve.message import MessageParser
 from flexsgl.serve.messages import Event
 
 
-def error_body(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
-
-
 class Choices:
-    def __init__(self, chat: bool, model: str, tokenizer, n_choices: int, prompt_tokens: int):
+    """`parser`: makes each chat choice's MessageParser (reasoning, tool calls); `echo`: each
+    completion choice's prompt text, put before its output (completions' echo)."""
+
+    def __init__(self, chat: bool, model: str, tokenizer, n_choices: int, prompt_tokens: int,
+                 parser: Callable[[], MessageParser] | None = None, echo: list[str] | None = None):
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -28,7 +31,10 @@ class Choices:
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n_choices)]
         self.outputs = [None] * n_choices
         self.prompt_tokens = prompt_tokens
-        self.started: set[int] = set()  # chat choices whose role chunk went out
+        self.parser = parser
+        self.parsers = [parser() for _ in range(n_choices)] if chat and parser is not None else None
+        self.echo = echo
+        self.started: set[int] = set()  # choices whose first chunk (a chat's role, a completion's echo) went out
         self._template: tuple[str, str, str] | None = None  # _token_chunk's pieces, made on first use
 
     @property
@@ -53,9 +59,25 @@ class Choices:
     def response(self, want_logprobs: bool) -> dict:
         choices = []
         for i, (text, out) in enumerate(zip(self.texts, self.outputs)):
-            lp = self._logprobs(self.logprobs[i], 0) if want_logprobs else None
-            c = {"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "logprobs": lp}
-            c.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            c = {"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "logprobs": None}
+            if self.chat:
+                p = self.parser() if self.parser is not None else None
+                if p is None:
+                    c["message"] = {"role": "assistant", "content": text}
+                else:
+                    p.feed(text)
+                    p.finish()
+                    c["message"], c["finish_reason"] = p.message(), p.finish_reason(out.finish_reason)
+                if want_logprobs:
+                    c["logprobs"] = self._logprobs(self.logprobs[i], 0)
+            else:
+                echo = self.echo[i] if self.echo else ""
+                c["text"] = echo + text
+                if want_logprobs:
+                    prompt = self._prompt_entries(out) if echo else []
+                    c["logprobs"] = self._logprobs(self.logprobs[i], len(echo), prompt)
+            if out.prompt_logprobs is not None:
+                c["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs)
             choices.append(c)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
@@ -65,22 +87,43 @@ class Choices:
     def chunk(self, ev: Event, want_logprobs: bool, include_usage: bool) -> list[str]:
         """The SSE lines of one event (a chat choice's first one also sends its role)."""
         out = []
-        if self.chat and ev.choice not in self.started:
-            self.started.add(ev.choice)
+        first = ev.choice not in self.started
+        self.started.add(ev.choice)
+        if self.chat and first:
             out.append(self._chunk({"index": ev.choice, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}, include_usage))
-        if not ev.text and not ev.token_ids and ev.output is None:
+        text = ev.text
+        echo = self.echo[ev.choice] if self.echo and not self.chat else ""
+        if first and echo:
+            text = echo + text
+        delta = None
+        if self.parsers is not None:
+            p = self.parsers[ev.choice]
+            delta = p.feed(ev.text)
+            if ev.output is not None:
+                delta = _merge(delta, p.finish())
+        if not text and not ev.token_ids and ev.output is None:
             return out
-        if ev.output is None and not (want_logprobs and ev.logprobs):  # a token mid-stream: the common chunk
-            out.append(self._token_chunk(ev.choice, ev.text, include_usage))
+        mid = ev.output is None and not (want_logprobs and ev.logprobs)
+        if mid and (delta is None or delta == {"content": text}):  # a token mid-stream: the common chunk
+            out.append(self._token_chunk(ev.choice, text, include_usage))
             return out
-        offset = len(self.texts[ev.choice]) - len(ev.text)
+        if mid and not delta:  # the parsers hold this token's text back
+            return out
+        offset = len(self.texts[ev.choice]) - len(ev.text) + len(echo)
         lp = self._logprobs(ev.logprobs, offset) if want_logprobs and ev.logprobs else None
-        c = {"index": ev.choice, "logprobs": lp,
-             "finish_reason": None if ev.output is None else ev.output.finish_reason}
+        reason = None if ev.output is None else ev.output.finish_reason
+        if reason is not None and self.parsers is not None:
+            reason = self.parsers[ev.choice].finish_reason(reason)
+        c = {"index": ev.choice, "logprobs": lp, "finish_reason": reason}
         if ev.output is not None:
             c["stop_reason"] = ev.output.stop_reason
-        c.update({"delta": {"content": ev.text} if ev.text else {}} if self.chat else {"text": ev.text})
+            if ev.output.prompt_logprobs is not None:
+                c["prompt_logprobs"] = self._prompt_logprobs(ev.output.prompt_logprobs)
+        if self.chat:
+            c["delta"] = delta if delta is not None else ({"content": text} if text else {})
+        else:
+            c["text"] = text
         out.append(self._chunk(c, include_usage))
         return out
 
@@ -118,7 +161,9 @@ class Choices:
     def _token(self, token_id: int) -> str:
         return str(token_id) if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def _logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict:
+    def _logprobs(self, lps: list[TokenLogprobs], offset: int, prompt: list | None = None) -> dict:
+        """OpenAI's logprobs of `lps`; a completion's `prompt` entries ((token, logprob or None,
+        top or None) per echoed prompt token) come first, from text offset 0."""
         if self.chat:
             def entry(tid: int, lp: float) -> dict:
                 text = self._token(tid)
@@ -126,13 +171,49 @@ class Choices:
 
             return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
                                 for t in lps]}
-        tokens = [self._token(t.token_id) for t in lps]
-        offsets = []
+        prompt = prompt or []
+        tokens = [p[0] for p in prompt] + [self._token(t.token_id) for t in lps]
+        offsets, at = [], offset - sum(len(p[0]) for p in prompt)
         for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
-                "top_logprobs": [{self._token(i): v for i, v in t.top} for t in lps], "text_offset": offsets}
+            offsets.append(at)
+            at += len(tok)
+        return {"tokens": tokens, "token_logprobs": [p[1] for p in prompt] + [t.logprob for t in lps],
+                "top_logprobs": [p[2] for p in prompt] + [{self._token(i): v for i, v in t.top} for t in lps],
+                "text_offset": offsets}
+
+    def _prompt_entries(self, out) -> list:
+        """(token text, its log-probability, its top log-probabilities) per prompt token, for echo."""
+        lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return [(self._token(t), None if lp is None else lp.logprob,
+                 None if lp is None else {self._token(i): v for i, v in lp.top}) for t, lp in zip(out.prompt_token_ids, lps)]
+
+    def _prompt_logprobs(self, lps: list) -> list:
+        """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob,
+        rank (where among the top ones), decoded_token}} for the token itself and the top ones."""
+        out = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entries = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": self._token(i)}
+                       for r, (i, v) in enumerate(lp.top)}
+            if str(lp.token_id) not in entries:
+                entries[str(lp.token_id)] = {"logprob": lp.logprob, "rank": None, "decoded_token": self._token(lp.token_id)}
+            out.append(entries)
+        return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    """Two deltas of one choice as one."""
+    out = dict(a)
+    for k, v in b.items():
+        if k == "tool_calls":
+            out[k] = out.get(k, []) + v
+        elif k in out:
+            out[k] += v
+        else:
+            out[k] = v
+    return out
 
 
 def sse(body: dict) -> str:

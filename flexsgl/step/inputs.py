@@ -37,6 +37,8 @@ class StepInputs:
     write_slots: torch.Tensor  # the token buffer slot of each sampled row
     rows: int  # rows sampled (they come first among the logits rows)
     graphed: bool  # replays a CUDA graph: fb is the graph's static batch
+    prompt_targets: torch.Tensor | None = None  # [P] int64: the prompt token each next logits row predicts
+    prompt_k: int = 0  # top log-probabilities of prompt tokens
 
 
 def upload(plan: StepPlan, device: torch.device, tokens: TokenBuffer, counts: TokenCounts,
@@ -53,6 +55,7 @@ def upload(plan: StepPlan, device: torch.device, tokens: TokenBuffer, counts: To
                    q_offsets=plan.offsets)
         i64 = pack(device, torch.int64, input_ids=plan.ids, positions=plan.positions, out_slots=plan.slots,
                    logits_index=plan.logits_index, decode_slots=plan.decode_slots, write_slots=plan.write_slots,
+                   **({"prompt_targets": list(plan.prompt_targets)} if plan.prompt_targets else {}),
                    **plan.sampling_i64, **plan.variant_i64)
         fb = ForwardBatch(
             mode=plan.mode, input_ids=tokens.read(i64["decode_slots"]) if plan.mode == "decode" else i64["input_ids"],
@@ -69,7 +72,7 @@ def upload(plan: StepPlan, device: torch.device, tokens: TokenBuffer, counts: To
         values = {name.removeprefix("variant_"): t for name, t in {**i64, **f32}.items() if name.startswith("variant_")}
         variants.write(fb.req_slots[:n], values)
     st = sampling_batch.make_tensors(plan.flags, i64, f32, counts, write_slots)
-    return StepInputs(fb, st, write_slots, plan.flags.rows, plan.graphed)
+    return StepInputs(fb, st, write_slots, plan.flags.rows, plan.graphed, i64.get("prompt_targets"), plan.prompt_k)
 
 
 def _into_graph(plan: StepPlan, graphs: GraphManager, device: torch.device) -> ForwardBatch:

@@ -45,6 +45,12 @@ class StepPlan:
     # written at their slots: {name: values}, integers and floats apart
     variant_i64: dict = field(default_factory=dict)
     variant_f32: dict = field(default_factory=dict)
+    # Prompt log-probabilities (prefill): the next prompt token of each logits row after the sampled
+    # ones, the most top log-probabilities asked for, and per request (its index in the batch, the
+    # index of its first target token, how many).
+    prompt_targets: list[int] = ()
+    prompt_k: int = 0
+    prompt_spans: list[tuple[int, int, int]] = ()
 
 
 def plan_step(batch: ScheduledBatch, shape: StepShape, page_size: int, pad_slot: int,
@@ -71,11 +77,12 @@ def plan_step(batch: ScheduledBatch, shape: StepShape, page_size: int, pad_slot:
                  + [one + DUMMY_PAGE * ps] * pad)
         offsets = [0, *accumulate(q_lens)][:-1]
     sampled = [r for r, s in zip(reqs, batch.samples) if s]
-    n_logits = shape.logits_rows(batch.mode, rows, len(sampled))
+    prompt_rows, prompt_targets, prompt_spans = ([], [], []) if decode else _prompt_logprob_rows(batch, offsets)
+    n_logits = shape.logits_rows(batch.mode, rows, len(sampled) + len(prompt_rows))
     if decode:
         logits_index = list(range(n_logits))
-    else:  # rows past the sampled ones are computed and dropped
-        last = [o + n - 1 for o, n, s in zip(offsets, q_lens, batch.samples) if s]
+    else:  # rows past the sampled ones (and the prompt log-probabilities' rows) are computed and dropped
+        last = [o + n - 1 for o, n, s in zip(offsets, q_lens, batch.samples) if s] + prompt_rows
         logits_index = last + [offsets[-1]] * (n_logits - len(last))
     sampling_i64, sampling_f32 = sampling_batch.host_parts(sampled, not decode)
     variant_i64, variant_f32 = {}, {}
@@ -89,7 +96,24 @@ def plan_step(batch: ScheduledBatch, shape: StepShape, page_size: int, pad_slot:
         offsets=offsets, ids=ids, positions=positions, slots=slots, logits_index=logits_index,
         decode_slots=[r.slot for r in reqs] + [pad_slot] * pad, write_slots=[r.slot for r in sampled],
         sampling_i64=sampling_i64, sampling_f32=sampling_f32, flags=sampling_batch.host_flags(sampled),
-        num_kv_pages=shape.kv_pages(tables), variant_i64=variant_i64, variant_f32=variant_f32)
+        num_kv_pages=shape.kv_pages(tables), variant_i64=variant_i64, variant_f32=variant_f32,
+        prompt_targets=prompt_targets, prompt_spans=prompt_spans,
+        prompt_k=max((reqs[i].sampling.prompt_logprobs for i, _, _ in prompt_spans), default=0))
+
+
+def _prompt_logprob_rows(batch: ScheduledBatch, offsets: list[int]) -> tuple[list[int], list[int], list]:
+    """For the requests that want their prompt's log-probabilities: the packed token rows of this
+    chunk whose logits predict a prompt token still unreported, those tokens, and the spans."""
+    rows, targets, spans = [], [], []
+    for i, (r, s, n) in enumerate(zip(batch.requests, batch.starts, batch.num_new)):
+        if r.prompt_logprobs is None:
+            continue
+        lo, hi = max(s, len(r.prompt_logprobs) - 1), min(s + n, r.prompt_len - 1)
+        if lo < hi:
+            rows += range(offsets[i] + lo - s, offsets[i] + hi - s)
+            targets += r.prompt_ids[lo + 1:hi + 1]
+            spans.append((i, lo + 1, hi - lo))
+    return rows, targets, spans
 
 
 def padding_plan(rows: int, shape: StepShape, page_size: int, pad_slot: int) -> StepPlan:

@@ -1,0 +1,244 @@
+"""Structured outputs through xgrammar: a request's constraint parsed (and checked), compiled for
+the tokenizer off the step loop and cached, a matcher per request that follows its tokens, and the
+token mask of each step's rows, filled on the host for sampler.apply_token_mask.
+
+- parse(): a StructuredOutputsParams as an xgrammar Grammar; a schema, regex or grammar that does
+  not parse raises SamplingParamsError (the server answers 400). Cached by constraint.
+- GrammarCompiler: compiles Grammars for one tokenizer on worker threads (xgrammar's compiler,
+  which caches compiled grammars); `submit` returns a Future.
+- GrammarQueue: the engine's requests waiting for their grammar, outside the scheduler; `ready()`
+  hands back, in the order they came, those whose grammar has compiled (with their Matcher) and
+  those whose grammar failed to compile (with the reason).
+- Matcher: one request's place in its grammar: it accepts each sampled token, and ends the request
+  once the grammar is complete (with a stop token, or without one when the request has none).
+- GrammarCompiler.fill_mask(): the TokenMask (sampler.py) of a step's sampled rows; a row without
+  a grammar (or whose grammar has ended) allows every token. With many rows and cores to spare,
+  xgrammar's batch matcher fills them on several threads.
+
+The grammar sees the tokenizer's own vocabulary (for the presets' byte tokenizer, 256 tokens): ids
+past it, up to the model's vocab_size (padding rows of the embedding), are never allowed in a
+constrained row. The mask holds the grammar's vocabulary only: for a 256-token one, 8 words a row
+to fill and upload instead of 4,748 for a padded 152k.
+
+JSON schemas are compiled without free whitespace (`, ` and `: ` separators, no newlines), so a
+model cannot wander in whitespace; xgrammar is imported on first use.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import os
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from flexsgl.errors import SamplingParamsError
+from flexsgl.sampling.sampler import TokenMask
+from flexsgl.sampling.structured import StructuredOutputsParams
+
+if TYPE_CHECKING:  # requests are read and given their matcher here, never made
+    from flexsgl.request import Request
+
+COMPILE_THREADS = 2
+BATCH_FILL_ROWS = 16  # rows from which the mask is filled on several threads (where there are cores)
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+?:\d+:\s*")  # "[06:25:51] /project/cpp/x.cc:83: "
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError:
+        raise SamplingParamsError("Structured outputs need xgrammar: pip install xgrammar.") from None
+    return xgrammar
+
+
+@functools.lru_cache(maxsize=256)
+def parse(spec: StructuredOutputsParams):
+    """`spec` as an xgrammar Grammar; one that cannot be parsed raises SamplingParamsError."""
+    xgr = _xgr()
+    kind = spec.kind
+    try:
+        if kind == "json":
+            try:
+                schema = json.loads(spec.json)
+            except ValueError as e:
+                raise SamplingParamsError(f"The JSON schema is not JSON ({e}).") from None
+            if not isinstance(schema, dict):
+                raise SamplingParamsError("The JSON schema must be a JSON object.")
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except SamplingParamsError:
+        raise
+    except Exception as e:
+        what = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+                "grammar": "grammar", "choice": "choice list"}[kind]
+        raise SamplingParamsError(f"The {what} of structured_outputs cannot be used: {_message(e)}.") from None
+
+
+def _message(e: Exception) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    text = _XGRAMMAR_PREFIX.sub("", lines[0] if lines else type(e).__name__).strip().rstrip(".")
+    return text[:300]
+
+
+def tokenizer_info(tokenizer, vocab_size: int):
+    """xgrammar's view of `tokenizer` (at most the model's `vocab_size` tokens): a transformers
+    tokenizer's vocabulary, or for the byte tokenizer of the presets, one byte per token id below 256."""
+    xgr = _xgr()
+    from flexsgl.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        vocab = [bytes([i]) for i in range(min(256, vocab_size))]
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[])
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=min(vocab_size, len(tokenizer)))
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer on COMPILE_THREADS worker threads, one Future per
+    distinct constraint (xgrammar caches the compiled grammars too)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        xgr = _xgr()
+        self.vocab_size = vocab_size  # the model's (its logits' width)
+        self.info = tokenizer_info(tokenizer, vocab_size)
+        self.grammar_vocab = self.info.vocab_size  # the tokens a grammar sees
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS)
+        self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="flexsgl-grammar")
+        self._futures: dict[StructuredOutputsParams, Future] = {}
+        threads = min(8, (os.cpu_count() or 1) // 2)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=threads) if threads >= 2 else None
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """A Future of `spec` compiled (its exception: SamplingParamsError, saying why)."""
+        fut = self._futures.get(spec)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            fut = self._futures[spec] = self.pool.submit(self._compile, spec)
+        return fut
+
+    def _compile(self, spec: StructuredOutputsParams):
+        grammar = parse(spec)
+        try:
+            return self.compiler.compile_grammar(grammar)
+        except Exception as e:
+            raise SamplingParamsError(f"The {spec.kind} of structured_outputs could not be compiled for this "
+                                      f"tokenizer: {_message(e)}.") from None
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def fill_mask(self, matchers: list[Matcher | None], pinned: bool) -> TokenMask:
+        """The TokenMask of a step's sampled rows, on the host (pinned memory for a CUDA upload):
+        each live matcher's allowed tokens, every token in the other rows."""
+        rows, words = len(matchers), bitmask_words(self.grammar_vocab)
+        flat = torch.empty(rows * words + rows, dtype=torch.int32, pin_memory=pinned)
+        host = flat.numpy()
+        host.fill(-1)
+        mask = TokenMask(flat, rows, self.grammar_vocab)
+        live = [(row, m.matcher) for row, m in enumerate(matchers) if m is not None and not m.ended]
+        if not live:
+            return mask
+        host[rows * words + np.fromiter((row for row, _ in live), dtype=np.int64, count=len(live))] = 0
+        bits = mask.words
+        if self.batch is not None and len(live) >= BATCH_FILL_ROWS:
+            self.batch.batch_fill_next_token_bitmask([m for _, m in live], bits, [row for row, _ in live])
+        else:
+            for row, m in live:
+                m.fill_next_token_bitmask(bits, row)
+        return mask
+
+
+class GrammarQueue:
+    """Requests waiting for their grammar to compile (the compiler is made for the first one)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.compiler: GrammarCompiler | None = None
+        self.waiting: list[tuple[Request, Future]] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, req: Request) -> None:
+        if self.compiler is None:
+            self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self.waiting.append((req, self.compiler.submit(req.sampling.structured_outputs)))
+
+    def discard(self, req: Request) -> None:
+        self.waiting = [(r, f) for r, f in self.waiting if r is not req]
+
+    def ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """(the requests whose grammar compiled, each given its Matcher; the requests whose grammar
+        failed, with why), taken off the queue, in the order they came."""
+        if not any(f.done() for _, f in self.waiting):
+            return [], []
+        compiled, failed, still = [], [], []
+        for req, fut in self.waiting:
+            if not fut.done():
+                still.append((req, fut))
+            elif fut.exception() is not None:
+                failed.append((req, str(fut.exception())))
+            else:
+                req.grammar = Matcher(fut.result(), req.stop_ids)
+                compiled.append(req)
+        self.waiting = still
+        return compiled, failed
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a grammar to compile."""
+        if self.waiting:
+            concurrent.futures.wait([f for _, f in self.waiting], timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def fill_mask(self, matchers: list[Matcher | None], pinned: bool) -> TokenMask:
+        return self.compiler.fill_mask(matchers, pinned)
+
+    def shutdown(self) -> None:
+        if self.compiler is not None:
+            self.compiler.shutdown()
+
+
+class Matcher:
+    """One request's state in its compiled grammar. `stop_ids`: the request's stop tokens (those in
+    the grammar's vocabulary); with none (ignore_eos and no stop_token_ids) the grammar ends the
+    output once it is complete. `ended`: the grammar allows nothing more (it took a stop token, or
+    is complete without one)."""
+
+    def __init__(self, compiled, stop_ids: tuple[int, ...]):
+        xgr = _xgr()
+        self.stops = frozenset(t for t in stop_ids if t < compiled.tokenizer_info.vocab_size)
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(self.stops) or None,
+                                          terminate_without_stop_token=not self.stops)
+        self.ended = False
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it."""
+        return accept_tokens([self], [token])[0]
+
+
+def accept_tokens(matchers: list[Matcher], tokens: list[int]) -> list[bool]:
+    """Advance each matcher by its token, in one call into xgrammar; whether each was allowed."""
+    ok = _xgr().BatchGrammarMatcher.batch_accept_token([m.matcher for m in matchers], tokens)
+    for m, t, accepted in zip(matchers, tokens, ok):
+        if accepted:  # with stop tokens the grammar ends on one; without, once it is complete
+            m.ended = t in m.stops if m.stops else m.matcher.is_terminated()
+    return ok
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allowed_tokens(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids a row of mask words allows (xgrammar's layout), below `vocab_size`."""
+    bits = np.unpackbits(mask_row.astype("<i4").view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits)

@@ -1,0 +1,90 @@
+"""StructuredOutputsParams: the constraint a request's output must follow, as vLLM names it.
+
+Exactly one of: `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (the output
+is one of these strings), `grammar` (EBNF in xgrammar's GBNF dialect) or `json_object` (any JSON
+object). Checked for type here; whether the schema, regex or grammar itself is valid is checked
+when it is parsed (sampling/grammar.py), before the request runs.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from functools import partial
+
+from flexsgl.errors import SamplingParamsError, short_repr
+
+MAX_CHOICES = 1024
+MAX_SPEC_CHARS = 1_000_000  # a schema, regex or grammar longer than this is refused
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: str | None = None  # a JSON schema's text (a dict given here is dumped)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        put = partial(object.__setattr__, self)
+        if self.json is not None:
+            if isinstance(self.json, bool) or not isinstance(self.json, (str, Mapping)):
+                raise SamplingParamsError(f"structured_outputs json must be a JSON schema (an object or its JSON "
+                                          f"text), got {short_repr(self.json)}.")
+            if isinstance(self.json, Mapping):
+                try:
+                    put("json", jsonlib.dumps(self.json))
+                except (TypeError, ValueError) as e:
+                    raise SamplingParamsError(f"structured_outputs json is not JSON ({e}).") from None
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(f"structured_outputs {name} must be a non-empty string, "
+                                          f"got {short_repr(value)}.")
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes, Mapping)) or not isinstance(self.choice, Iterable):
+                raise SamplingParamsError(f"structured_outputs choice must be a list of strings, "
+                                          f"got {short_repr(self.choice)}.")
+            choice = tuple(self.choice)
+            if not choice or len(choice) > MAX_CHOICES or not all(isinstance(c, str) and c for c in choice):
+                raise SamplingParamsError(f"structured_outputs choice must hold 1 to {MAX_CHOICES} non-empty "
+                                          f"strings, got {short_repr(self.choice)}.")
+            put("choice", choice)
+        if not isinstance(self.json_object, bool):
+            raise SamplingParamsError(f"structured_outputs json_object must be True or False, "
+                                      f"got {short_repr(self.json_object)}.")
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError("structured_outputs takes exactly one of json, regex, choice, grammar and "
+                                      f"json_object, got {', '.join(given) if given else 'none'}.")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise SamplingParamsError(f"structured_outputs {self.kind} has {len(self.spec)} characters; at most "
+                                      f"{MAX_SPEC_CHARS} are allowed.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, regex, choice, grammar or json_object."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint's text (choices joined by newlines), for messages and sizes."""
+        value = getattr(self, self.kind)
+        return "\n".join(value) if self.kind == "choice" else "" if value is True else value
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutputsParams | None":
+        """`value` (None, a StructuredOutputsParams or a mapping of its fields) as one, checked."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise SamplingParamsError(f"structured_outputs must be a StructuredOutputsParams or a mapping of its "
+                                      f"fields, got {short_repr(value)}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise SamplingParamsError(f"structured_outputs has no field {unknown[0]!r}; it takes "
+                                      f"{', '.join(sorted(known))}.")
+        return cls(**value)

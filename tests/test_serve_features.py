@@ -1,0 +1,529 @@
+"""What vLLM and SGLang users send `flexsgl serve`, against the real server process with the official
+`openai` client: structured outputs, tool calls, reasoning, logit_bias, echo and prompt
+log-probabilities, /tokenize and /detokenize, the API key, a chat template, the request log, the
+metrics, every error route, and a 20 MB prompt that must not stall other clients.
+
+Every response body and stream chunk is checked against the openai package's pydantic types (the
+client builds them without checking). One server process serves the module: the embedded model
+with --reasoning-parser qwen3, --tool-call-parser hermes, an API key, a chat template file, a
+30 MB body limit and the request log. The tiny model's outputs follow a constraint where a test
+needs a given text (a tool call, a think block): its own text is whatever it is."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+pytest.importorskip("prometheus_client")
+
+from typing import Dict, List, Literal, Optional  # noqa: E402
+
+from openai.types import Completion  # noqa: E402
+from openai.types.chat import ChatCompletionChunk  # noqa: E402
+from openai.types.completion_choice import CompletionChoice, Logprobs  # noqa: E402
+
+from flexsgl.model.presets import EMBEDDED  # noqa: E402
+from tests.test_serve import OPTIONS, TIMEOUT, free_port, random_prompt  # noqa: E402
+from tests.test_structured import WORDS, random_schema  # noqa: E402
+
+KEY = "sk-flexsgl-test"
+TEMPLATE = ("{% if tools %}[tools] {{ tools | tojson }}\n{% endif %}"
+            "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] or '' }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>"
+            "{% if enable_thinking is defined and not enable_thinking %} no-think{% endif %}{% endif %}")
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@contextlib.contextmanager
+def logged_server(*extra: str):
+    """A `flexsgl serve` process on the embedded model writing its log to a file; yields (base URL,
+    the log's path) once healthy. Its engine computes on one OpenMP thread: on a 2-core machine,
+    OpenMP threads on every core, spinning beside the HTTP process and this test's clients, stall
+    the CPU engine itself for seconds, which would hide what the stall test measures."""
+    port = free_port()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
+    log = tempfile.NamedTemporaryFile("w+", prefix="flexsgl-serve-", suffix=".log")
+    proc = subprocess.Popen([sys.executable, "-m", "flexsgl", "serve", "--port", str(port), *flags, *extra,
+                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while request("GET", base + "/health", key=None)[0] != 200:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the server exited: {log.read()}")
+            assert time.monotonic() < deadline, "the server did not become healthy in 120 s"
+            time.sleep(0.2)
+        yield base, log.name
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+        log.close()
+
+
+def request(method: str, url: str, body: bytes | None = None, key: str | None = KEY,
+            content_type: str | None = "application/json", timeout: float = TIMEOUT) -> tuple[int, dict | str]:
+    headers = {"Content-Type": content_type} if content_type else {}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=body, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except OSError:
+        return 0, ""
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with tempfile.NamedTemporaryFile("w", suffix=".jinja") as template:
+        template.write(TEMPLATE)
+        template.flush()
+        with logged_server("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--api-key", KEY,
+                           "--chat-template", template.name, "--max-request-bytes", "30000000",
+                           "--enable-log-requests") as (base, log):
+            yield base, log
+
+
+@pytest.fixture(scope="module")
+def base(server):
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(EMBEDDED["tiny-docs"]))
+
+
+# Two things the legacy completions API sends that the openai package's Completion type does not
+# allow: a null finish_reason in a stream's chunks before the last, and with echo a null
+# log-probability (and top log-probabilities) for the first prompt token, which no token precedes.
+# Completion chunks are checked against this type, the same but for those two fields.
+class EchoLogprobs(Logprobs):
+    token_logprobs: Optional[List[Optional[float]]] = None
+    top_logprobs: Optional[List[Optional[Dict[str, float]]]] = None
+
+
+class StreamCompletionChoice(CompletionChoice):
+    finish_reason: Optional[Literal["stop", "length", "content_filter"]] = None
+    logprobs: Optional[EchoLogprobs] = None
+
+
+class StreamCompletion(Completion):
+    choices: List[StreamCompletionChoice]
+
+
+def checked(obj, as_type=None):
+    """`obj` as its pydantic type (or `as_type`) validates it (the client constructs objects
+    without checking them)."""
+    return (as_type or type(obj)).model_validate(obj.to_dict())
+
+
+def chat(client, **kw):
+    out = client.chat.completions.create(model="tiny-docs", **kw)
+    if kw.get("stream"):
+        chunks = [checked(c) for c in out]
+        assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
+        return chunks
+    return checked(out)
+
+
+def complete(client, **kw):
+    out = client.completions.create(model="tiny-docs", **kw)
+    if kw.get("stream"):
+        return [checked(c, StreamCompletion) for c in out]
+    assert isinstance(out, Completion)
+    return checked(out, StreamCompletion if kw.get("echo") else None)
+
+
+def assemble_tool_calls(chunks) -> list[dict]:
+    """A stream's tool-call deltas put together by index: id, name and the arguments' pieces."""
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for ch in c.choices:
+            for d in ch.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = call["id"] or d.id
+                if d.function is not None:
+                    call["name"] = call["name"] or d.function.name
+                    call["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+def stream_fields(chunks, field: str) -> str:
+    return "".join(getattr(ch.delta, field, None) or "" for c in chunks for ch in c.choices)
+
+
+def test_json_schema_outputs_parse_and_validate(client):
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    schema = random_schema(rng)
+    messages = [{"role": "user", "content": random_prompt(rng)}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    whole = chat(client, messages=messages, response_format=fmt, max_tokens=200, temperature=0.8, seed=seed)
+    chunks = chat(client, messages=messages, response_format=fmt, max_tokens=200, temperature=0.8, seed=seed,
+                  stream=True)
+    text = whole.choices[0].message.content
+    assert whole.choices[0].finish_reason == "stop", f"seed={seed} {text!r}"
+    jsonschema.validate(json.loads(text), schema)
+    assert stream_fields(chunks, "content") == text, f"seed={seed}"
+    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": schema}}):
+        out = complete(client, prompt=random_prompt(rng), max_tokens=200, temperature=0.8, extra_body=extra)
+        assert out.choices[0].finish_reason == "stop", f"seed={seed}"
+        jsonschema.validate(json.loads(out.choices[0].text), schema)
+    obj = chat(client, messages=messages, response_format={"type": "json_object"}, max_tokens=300, temperature=0.5)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_regex_choice_and_grammar_constraints(client, stream):
+    rng = random.Random()
+    choices = rng.sample(WORDS, 3)
+    cases = [({"regex": r"[a-e]{2,6}-[0-9]{1,3}"}, lambda t: re.fullmatch(r"[a-e]{2,6}-[0-9]{1,3}", t)),
+             ({"choice": choices}, lambda t: t in choices),
+             ({"grammar": 'root ::= "<" word ">" ("," [0-9])?\nword ::= [a-z] [a-z]? [a-z]? [a-z]?'},
+              lambda t: re.fullmatch(r"<[a-z]{1,4}>(,[0-9])?", t))]
+    for spec, ok in cases:
+        for endpoint in ("completions", "chat"):
+            kw = dict(max_tokens=40, temperature=1.0, stream=stream, extra_body={"structured_outputs": spec})
+            if endpoint == "completions":
+                out = complete(client, prompt=random_prompt(rng), **kw)
+                text = "".join(c.choices[0].text for c in out if c.choices) if stream else out.choices[0].text
+            else:
+                out = chat(client, messages=[{"role": "user", "content": random_prompt(rng)}], **kw)
+                text = stream_fields(out, "content") if stream else out.choices[0].message.content
+            assert ok(text), (spec, endpoint, text)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "regex"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "wrong"}}}}, "JSON schema"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "grammar"),
+    ({"guided_choice": []}, "choice"),
+])
+def test_a_constraint_that_cannot_compile_gets_400(client, extra, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-docs", prompt="Return", max_tokens=4, extra_body=extra)
+    assert words in e.value.body["message"], e.value.body
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_tool_calls_have_arguments_that_validate(client, parallel):
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    kw = dict(messages=[{"role": "user", "content": random_prompt(rng)}], tools=TOOLS, tool_choice="required",
+              max_tokens=300, temperature=0.9, seed=seed, parallel_tool_calls=parallel)
+    whole = chat(client, **kw)
+    chunks = chat(client, stream=True, **kw)
+    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+             for c in whole.choices[0].message.tool_calls or []]
+    streamed = assemble_tool_calls(chunks)
+    for got in (calls, streamed):
+        assert got, f"seed={seed}: no tool call"
+        for call in got:
+            assert call["id"].startswith("call_")
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c["name"], c["arguments"]) for c in streamed], seed
+    if not parallel:
+        assert len(calls) == 1 and whole.choices[0].finish_reason == "tool_calls", f"seed={seed}"
+    if whole.choices[0].finish_reason != "length":
+        assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+
+
+def test_a_named_tool_call_streams_arguments_that_validate(client):
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(messages=[{"role": "user", "content": random_prompt(rng)}], tools=TOOLS, tool_choice=choice,
+              max_tokens=200, temperature=0.9, seed=seed)
+    whole = chat(client, **kw)
+    chunks = chat(client, stream=True, **kw)
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and whole.choices[0].finish_reason == "stop", f"seed={seed}"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+    (streamed,) = assemble_tool_calls(chunks)
+    assert (streamed["name"], streamed["arguments"]) == ("get_weather", call.function.arguments), f"seed={seed}"
+    assert sum(1 for c in chunks for ch in c.choices if ch.delta.tool_calls) > 1, "the arguments come in pieces"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_are_parsed_from_the_models_text(client, stream):
+    """tool_choice auto with the hermes parser: the output is held to a tool call's text (a regex),
+    and the server finds the call in it."""
+    zone = random.choice(["UTC", "CET"])
+    regex = r'Sure\.<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "' + zone + r'"\}\}\n</tool_call>'
+    kw = dict(messages=[{"role": "user", "content": "What time is it?"}], tools=TOOLS, tool_choice="auto",
+              max_tokens=100, temperature=1.0, extra_body={"structured_outputs": {"regex": regex}})
+    if stream:
+        chunks = chat(client, stream=True, **kw)
+        content, calls = stream_fields(chunks, "content"), assemble_tool_calls(chunks)
+        reason = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason][-1]
+        assert not any("<tool_call" in (ch.delta.content or "") for c in chunks for ch in c.choices)
+    else:
+        out = chat(client, **kw)
+        m = out.choices[0].message
+        content, reason = m.content, out.choices[0].finish_reason
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls]
+    assert content.strip() == "Sure." and reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_time", {"zone": zone})]
+
+
+def test_reasoning_goes_to_reasoning_content_streamed_and_whole(client):
+    rng = random.Random()
+    thought, answer = " ".join(rng.sample(WORDS, 2)), rng.choice(WORDS)
+    regex = f"<think>\n{thought}\n</think>\n\n{answer}"
+    kw = dict(messages=[{"role": "user", "content": random_prompt(rng)}], max_tokens=60, temperature=1.0,
+              extra_body={"structured_outputs": {"regex": re.escape(regex)}})
+    whole = chat(client, **kw).choices[0].message
+    assert (whole.reasoning_content, whole.content) == (f"\n{thought}\n", f"\n\n{answer}")
+    chunks = chat(client, stream=True, **kw)
+    assert stream_fields(chunks, "reasoning_content") == whole.reasoning_content
+    assert stream_fields(chunks, "content") == whole.content
+    deltas = [ch.delta for c in chunks for ch in c.choices]
+    assert not any("think>" in ((d.content or "") + (getattr(d, "reasoning_content", None) or "")) for d in deltas)
+    plain = chat(client, messages=kw["messages"], max_tokens=8, temperature=0).choices[0].message
+    assert plain.reasoning_content is None, "an output without <think> is content"
+
+
+def test_chat_template_and_enable_thinking_reach_the_prompt(base, tokenizer):
+    import jinja2
+
+    rng = random.Random()
+    messages = [{"role": "system", "content": "Docs."}, {"role": "user", "content": random_prompt(rng)}]
+    for kwargs in ({}, {"enable_thinking": False}):
+        status, got = request("POST", base + "/tokenize", json.dumps(
+            {"messages": messages, "chat_template_kwargs": kwargs}).encode())
+        text = jinja2.Environment().from_string(TEMPLATE).render(messages=messages, add_generation_prompt=True,
+                                                                  tools=None, **kwargs)
+        assert status == 200 and got["tokens"] == tokenizer.encode(text, add_special_tokens=False), (got, text)
+        assert text.endswith("no-think") == bool(kwargs)
+
+
+def test_tokenize_and_detokenize(base, tokenizer):
+    rng = random.Random()
+    prompt = random_prompt(rng, 12)
+    status, got = request("POST", base + "/tokenize", json.dumps({"prompt": prompt, "return_token_strs": True}).encode())
+    ids = tokenizer.encode(prompt)
+    assert status == 200 and got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] == 1024
+    assert got["token_strs"] == [tokenizer.decode([i]) for i in ids]
+    ids = [rng.randrange(1, 4096) for _ in range(20)]
+    status, got = request("POST", base + "/detokenize", json.dumps({"tokens": ids}).encode())
+    assert status == 200 and got["prompt"] == tokenizer.decode(ids)
+    status, err = request("POST", base + "/detokenize", json.dumps({"tokens": [99999]}).encode())
+    assert status == 400 and "vocabulary" in err["error"]["message"]
+
+
+def test_logit_bias_steers_the_servers_tokens(client, tokenizer):
+    token = random.randrange(1, 4096)
+    out = complete(client, prompt="Return the", max_tokens=5, temperature=0, logprobs=0,
+                   logit_bias={str(token): 100})
+    assert out.choices[0].logprobs.tokens == [tokenizer.decode([token])] * 5, token
+
+
+def test_echo_and_prompt_logprobs_match_hf_in_float64(client, tokenizer):
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(EMBEDDED["tiny-docs"]), dtype=torch.float64).eval()
+    rng = random.Random()
+    prompt = random_prompt(rng, 10)
+    ids = tokenizer.encode(prompt)
+    resp = complete(client, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    out = resp.choices[0]
+    assert out.text.startswith(prompt)
+    lp = out.logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)
+    assert lp.tokens[:len(ids)] == [tokenizer.decode([i]) for i in ids] and lp.token_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-3, i
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])] and len(lp.tokens) == len(ids) + resp.usage.completion_tokens
+    whole = client.chat.completions.create(model="tiny-docs", messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=2, extra_body={"prompt_logprobs": 1})
+    checked(whole)
+    plp = whole.choices[0].prompt_logprobs
+    assert plp[0] is None and len(plp) == whole.usage.prompt_tokens and all(len(e) >= 1 for e in plp[1:])
+
+
+def test_the_api_key_is_required(base):
+    body = json.dumps({"model": "tiny-docs", "prompt": "x", "max_tokens": 1}).encode()
+    for key in (None, "wrong"):
+        status, err = request("POST", base + "/v1/completions", body, key=key)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key" and err["error"]["message"], err
+    bare = openai.OpenAI(base_url=base + "/v1", api_key="wrong", timeout=TIMEOUT, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bare.models.list()
+    assert request("GET", base + "/health", key=None)[0] == 200
+    assert request("GET", base + "/metrics", key=None)[0] == 200
+
+
+def test_every_error_route_answers_in_openais_format(base):
+    def error(status, method, path, body=None, content_type="application/json"):
+        got, err = request(method, base + path, body, content_type=content_type)
+        assert got == status and set(err["error"]) >= {"message", "type", "param", "code"}, (path, err)
+        assert err["error"]["message"].endswith("."), err
+        return err["error"]
+
+    e = error(400, "POST", "/v1/completions", b'{"prompt": "x", "max_tokens": ')
+    assert "not valid JSON" in e["message"] and e["param"] is None
+    assert "not valid JSON" in error(400, "POST", "/v1/chat/completions", b"\xff\xfe")["message"]
+    assert "JSON object" in error(400, "POST", "/v1/completions", b"[1, 2]")["message"]
+    assert "nested too deeply" in error(400, "POST", "/v1/completions", b"[" * 100_000)["message"]
+    assert "POST" in error(405, "GET", "/v1/completions")["message"]
+    assert "/v1/nope" in error(404, "POST", "/v1/nope", b"{}")["message"]
+    assert error(400, "POST", "/v1/completions", json.dumps({"prompt": 5}).encode())["param"] == "prompt"
+    assert "model" in error(404, "POST", "/v1/completions", json.dumps({"model": "gpt-4", "prompt": "x"}).encode())["message"]
+    big = json.dumps({"prompt": "x" * 31_000_000}).encode()
+    assert "30000000" in error(413, "POST", "/v1/completions", big)["message"]
+
+
+def test_a_20mb_prompt_stalls_no_other_client(base, client):
+    """While three 20 MB prompts are sent at once (and refused, being longer than the context can
+    hold), /health and another client's stream keep answering within a second."""
+    stream = client.completions.create(model="tiny-docs", prompt=random_prompt(random.Random()), max_tokens=600,
+                                       temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+    arrivals, answers, refused = [], [], []
+    done = threading.Event()
+
+    def read_stream():
+        try:
+            for _ in stream:
+                arrivals.append(time.monotonic())
+        except openai.APIConnectionError:  # closed below, once the prompts are answered
+            pass
+
+    body = json.dumps({"prompt": "word " * 4_000_000, "max_tokens": 4}).encode()  # 20 MB
+
+    def big():
+        refused.append(request("POST", base + "/v1/completions", body, timeout=120))
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    while len(arrivals) < 3:
+        time.sleep(0.01)
+    senders = [threading.Thread(target=big) for _ in range(3)]
+    start = time.monotonic()
+    for t in senders:
+        t.start()
+
+    def poll():
+        while not done.is_set():
+            t0 = time.monotonic()
+            status = request("GET", base + "/health", key=None, timeout=10)[0]
+            answers.append((status, time.monotonic() - t0))
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    for t in senders:
+        t.join(120)
+    end = time.monotonic()
+    done.set()
+    poller.join(15)
+    stream.close()  # its request is aborted: the next test starts on an idle server
+    reader.join(TIMEOUT)
+    assert [r[0] for r in refused] == [400] * 3 and all("characters" in r[1]["error"]["message"] for r in refused)
+    assert answers and all(s == 200 for s, _ in answers) and max(t for _, t in answers) < 1.0, answers
+    during = [t for t in arrivals if start <= t <= end]
+    gaps = [b - a for a, b in zip([start] + during, during + [end])]
+    assert max(gaps) < 1.0, f"the stream stalled: gaps {sorted(gaps)[-3:]} while the prompts were in"
+
+
+def test_metrics_count_requests_as_requests(base, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = request("GET", base + "/metrics", key=None)[1]
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        assert samples and all(s.labels.get("model_name") == "tiny-docs" for s in samples)
+        out = {}
+        for s in samples:
+            key = (s.name, s.labels.get("finished_reason"), s.labels.get("le"))
+            out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    deadline = time.monotonic() + TIMEOUT
+    while (idle := scrape()).get(("flexsgl:num_requests_running", None, None)) or \
+            idle.get(("flexsgl:num_requests_waiting", None, None)):
+        assert time.monotonic() < deadline, "the server never became idle"
+        time.sleep(0.1)
+    before = scrape()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count"):
+        assert any(k[0] == "flexsgl:" + name for k in before), name
+    rng = random.Random()
+    out = complete(client, prompt=[random_prompt(rng), random_prompt(rng)], n=2, max_tokens=5, temperature=1.0,
+                   extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + TIMEOUT
+    while (after := scrape()).get(("flexsgl:request_success_total", "length", None), 0) == \
+            before.get(("flexsgl:request_success_total", "length", None), 0):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+    def grew(name, reason=None):
+        return after.get((name, reason, None), 0) - before.get((name, reason, None), 0)
+
+    assert grew("flexsgl:request_success_total", "length") == 1, "one HTTP request of 4 choices is one request"
+    assert grew("flexsgl:generation_tokens_total") == out.usage.completion_tokens == 20
+    assert grew("flexsgl:prompt_tokens_total") == out.usage.prompt_tokens
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+              "time_per_output_token_seconds"):
+        assert grew(f"flexsgl:{h}_count") == 1, h
+    assert grew("flexsgl:inter_token_latency_seconds_count") == 4 * 4, "each choice's gaps between its 5 tokens"
+
+
+def test_the_request_log_names_each_request_and_its_end(server, client):
+    log = server[1]
+    out = complete(client, prompt="Return the value", max_tokens=3)
+    deadline = time.monotonic() + TIMEOUT
+    while f"request {out.id} finished" not in open(log).read():
+        assert time.monotonic() < deadline, open(log).read()[-2000:]
+        time.sleep(0.05)
+    assert f"request {out.id}: prompts 'Return the value'" in open(log).read()

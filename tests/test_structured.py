@@ -1,0 +1,274 @@
+"""Structured outputs, logit_bias and prompt log-probabilities in the engine, against independent
+references: xgrammar's own bitmask kernel and a numpy unpacking of the bits, HF transformers in
+float64 decoding greedily under an xgrammar matcher of its own, jsonschema and re.fullmatch on
+the outputs, and a float64 log-softmax of HF's logits over the prompt."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+
+xgr = pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from flexsgl import LLM, SamplingParams  # noqa: E402
+from flexsgl.errors import SamplingParamsError  # noqa: E402
+from flexsgl.model.presets import EMBEDDED  # noqa: E402
+from flexsgl.sampling import grammar  # noqa: E402
+from flexsgl.sampling.sampler import LogitBias, SamplingTensors, TokenMask, apply_token_mask, sample  # noqa: E402
+from flexsgl.sampling.structured import StructuredOutputsParams  # noqa: E402
+
+WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_total_tokens=8192, max_running_requests=16, page_size=16)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(EMBEDDED["tiny-docs"]), dtype=torch.float64).eval()
+
+
+def random_schema(rng: random.Random) -> dict:
+    """An object schema of a few random fields (enums, bounded integers, short strings, booleans)."""
+    props = {}
+    for name in rng.sample(WORDS, rng.randrange(1, 4)):
+        kind = rng.choice(["enum", "integer", "string", "boolean"])
+        if kind == "enum":
+            props[name] = {"type": "string", "enum": rng.sample(WORDS, 3)}
+        elif kind == "integer":
+            lo = rng.randrange(-50, 50)
+            props[name] = {"type": "integer", "minimum": lo, "maximum": lo + rng.randrange(1, 200)}
+        elif kind == "string":
+            props[name] = {"type": "string", "maxLength": rng.randrange(1, 8)}
+        else:
+            props[name] = {"type": "boolean"}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def token_mask(words: torch.Tensor, open_rows: list[bool], vocab: int) -> TokenMask:
+    flat = torch.cat([words.flatten(), torch.tensor([-1 if o else 0 for o in open_rows], dtype=torch.int32)])
+    return TokenMask(flat, len(open_rows), vocab)
+
+
+def test_the_token_mask_matches_xgrammars_kernel_and_the_bits():
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = 5, 1000 + seed % 37  # a vocabulary that is not a multiple of 32
+    logits = torch.randn(rows, vocab, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), generator=g, dtype=torch.int64).int()
+    got = apply_token_mask(logits, token_mask(words, [False] * rows, vocab))
+    ref = logits.clone()
+    xgr.apply_token_bitmask_inplace(ref, words)
+    assert torch.equal(got, ref), f"seed={seed}"
+    for r in range(rows):  # the bits read by hand: bit j of word w allows token 32 w + j
+        allowed = grammar.allowed_tokens(words[r].numpy(), vocab)
+        assert np.array_equal(np.flatnonzero(torch.isfinite(got[r]).numpy()), allowed), f"seed={seed}"
+
+
+def test_a_mask_over_a_smaller_vocabulary_closes_the_rest_in_constrained_rows_only():
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab, grammar_vocab = 4, 700, 256
+    logits = torch.randn(rows, vocab, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (rows, 8), generator=g, dtype=torch.int64).int()
+    open_rows = [True, False, True, False]
+    got = apply_token_mask(logits, token_mask(words, open_rows, grammar_vocab))
+    for r in range(rows):
+        allowed = set(grammar.allowed_tokens(words[r].numpy(), grammar_vocab).tolist())
+        allowed |= set(range(grammar_vocab, vocab)) if open_rows[r] else set()
+        want = torch.tensor([logits[r, t].item() if t in allowed else float("-inf") for t in range(vocab)])
+        assert torch.equal(got[r], want), f"seed={seed} row {r}"
+
+
+def test_logit_bias_is_added_before_sampling():
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 64, generator=g)
+    rows, ids = torch.tensor([0, 0, 2]), torch.randint(0, 64, (3,), generator=g)
+    values = torch.tensor([100.0, -3.5, 100.0])
+    st = SamplingTensors(None, None, None, None, None, None, all_greedy=True, any_filter=False,
+                         logit_bias=LogitBias(rows, ids, values))
+    ref = logits.double().numpy().copy()
+    for r, i, v in zip(rows.tolist(), ids.tolist(), values.tolist()):
+        ref[r, i] += v
+    assert sample(logits, st).tolist() == ref.argmax(axis=1).tolist(), f"seed={seed}"
+
+
+def hf_constrained_greedy(hf, tokenizer, prompt_ids, spec, steps, eos=0):
+    """Greedy decoding in float64 where each step's logits are masked by an xgrammar matcher of the
+    constraint, compiled here on its own."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=hf.config.vocab_size)
+    compiled = xgr.GrammarCompiler(info).compile_grammar(grammar.parse(spec))
+    matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[eos])
+    ids, out = list(prompt_ids), []
+    mask = xgr.allocate_token_bitmask(1, hf.config.vocab_size)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = hf(torch.tensor([ids])).logits[0, -1:].clone()
+            matcher.fill_next_token_bitmask(mask)
+            allowed = torch.zeros(1, logits.shape[1], dtype=torch.float32)
+            xgr.apply_token_bitmask_inplace(allowed, mask)  # float32 only: where the mask allows, 0 stays
+            logits[torch.isinf(allowed)] = float("-inf")
+            out.append(int(logits[0].argmax()))
+            ids.append(out[-1])
+            assert matcher.accept_token(out[-1])
+            if matcher.is_terminated():
+                break
+    return out
+
+
+def test_constrained_greedy_decoding_follows_a_float64_reference(llm, hf):
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    schema = random_schema(rng)
+    spec = StructuredOutputsParams(json=schema)
+    prompt = [rng.randrange(1, 4096) for _ in range(rng.randrange(3, 20))]
+    out = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0, structured_outputs=spec))[0]
+    ref = hf_constrained_greedy(hf, llm.tokenizer, prompt, spec, 60)
+    assert out.token_ids == ref, f"seed={seed} schema={schema}"
+    if out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_every_kind_of_constraint_is_followed_beside_unconstrained_requests(llm):
+    """Constrained and unconstrained requests share steps: each constrained output follows its
+    constraint, and the unconstrained ones come out as they do alone."""
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    schema = random_schema(rng)
+    choices = rng.sample(WORDS, 3)
+    specs = [
+        {"json": schema},
+        {"regex": r"[a-d]{2,5}-\d{1,3}"},
+        {"choice": choices},
+        {"grammar": 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'},
+        {"json_object": True},
+    ]
+    plain_prompts = [[rng.randrange(1, 4096) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
+    plain = SamplingParams(max_tokens=12, temperature=1.0, seed=rng.randrange(2**31))
+    alone = llm.generate(plain_prompts, plain)
+    prompts = plain_prompts + ["Return the value of"] * len(specs)
+    params = [plain] * 3 + [SamplingParams(max_tokens=40, temperature=0.9, seed=rng.randrange(2**31), n=2,
+                                           structured_outputs=s) for s in specs]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs[:3]] == [o.token_ids for o in alone], f"seed={seed}"
+    done = [o for o in outs[3:] if o.finish_reason == "stop"]
+    assert len(done) >= 6, f"seed={seed}: {[(o.text, o.finish_reason) for o in outs[3:]]}"
+    for o in done:
+        kind = specs[(outs.index(o) - 3) // 2]
+        if "json" in kind:
+            jsonschema.validate(json.loads(o.text), schema)
+        elif "regex" in kind:
+            assert re.fullmatch(kind["regex"], o.text), (o.text, seed)
+        elif "choice" in kind:
+            assert o.text in choices, (o.text, seed)
+        elif "grammar" in kind:
+            assert re.fullmatch(r"\([0-9x](,[0-9x])*\)", o.text), (o.text, seed)
+        else:
+            assert isinstance(json.loads(o.text), dict), (o.text, seed)
+    for o in outs[3:]:  # an output cut by max_tokens is a prefix the constraint allows
+        assert o.finish_reason in ("stop", "length"), (o.error, seed)
+
+
+def test_without_a_stop_token_the_grammar_ends_the_output(llm):
+    out = llm.generate("Return", SamplingParams(max_tokens=50, temperature=1.0, ignore_eos=True,
+                                                structured_outputs={"choice": ["yes", "no"]}))[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop" and 0 not in out.token_ids
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"regex": "[a-"}, "regex"), ({"json": {"type": "nope"}}, "JSON schema"), ({"grammar": "root ::= x"}, "grammar"),
+    ({"json": "{not json"}, "not JSON"), ({"regex": "a", "choice": ["a"]}, "exactly one"), ({}, "exactly one"),
+    ({"choice": []}, "choice"), ({"json_object": "yes"}, "json_object"), ({"jsn": {}}, "no field"),
+])
+def test_a_constraint_that_cannot_be_used_is_refused_before_it_runs(llm, spec, words):
+    with pytest.raises(SamplingParamsError) as e:
+        llm.generate("Return", SamplingParams(max_tokens=4, structured_outputs=spec))
+    msg = str(e.value)
+    assert words in msg and "\n" not in msg and msg.endswith("."), msg
+    assert not llm.has_unfinished
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"logit_bias": {5: 101}}, "[-100, 100]"), ({"logit_bias": {-1: 1}}, "token ids"), ({"logit_bias": {"a": 1}}, "token ids"),
+    ({"logit_bias": [1, 2]}, "map token ids"), ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"structured_outputs": "json"}, "structured_outputs"),
+])
+def test_bad_request_features_are_refused_in_one_sentence(kwargs, words):
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(**kwargs)
+    assert words in str(e.value) and str(e.value).endswith("."), str(e.value)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(llm):
+    with pytest.raises(SamplingParamsError, match="vocabulary"):
+        llm.generate("Return", SamplingParams(max_tokens=2, logit_bias={4096: 1.0}))
+
+
+def test_logit_bias_steers_greedy_decoding(llm):
+    rng = random.Random()
+    token = rng.randrange(1, 4096)
+    out = llm.generate("Return the", SamplingParams(max_tokens=6, temperature=0, logit_bias={token: 100}))[0]
+    assert out.token_ids == [token] * 6, token
+    plain = llm.generate("Return the", SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    banned = llm.generate("Return the", SamplingParams(max_tokens=1, temperature=0, logit_bias={plain: -100}))[0]
+    assert banned.token_ids[0] != plain
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["whole", "chunked"])
+def test_prompt_logprobs_match_hf_in_float64(hf, chunk):
+    llm = LLM(max_total_tokens=4096, max_running_requests=8, page_size=16,
+              **({"max_num_batched_tokens": chunk} if chunk else {}))
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    prompt = [rng.randrange(1, 4096) for _ in range(rng.randrange(20, 60))]
+    llm.generate([prompt[:18]], SamplingParams(max_tokens=2))  # a cached prefix is not used for them
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
+    lps = out.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None, f"seed={seed}"
+    for i in range(1, len(prompt)):
+        assert lps[i].token_id == prompt[i]
+        assert abs(lps[i].logprob - ref[i - 1, prompt[i]].item()) < 1e-3, f"seed={seed} position {i}"
+        top = ref[i - 1].topk(3)
+        assert [v for _, v in lps[i].top] == pytest.approx(top.values.tolist(), abs=1e-3), f"seed={seed}"
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["row by row", "batch matcher"])
+def test_the_bitmask_allows_the_grammars_tokens_and_every_token_elsewhere(batched):
+    """The byte tokenizer's 256-token grammar vocabulary inside a padded model vocabulary: a
+    constrained row allows exactly the grammar's next bytes, an unconstrained row everything."""
+    from flexsgl.tokenizer import ByteTokenizer
+
+    rng = random.Random()
+    vocab = rng.randrange(300, 2000)
+    compiler = grammar.GrammarCompiler(ByteTokenizer(), vocab)
+    if batched:
+        compiler.batch = xgr.BatchGrammarMatcher(max_threads=2)
+    letters = "".join(sorted(rng.sample("abcdefghij", 3)))
+    compiled = compiler.submit(StructuredOutputsParams(regex=f"[{letters}]x")).result()
+    rows = [grammar.Matcher(compiled, (vocab - 1,)) if rng.random() < 0.6 else None
+            for _ in range(grammar.BATCH_FILL_ROWS + 4)]
+    mask = compiler.fill_mask(rows, pinned=False)
+    logits = torch.zeros(len(rows), vocab)
+    allowed = torch.isfinite(apply_token_mask(logits, mask))
+    for i, m in enumerate(rows):
+        want = [ord(c) for c in letters] if m is not None else list(range(vocab))
+        assert torch.nonzero(allowed[i]).flatten().tolist() == want, f"vocab={vocab} row {i}"
+    m = next(m for m in rows if m is not None)
+    assert m.accept(ord(letters[0])) and m.accept(ord("x")) and m.ended, "complete without the stop token in range"
