@@ -54,17 +54,22 @@ RECOMPILE_LIMIT = 128  # one compile per decode bucket and per prefill shape on 
 @contextlib.contextmanager
 def settings():
     """The torch settings compiled steps trace and run under. Set and restored by hand: the configs'
-    own patch() costs ~0.6 ms a call on the development CPU, on every prefill step."""
+    own patch() costs ~0.6 ms a call on the development CPU, on every prefill step.
+
+    Python floats are specialized (constants of the graph): a float an attention variant's
+    score_mod closes over would otherwise reach FlexAttention's lowering as a 0-d CPU tensor read
+    with .item(), which Inductor cannot lower inside flex's kernel (torch 2.11, dynamic shapes)."""
     import torch._inductor.config  # here, not at import: importing it sets TORCHINDUCTOR_CACHE_DIR (compile_cache)
 
     dynamo, inductor = torch._dynamo.config, torch._inductor.config.triton
-    saved = dynamo.recompile_limit, fx_config.use_duck_shape, inductor.enable_pdl
+    saved = dynamo.recompile_limit, fx_config.use_duck_shape, inductor.enable_pdl, dynamo.specialize_float
     dynamo.recompile_limit, fx_config.use_duck_shape = max(saved[0], RECOMPILE_LIMIT), False
+    dynamo.specialize_float = True
     inductor.enable_pdl = launch.allowed()  # Inductor itself keeps it to CUDA SM90+
     try:
         yield
     finally:
-        dynamo.recompile_limit, fx_config.use_duck_shape, inductor.enable_pdl = saved
+        dynamo.recompile_limit, fx_config.use_duck_shape, inductor.enable_pdl, dynamo.specialize_float = saved
 
 
 class CompiledStep:

@@ -14,10 +14,11 @@ from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.variants import alibi, sliding_window, softcap
 from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_variant_attention, random_paged_batch
-from tests.test_attention_variants import CASES, REFERENCE
+from flexsgl.compile import settings
+from tests.test_attention_variants import CASES, HKV, HQ, REFERENCE
 
 pytestmark = pytest.mark.gpu
-HQ, HKV, D = 8, 2, 64
+D = 64  # the references' heads (their sinks, slopes and temperatures are per head), a GPU's head size
 
 
 def run_gpu_case(name, specs, page_size, graphed: bool, seed: int, packed: bool = True):
@@ -57,8 +58,9 @@ def run_gpu_case(name, specs, page_size, graphed: bool, seed: int, packed: bool 
     else:
         backend.prepare(fb)
         torch._dynamo.reset()
-        out = torch.compile(FlexAttentionBackend.forward, dynamic=True)(backend, qd, pool.layer_cache(0), fb, bound,
-                                                                       sink_t)
+        with settings():  # as the engine's compiled steps run
+            out = torch.compile(FlexAttentionBackend.forward, dynamic=True)(backend, qd, pool.layer_cache(0), fb,
+                                                                           bound, sink_t)
     ref = dense_variant_attention(q, dense, specs, lambda i, h, qp, kv: ref_visible(i, h, qp, kv, ctx),
                                   None if ref_score is None else lambda s, i, h, qp, kv: ref_score(s, i, h, qp, kv, ctx),
                                   sink)
