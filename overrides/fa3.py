@@ -35,7 +35,7 @@ def fa3_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         cache_seqlens=cache_seqlens, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q, causal=True, window_size=(window - 1 if window > 0 else -1, 0),
         softcap=softcap, attention_chunk=chunk or None, softmax_scale=scale,
-        sinks=None if sinks is None else sinks.float())
+        sinks=None if sinks is None else sinks.to(q.dtype))
 
 
 @fa3_paged_attention.register_fake

@@ -132,10 +132,11 @@ def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, 
 def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, **llm_kw):
     """The bf16 engine on the HF checkpoint at `path` against transformers in float32 and bf16.
     one_at_a_time: run the prompts one after another (decode at batch 1) instead of together."""
-    hf32, hf16 = (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt).cuda().eval()
-                  for dt in (torch.float32, torch.bfloat16))
-    for hf in (hf32, hf16):
+    hf32, hf16 = (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt, experts_implementation="eager")
+                  .cuda().eval() for dt in (torch.float32, torch.bfloat16))
+    for hf in (hf32, hf16):  # the modeling code's own attention and experts (not grouped_mm's on a GPU)
         hf.config._attn_implementation = "eager"
+        hf.config._experts_implementation = "eager"
     rng = random.Random(seed)
     prompts = [[rng.randrange(hf32.config.vocab_size) for _ in range(n)] for n in (1, 9, 64, 65, 200, 333)]
     steps = 32
