@@ -56,15 +56,30 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
             for hf_name, target, part in plan[f]:
                 p = params[target]
                 try:
-                    weight_loader(p).load(p, _reader(st, hf_name), part)
+                    weight_loader(p).load(p, _reader(st, hf_name, f), part)
                 except SafetensorError as e:
                     raise CheckpointError(f"Weights file {str(f)!r} is corrupt: {describe(e)}.") from None
 
 
-def _reader(st, name: str):
+def _reader(st, name: str, f: Path):
     """read(index, out) of a weight loader: the whole tensor, or only its slice `index`, into `out`
-    (through the host: what is read is the rank's part alone)."""
-    return lambda index, out: out.copy_(st.get_tensor(name) if index is None else st.get_slice(name)[index])
+    (through the host: what is read is the rank's part alone), refusing NaN or infinite values."""
+
+    def read(index, out):
+        t = st.get_tensor(name) if index is None else st.get_slice(name)[index]
+        if not all_finite(t):
+            raise CheckpointError(f"Weight {name!r} in {str(f)!r} holds NaN or infinite values.")
+        out.copy_(t)
+
+    return read
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds no NaN or infinity: one float32 sum, which NaN and infinities carry into (a
+    tensor whose sum overflows float32, far beyond any weight's, counts as infinite)."""
+    if t.dtype.itemsize == 1:  # float8: no sum kernel
+        t = t.float()
+    return bool(torch.isfinite(t.sum(dtype=torch.float32)))
 
 
 def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tuple[str, str, object]]]:
