@@ -74,9 +74,9 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
                 p = params[target]
                 try:
                     if scale is None:
-                        weight_loader(p).load(p, _reader(st, hf_name, f), part)
+                        weight_loader(p).load(p, _reader(st, hf_name), part)
                         continue
-                    weight = _read(st.get_tensor(hf_name), hf_name, f)
+                    weight = _read(st.get_tensor(hf_name), hf_name)
                     with _open_safetensors(scale[1]) as scale_file:
                         s = _read(scale_file.get_tensor(scale[0]), scale[0], scale[1])
                     expanded = expand_scale(s, scheme.strategy, scheme.block, tuple(weight.shape))
@@ -89,19 +89,30 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
                         weight_loader(p).load(p, _held(weight.float() * expanded), part)
                 except SafetensorError as e:
                     raise CheckpointError(f"Weights file {str(f)!r} is corrupt: {describe(e)}.") from None
+                except NonFinite as e:
+                    raise CheckpointError(f"Weight {e.name!r} in {str(e.file or f)!r} holds NaN or infinite "
+                                          "values.") from None
 
 
-def _read(t: torch.Tensor, name: str, f: Path) -> torch.Tensor:
+class NonFinite(Exception):
+    """A tensor read holds NaN or infinity (load_safetensors names it, and its file)."""
+
+    def __init__(self, name: str, file: Path | None = None):
+        super().__init__(name)
+        self.name, self.file = name, file
+
+
+def _read(t: torch.Tensor, name: str, file: Path | None = None) -> torch.Tensor:
     if not all_finite(t):
-        raise CheckpointError(f"Weight {name!r} in {str(f)!r} holds NaN or infinite values.")
+        raise NonFinite(name, file)
     return t
 
 
-def _reader(st, name: str, f: Path):
+def _reader(st, name: str):
     """read(index, out) of a weight loader: the whole tensor, or only its slice `index`, into `out`
     (through the host: what is read is the rank's part alone), refusing NaN or infinite values."""
     return lambda index, out: out.copy_(_read(st.get_tensor(name) if index is None else st.get_slice(name)[index],
-                                              name, f))
+                                              name))
 
 
 def _held(t: torch.Tensor):
