@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flexsgl.model.source import LOAD_FORMATS
+from flexsgl.quant.apply import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from flexsgl.attention.registry import Choice
@@ -62,6 +63,9 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = option(None, "Largest decode batch captured as a CUDA graph where "
                                                  "cuda_graph_bs is not given (default: max_running_requests); "
                                                  "larger batches run without graphs. Lower it to start sooner.")
+    quantization: str | None = option(None, "fp8: quantize an unquantized checkpoint's projections to FP8 as "
+                                            "it loads (weights per output channel; on GPUs with FP8 products, "
+                                            "activations per token). FP8 checkpoints need no flag.")
     random_seed: int = option(0, "Seed of dummy weights.")
     tensor_parallel_size: int = option(1, "GPUs (ranks) to split the model across, one process each "
                                           "(--tp, --tp-size; flexsgl starts them, or torchrun does).")
@@ -126,6 +130,9 @@ class EngineConfig:
             dtype = DTYPES[self.dtype]
         else:
             dtype = torch.float32 if cpu else torch.float16 if model.torch_dtype == "float16" else torch.bfloat16
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization {self.quantization!r} runs with tensor_parallel_size 1; tensor "
+                             "parallelism does not split quantized weights yet.")
         variants = resolve_variants(self.attention, model)
         attention = resolve_override(self.override, device, model.attention, self.page_size, model.kv_layout[2],
                                      str(dtype).removeprefix("torch."), variants)
@@ -283,6 +290,7 @@ CHECKS = {
     "disable_cuda_graph": _of_type(bool, "True or False"),
     "cuda_graph_bs": _batch_sizes,
     "cuda_graph_max_bs": _optional(_positive_int),
+    "quantization": _optional(_one_of(QUANTIZATIONS)),
     "random_seed": _seed,
     "tensor_parallel_size": _positive_int,
 }

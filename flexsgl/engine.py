@@ -13,7 +13,9 @@ Errors (flexsgl/errors.py has the types):
   A step that fails while it is built, run or sampled (any Python exception, a CUDA out-of-memory
   error) ends every request of that step, since it cannot tell which one caused it, after they
   receive the tokens of the step before it; the tokens it did not compute never reach the prefix
-  cache. A step whose tokens cannot be read back ends its requests; an on_token callback that raises ends its own request; an
+  cache. A step whose tokens cannot be read back ends its requests; a request whose logits are not
+  finite (NaN or infinity: the step reads a flag per row back with the tokens) ends, its pages kept
+  out of the prefix cache; an on_token callback that raises ends its own request; an
   output that cannot be detokenized is reported as "error" with its token ids intact.
 - KeyboardInterrupt: Ctrl-C during a step is held back until the step is complete (a second
   Ctrl-C is not). `generate` then aborts its own requests and re-raises it; `step` raises it with
@@ -46,6 +48,7 @@ from flexsgl.errors import EngineDeadError, Health, SamplingParamsError, Unknown
 from flexsgl.interrupts import deferred_interrupts
 from flexsgl.output import OutputProcessor
 from flexsgl.request import FinishReason, Request, RequestOutput
+from flexsgl.runner import NONFINITE
 from flexsgl.request_factory import RequestFactory, check_callback, prompt_list, sampling_list
 from flexsgl.runner import DeferredStep
 from flexsgl.sampling import grammar
@@ -56,6 +59,10 @@ from flexsgl.tokenizer import load_tokenizer
 # generate() shows a progress bar (stderr, at log level info) for calls of this many prompts or tokens.
 PROGRESS_PROMPTS, PROGRESS_TOKENS = 8, 1024
 COMPILE_WAIT_S = 0.01  # how long an idle step waits for a grammar being compiled
+
+
+NONFINITE_ERROR = ("The model's logits for this request were not finite (NaN or infinity), so no token could be "
+                   "sampled from them.")
 
 
 class LLM:
@@ -335,12 +342,17 @@ class LLM:
             self._finish_all(pending.batch.requests, f"Reading back the step that ran this request failed: "
                                                      f"{describe(e)}.")
             return None
+        batch = pending.batch
         for i, first, lps in pending.prompt_logprobs():
-            req = pending.batch.requests[i]
+            req = batch.requests[i]
             have = len(req.prompt_logprobs)
             if first <= have:  # recomputed after a preemption: only what is new
                 req.prompt_logprobs += lps[have - first:]
-        events = self.scheduler.process(pending.batch, tokens, pending.logprobs)
+        for r, token in zip((r for r, s in zip(batch.requests, batch.samples) if s), tokens):
+            if token == NONFINITE and not r.finished:  # its pages may hold NaN: not cached, and zeroed
+                self.runner.pool.clear_pages(self.scheduler.finish(r, FinishReason.ERROR, NONFINITE_ERROR, cache=False))
+                self._done.append(r)
+        events = self.scheduler.process(batch, tokens, pending.logprobs)
         endings, interrupt = self.outputs.process(events)
         for req, reason, error in endings:
             self.scheduler.finish(req, reason, error)

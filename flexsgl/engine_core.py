@@ -64,7 +64,7 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
         size_cpu_threads(size)
     error = None
     try:
-        model = build_model(src, device, rc.dtype, cfg.random_seed, rank, size)
+        model = build_model(src, device, rc.dtype, cfg.random_seed, rank, size, cfg.quantization)
     except Exception as e:
         error = e
     agree(group, error)

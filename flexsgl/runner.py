@@ -7,8 +7,9 @@ the device.
 - forward: the graph's replay, or the backend's metadata and the (compiled) model;
 - sample: on the device; the tokens go into the token buffer (step/token_buffer.py), which decode
   feeds back as each request's next input;
-- read-back: the tokens copied to the host asynchronously. The host reads a step's tokens only
-  after it has launched the next one (see scheduler.py).
+- read-back: the tokens copied to the host asynchronously, NONFINITE for a row whose logits are
+  not all finite (a flag computed on the device beside the tokens). The host reads a step's tokens
+  only after it has launched the next one (see scheduler.py).
 
 A step with structured outputs is launched in two halves: `run_forward(batch)` plans, uploads
 and runs the forward pass, and `sample(launched, mask)` samples under the token mask
@@ -37,6 +38,10 @@ from flexsgl.step.plan import StepPlan, padding_plan, plan_step
 from flexsgl.step_shape import StepShape
 from flexsgl.step.token_buffer import TokenBuffer
 from flexsgl.sampling.token_counts import TokenCounts
+
+
+# The token read back for a row whose logits held NaN or infinity: no token could be sampled from them.
+NONFINITE = -1
 
 
 @dataclass
@@ -222,9 +227,14 @@ class ModelRunner:
     def _read_back(self, batch: ScheduledBatch, step: StepInputs, logits: torch.Tensor,
                    tokens: torch.Tensor, plan: StepPlan | None) -> StepOutput:
         """The step's tokens, with their log-probabilities where asked (and the prompt tokens'), on
-        their way to the host (asynchronously on CUDA)."""
+        their way to the host (asynchronously on CUDA). A row whose logits are not all finite reads
+        back token NONFINITE."""
+        finite = torch.isfinite(logits[:step.rows].sum(-1, dtype=torch.float32))  # NaN and infinities carry into it
         if step.sampling.logprobs >= 0:
             tokens = token_logprobs(logits[:step.rows], tokens, step.sampling.logprobs)
+            tokens[:, 0] = torch.where(finite, tokens[:, 0], NONFINITE)
+        else:
+            tokens = torch.where(finite, tokens, NONFINITE)
         prompt = None
         if step.prompt_targets is not None:
             n = step.prompt_targets.shape[0]

@@ -108,14 +108,14 @@ class Scheduler:
                 return False
         return True
 
-    def _release(self, r: Request) -> None:
-        """Hand r's computed whole pages to the cache, free the rest, drop its lock and slot. Pages r
-        gave back behind the window are cached already; what follows them is cached too where the
-        tree still holds them."""
+    def _release(self, r: Request, cache: bool = True) -> list[int]:
+        """Hand r's computed whole pages to the cache (with `cache`), free the rest, drop its lock and
+        slot. Pages r gave back behind the window are cached already; what follows them is cached too
+        where the tree still holds them. Returns the pages of its own freed where `cache` is False."""
         computed = r.all_ids[: r.num_computed]
         start = max(r.dropped_pages, r.shared_pages)
-        own, prefix = r.pages[start:], self._held_prefix(r)
-        if prefix is None:  # the pages behind the window were evicted: nothing after them can be cached
+        own, prefix = r.pages[start:], self._held_prefix(r) if cache else None
+        if prefix is None:  # not to be cached, or the pages behind the window were evicted
             self.allocator.free(own)
         else:
             n_full = min(len(computed) // self.ps, start + len(own))
@@ -128,6 +128,7 @@ class Scheduler:
         self._free_slots.append(r.slot)
         r.slot = -1
         self.running.remove(r)
+        return [] if cache else own
 
     # ---- scheduling
 
@@ -292,13 +293,17 @@ class Scheduler:
             r.num_computed = start
             r.num_scheduled_outputs -= sampled
 
-    def finish(self, r: Request, reason: FinishReason, error: str | None = None) -> None:
+    def finish(self, r: Request, reason: FinishReason, error: str | None = None, cache: bool = True) -> list[int]:
+        """End r and release its pages. cache False: none of its own pages go to the prefix cache; returns
+        them (freed), for the caller to clear."""
+        freed = []
         if r.state is State.RUNNING:
-            self._release(r)
+            freed = self._release(r, cache)
         elif r in self.waiting:
             self.waiting.remove(r)
         r.finish_reason, r.error, r.state = reason, error, State.FINISHED
         self.counters[f"finished_{reason.value}"] += 1
+        return freed
 
 
 def _path(node):

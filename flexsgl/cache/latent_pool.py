@@ -16,6 +16,11 @@ from __future__ import annotations
 import torch
 
 
+def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:
+    """The pool slots of `pages` (either pool's layout: page p holds slots p * page_size onwards), on `device`."""
+    return (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)).view(-1).to(device)
+
+
 class LatentKVPool:
     attention = "mla"
 
@@ -32,6 +37,13 @@ class LatentKVPool:
     def layer_cache(self, layer: int) -> tuple[torch.Tensor]:
         """`layer`'s latents, which its attention module holds (`cache`) and hands to the backend."""
         return (self.kv[layer],)
+
+    def clear_pages(self, pages: list[int]) -> None:
+        """Zero every layer's latents in `pages` (masked slots enter P @ V, see __init__)."""
+        if pages:
+            slots = page_slots(pages, self.page_size, self.device)
+            for t in self.kv:
+                t.index_fill_(0, slots, 0)
 
     def store(self, layer: int, latent: torch.Tensor, slots: torch.Tensor) -> None:
         """Write latent `[tokens, kv_lora_rank + rope dims]` into `layer`'s slots, in place."""

@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from flexsgl.cache.latent_pool import LatentKVPool
+from flexsgl.cache.latent_pool import LatentKVPool, page_slots
 from flexsgl.kernels.rope_store import write_kv
 
 DUMMY_PAGE = 0
@@ -84,6 +84,13 @@ class KVPool:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write k, v `[tokens, Hkv, D]` into `layer`'s slots, in place."""
         write_kv(self.k[layer], self.v[layer], k, v, slots)
+
+    def clear_pages(self, pages: list[int]) -> None:
+        """Zero every layer's K and V in `pages` (masked slots enter P @ V, see __init__)."""
+        if pages:
+            slots = page_slots(pages, self.page_size, self.device)
+            for t in (*self.k, *self.v):
+                t.index_fill_(0, slots, 0)
 
     @staticmethod
     def num_pages_for(tokens: int, page_size: int) -> int:

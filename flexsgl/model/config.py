@@ -10,6 +10,7 @@ from pathlib import Path
 
 from flexsgl.errors import CheckpointError, short_repr
 from flexsgl.model.mla_config import MLAConfig, MoEConfig, deepseek_v2_params
+from flexsgl.quant.scheme import QuantScheme, quant_scheme
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class ModelConfig:
     # limit, up to [-limit, limit]
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    quant: QuantScheme | None = None  # the checkpoint's quantization_config (flexsgl/quant/scheme.py)
     hf: dict = field(default_factory=dict, compare=False, repr=False)
     # Under tensor parallelism (shard below): this rank, the number of ranks, and the whole model's config.
     tp_rank: int = 0
@@ -153,13 +155,7 @@ class ModelConfig:
         if not isinstance(arch, str) or arch not in ARCHITECTURES:
             raise CheckpointError(f"{source}: model architecture {short_repr(arch)} is not supported; flexsgl runs "
                                   f"{', '.join(ARCHITECTURES)}.")
-        if d.get("quantization_config") is not None:
-            method = d["quantization_config"].get("quant_method", "?") if isinstance(d["quantization_config"], dict) else "?"
-            if str(method).lower() == "mxfp4":
-                raise CheckpointError(f"{source} is an MXFP4-quantized checkpoint, which flexsgl does not "
-                                      "dequantize; a bfloat16 checkpoint of the model loads.")
-            raise CheckpointError(f"{source} has a quantization_config ({short_repr(method)}); flexsgl serves "
-                                  "unquantized float32, float16 and bfloat16 weights only.")
+        quant = None if d.get("quantization_config") is None else quant_scheme(d["quantization_config"], source)
         for key, supported in UNSUPPORTED_SETTINGS.items():
             if key in d and key not in ARCHITECTURES[arch].ignores and d[key] not in supported:
                 raise CheckpointError(f"{source} sets {key} to {short_repr(d[key])}, which flexsgl does not run "
@@ -216,6 +212,7 @@ class ModelConfig:
             attention_bias=get.typed("attention_bias", bool, False),
             eos_token_ids=eos,
             torch_dtype=dtype if isinstance(dtype, str) else None,
+            quant=quant,
             hf=d,
             **fields,
         )

@@ -112,12 +112,13 @@ def packed_name(hf_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, 
 def allocate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Allocate the parameters and buffers of `model`, built on the meta device, on `device`,
     uninitialised: floating-point ones in `dtype` straight away (never a float32 copy first), the
-    others in their own dtype. Each parameter keeps its weight loader, and parameters tied before
+    others, and those marked `keep_dtype` (FP8 weights and their scales), in their own dtype. Each parameter keeps its weight loader, and parameters tied before
     (one object in two places) stay tied."""
     made: dict[int, torch.Tensor] = {}
 
     def empty(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+        keep = not t.is_floating_point() or getattr(t, "keep_dtype", False)
+        return torch.empty(t.shape, dtype=t.dtype if keep else dtype, device=device)
 
     for module in model.modules():
         for name, p in module._parameters.items():

@@ -1,0 +1,72 @@
+"""What FP8 does to a model's projections: which keep FP8 weights (Fp8Linear) on a GPU with FP8
+matrix products, and `--quantization fp8`, which quantizes an unquantized checkpoint's projections
+as it loads.
+
+The projections are the attention's and the dense MLPs' linear layers (`qkv_proj`, `o_proj`,
+`gate_up_proj`, `down_proj`, and DeepSeek-V2's `qkv_a_proj` and `q_b_proj`). Not among them: the
+embedding and the LM head, MoE routers, the stacked routed experts and the shared experts (the
+one-token MoE kernel and grouped_mm read them in the model's dtype), and MLA's `kv_b_proj`
+(whose weight attention reads per head); FP8 checkpoint tensors of those are dequantized as they load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flexsgl.quant.fp8 import dequantize, quantize_rows
+from flexsgl.quant.fp8_linear import Fp8Linear, fits, fp8_gemm_runs
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "qkv_a_proj", "q_b_proj")
+QUANTIZATIONS = ("fp8",)  # what --quantization takes
+
+
+def projections(model: nn.Module) -> dict[str, nn.Linear]:
+    """The model's projections that FP8 applies to (module docstring), by module name."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTIONS and ".shared_experts." not in name}
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, new)
+
+
+def keep_fp8(model: nn.Module, fp8_weights: set[str]) -> list[str]:
+    """Make Fp8Linears (on the meta device, before allocation) of the projections whose weight the
+    checkpoint holds wholly in FP8 (`fp8_weights`: parameter names) and whose shape suits the FP8
+    product; returns their names. Their checkpoint tensors then load as they are, scales and all."""
+    kept = []
+    for name, linear in projections(model).items():
+        if f"{name}.weight" in fp8_weights and fits(linear):
+            _swap(model, name, Fp8Linear.replacing(linear))
+            kept.append(name)
+    return kept
+
+
+def keeps_fp8(device: torch.device, dtype: torch.dtype, tp_size: int) -> bool:
+    """Whether FP8 weights stay FP8 here (else they are dequantized to `dtype` as they load)."""
+    return tp_size == 1 and fp8_gemm_runs(device, dtype)
+
+
+@torch.no_grad()
+def quantize_online(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """`--quantization fp8` on a loaded model: each projection's weight quantized to FP8 per output
+    row (absmax / 448). Where FP8 products run (keeps_fp8) it becomes an Fp8Linear, whose activations
+    are quantized per token as they come; elsewhere its weight is replaced by its dequantized FP8
+    values, so the numbers are those of FP8 weights. Returns how many projections were quantized."""
+    keep = keeps_fp8(device, dtype, model.cfg.tp_size)
+    count = 0
+    for name, linear in projections(model).items():
+        weight, scale = quantize_rows(linear.weight)
+        if keep and fits(linear):
+            new = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None).to(device)
+            new.weight.copy_(weight)
+            new.weight_scale.copy_(scale)
+            if linear.bias is not None:
+                new.bias = linear.bias
+            _swap(model, name, new)
+        else:
+            linear.weight.copy_(dequantize(weight, scale, "channel"))
+        count += 1
+    return count

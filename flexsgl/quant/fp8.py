@@ -1,0 +1,42 @@
+"""FP8 (float8_e4m3fn) arithmetic: a checkpoint weight's scales expanded and applied (dequantize),
+weights quantized by output row, and activations quantized by token, each as vLLM's FP8 methods do
+(scale = absmax / 448, the largest e4m3 number)."""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+MIN_SCALE = 1e-12  # an all-zero row or token: any scale reproduces it; this one avoids 0 / 0
+
+
+def expand_scale(scale: torch.Tensor, strategy: str, block: tuple[int, int] | None,
+                 shape: tuple[int, int]) -> torch.Tensor:
+    """`scale` (a weight's scale as its checkpoint stores it: per block `[ceil(N / bn), ceil(K / bk)]`,
+    per channel `[N, 1]`, per tensor `[1]`) as float32 broadcastable to the weight `[N, K]`: each
+    block's scale repeated over its block (the last blocks cut to the weight's edge)."""
+    n, k = shape
+    scale = scale.float()
+    if strategy == "block":
+        bn, bk = block
+        return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return scale.reshape(n, 1) if strategy == "channel" else scale.reshape(1, 1)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, strategy: str,
+               block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The float32 weight an FP8 `weight` `[N, K]` and its checkpoint `scale` stand for."""
+    return weight.float() * expand_scale(scale, strategy, block, tuple(weight.shape))
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[N, K]` as FP8 with one float32 scale per row `[N, 1]` (row absmax / 448)."""
+    w = weight.float()
+    scale = (w.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations `x` `[M, K]` as FP8 with one float32 scale per token `[M, 1]` (dynamic: from x itself)."""
+    return quantize_rows(x)

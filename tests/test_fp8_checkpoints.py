@@ -1,0 +1,147 @@
+"""FP8 checkpoints (block-wise and compressed-tensors, per channel and per tensor) load and run on
+the CPU, dequantized as they load: the same greedy tokens as HF transformers running the weights
+they stand for (dequantized in float32, tests/fp8_checkpoints.py), logits within 1e-4 relative
+error; a missing or mis-shaped scale is refused in one sentence."""
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.errors import CheckpointError
+from tests.fp8_checkpoints import make_fp8_checkpoint
+from tests.hf_models import capture_logits, hf_reference, make_deepseek_checkpoint
+
+STEPS = 32
+LENGTHS = (1, 9, 40)
+
+
+def make_source(arch: str, path, seed: int):
+    """A tiny HF checkpoint whose dims are not multiples of 128 (hidden 160, MLP 200, q 160, k/v 80)."""
+    import transformers
+
+    common = dict(vocab_size=320, hidden_size=160, intermediate_size=200, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=40, rms_norm_eps=1e-6,
+                  max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.15,
+                  eos_token_id=None, bos_token_id=None)
+    if arch == "qwen3":
+        cfg, cls = transformers.Qwen3Config(**common, rope_theta=10000.0), transformers.Qwen3ForCausalLM
+    elif arch == "mistral":
+        cfg, cls = transformers.MistralConfig(**common, sliding_window=24), transformers.MistralForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(**common, rope_theta=10000.0), transformers.LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+
+
+def check_matches_hf(dst, ref, monkeypatch, seed, steps=STEPS):
+    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32, attn_implementation="eager").eval()
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in LENGTHS]
+    llm = LLM(str(dst), device="cpu", page_size=16)
+    seen = capture_logits(llm, monkeypatch)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = hf_reference(hf, prompt, steps)
+        assert outs[i].token_ids == ref_tokens, f"prompt {i} (len {len(prompt)}), seed={seed}"
+        ours = torch.stack(seen[outs[i].request_id])
+        rel = ((ours - ref_logits).abs().max(-1).values / ref_logits.abs().max(-1).values).max().item()
+        assert rel < 1e-4, f"prompt {i}: logits relative error {rel:.2e}, seed={seed}"
+
+
+@pytest.mark.parametrize("arch, fmt, ignore", [
+    ("qwen3", "block", ["model.layers.1.mlp.down_proj"]),
+    ("llama", "channel", ["model.layers.0.self_attn.o_proj"]),
+    ("mistral", "tensor", []),
+])
+def test_fp8_checkpoint_matches_hf_on_its_dequantized_weights(tmp_path, monkeypatch, arch, fmt, ignore):
+    seed = random.randrange(2**31)
+    make_source(arch, tmp_path / "src", seed)
+    fp8 = make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", fmt, ignore=ignore,
+                              input_scales=fmt == "tensor")
+    assert len(fp8) == 2 * 7 - len(ignore)
+    check_matches_hf(tmp_path / "fp8", tmp_path / "ref", monkeypatch, seed)
+
+
+def test_deepseek_v2_fp8_checkpoint_with_fp8_experts_matches_hf(tmp_path, monkeypatch):
+    """MLA projections, the dense MLP, routed and shared experts in FP8, blocks of 32 x 16 (partial at
+    the edges: kv_b_proj is [112, 32], q_proj [96, 64])."""
+    seed = random.randrange(2**31)
+    make_deepseek_checkpoint(tmp_path / "src", seed)
+    fp8 = make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "block", block=(32, 16))
+    assert any(".experts.3.up_proj" in n for n in fp8) and any("kv_b_proj" in n for n in fp8)
+    check_matches_hf(tmp_path / "fp8", tmp_path / "ref", monkeypatch, seed, steps=12)
+
+
+@pytest.fixture(scope="module")
+def block_checkpoint(tmp_path_factory):
+    seed = random.randrange(2**31)
+    path = tmp_path_factory.mktemp("fp8")
+    make_source("qwen3", path / "src", seed)
+    make_fp8_checkpoint(path / "src", path / "fp8", path / "ref", "block")
+    return path / "fp8", seed
+
+
+def refused(path) -> str:
+    with pytest.raises(CheckpointError) as e:
+        LLM(str(path), device="cpu")
+    msg = str(e.value)
+    assert msg.endswith(".") and "\n" not in msg, msg
+    return msg
+
+
+def edited(src, dst, edit=None, config_edit=None):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    if edit is not None:
+        tensors = load_file(src / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, dst / "model.safetensors")
+    if config_edit is not None:
+        config = json.loads((src / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps(config_edit(config)))
+    return dst
+
+
+def test_a_missing_scale_is_refused_naming_it(block_checkpoint, tmp_path):
+    src, seed = block_checkpoint
+    scale = random.Random(seed).choice(sorted(n for n in load_file(src / "model.safetensors") if "scale_inv" in n))
+    msg = refused(edited(src, tmp_path / "x", lambda t: t.pop(scale)))
+    assert repr(scale) in msg and "no scale" in msg, msg
+
+
+def test_a_mis_shaped_scale_is_refused_naming_it(block_checkpoint, tmp_path):
+    src, seed = block_checkpoint
+    scale = "model.layers.0.self_attn.k_proj.weight_scale_inv"  # [80, 160] in blocks of 128: [1, 2]
+
+    def edit(t):
+        t[scale] = torch.rand(2, 2) + 0.1
+    msg = refused(edited(src, tmp_path / "x", edit))
+    assert repr(scale) in msg and "(2, 2)" in msg and "(1, 2)" in msg, msg
+
+
+def test_an_fp8_tensor_without_a_quantization_config_is_refused(block_checkpoint, tmp_path):
+    src, _ = block_checkpoint
+    msg = refused(edited(src, tmp_path / "x", config_edit=lambda c: {k: v for k, v in c.items()
+                                                                     if k != "quantization_config"}))
+    assert "F8_E4M3" in msg and "quantization_config" in msg, msg
+
+
+def test_an_fp8_scale_holding_nan_is_refused(block_checkpoint, tmp_path):
+    src, _ = block_checkpoint
+    scale = "model.layers.1.mlp.up_proj.weight_scale_inv"
+
+    def edit(t):
+        t[scale][0, 0] = float("nan")
+    msg = refused(edited(src, tmp_path / "x", edit))
+    assert repr(scale) in msg and "NaN" in msg, msg

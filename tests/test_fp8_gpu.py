@@ -1,0 +1,87 @@
+"""FP8 on a GPU with FP8 matrix products (SM89+): Fp8Linear (torch._scaled_mm, rowwise scales, FP8
+activations per token) against float32 references, and the engine running an FP8 checkpoint's and
+`quantization="fp8"`'s FP8 weights as FP8."""
+
+import random
+
+import pytest
+import torch
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.quant.fp8 import quantize_rows, quantize_tokens
+from flexsgl.quant.fp8_linear import Fp8Linear
+from tests.fp8_checkpoints import make_fp8_checkpoint
+from tests.hf_models import capture_logits
+from tests.test_fp8_checkpoints import make_source
+from tests.test_fp8_online import bits_per_byte, docstring_text
+
+
+def fp8_gpu():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 products need an SM89+ GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 300])
+def test_fp8_linear_matches_a_float32_reference(m):
+    """Against float32 products of the same FP8 values (activations quantized as Fp8Linear does), within
+    1% of the output's largest magnitude (bfloat16 output, float32 accumulation in another order); and
+    against float32 activations, within 5% (what quantizing activations to FP8 costs)."""
+    fp8_gpu()
+    seed = random.randrange(2**31)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, k = 272, 384
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+    linear = Fp8Linear(k, n, bias=True).cuda()
+    wq, ws = quantize_rows(w)
+    linear.weight.data, linear.weight_scale.data, linear.bias.data = wq, ws, bias
+    out = linear(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    xq, xs = quantize_tokens(x)
+    w32 = wq.float() * ws
+    same_inputs = (xq.float() * xs) @ w32.T + bias.float()
+    exact_inputs = x.float() @ w32.T + bias.float()
+    top = exact_inputs.abs().max()
+    assert (out.float() - same_inputs).abs().max() <= 0.01 * top, f"seed={seed}"
+    assert (out.float() - exact_inputs).abs().max() <= 0.05 * top, f"seed={seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["channel", "tensor"])
+def test_fp8_checkpoint_runs_fp8_projections_on_the_gpu(tmp_path, monkeypatch, fmt):
+    """Projections whose dims are multiples of 16 keep FP8 weights (down_proj, K = 200, is dequantized);
+    the first logits of each prompt are within 5% (of their largest magnitude) of HF's in float32 on
+    the weights the checkpoint stands for."""
+    fp8_gpu()
+    from transformers import AutoModelForCausalLM
+
+    seed = random.randrange(2**31)
+    make_source("qwen3", tmp_path / "src", seed)
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", fmt)
+    llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", max_total_tokens=4096)
+    kept = {n for n, m in llm.runner.model.named_modules() if isinstance(m, Fp8Linear)}
+    assert kept and not any(n.endswith("down_proj") for n in kept), kept
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(320) for _ in range(n)] for n in (3, 17, 60)]
+    seen = capture_logits(llm, monkeypatch)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0))
+    for prompt, out in zip(prompts, outs):
+        ours = seen[out.request_id][0].float().cpu()
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0, -1]
+        assert (ours - ref).abs().max() <= 0.05 * ref.abs().max(), f"seed={seed}"
+
+
+@pytest.mark.gpu
+def test_online_fp8_on_the_gpu_keeps_bits_per_byte_within_2_percent(monkeypatch):
+    fp8_gpu()
+    seed = random.randrange(2**31)
+    plain = LLM(device="cuda", dtype="bfloat16", max_total_tokens=8192)
+    fp8 = LLM(device="cuda", dtype="bfloat16", max_total_tokens=8192, quantization="fp8")
+    assert any(isinstance(m, Fp8Linear) for m in fp8.runner.model.modules())
+    ids = plain.tokenizer.encode(docstring_text(seed))[:200]
+    base, quantized = bits_per_byte(plain, ids, monkeypatch), bits_per_byte(fp8, ids, monkeypatch)
+    assert abs(quantized - base) / base < 0.02, f"seed={seed}: {base:.4f} -> {quantized:.4f} bits per byte"

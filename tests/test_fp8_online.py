@@ -1,0 +1,74 @@
+"""`quantization="fp8"` (`--quantization fp8`): an unquantized checkpoint's projections quantized to
+FP8 as it loads (per output channel; on the CPU dequantized again, so the numbers are FP8 weights').
+The embedded default model keeps its bits per byte within 2% on text like its training data, as the
+engine itself computes them (each next token's logits, read from the sampler)."""
+
+import inspect
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.quant.apply import projections
+from tests.hf_models import capture_logits
+
+
+def docstring_text(seed: int) -> str:
+    """Docstrings of the standard library (what the embedded model was trained on), a few picked by seed."""
+    import collections, json as json_module, pathlib, textwrap  # noqa: E401
+
+    docs = [inspect.getdoc(f) for m in (collections, json_module, pathlib, textwrap) for f in vars(m).values()
+            if callable(f) and (inspect.getdoc(f) or "").count(" ") > 30]
+    return "\n\n".join(random.Random(seed).sample(docs, 3))[:900]
+
+
+def bits_per_byte(llm: LLM, ids: list[int], monkeypatch) -> float:
+    """-log2 p(ids[i] | ids[:i]) summed over i >= 1, over the UTF-8 bytes of ids[1:], from the engine's
+    logits for each prefix (one request per prefix; their shared pages come from the prefix cache)."""
+    with monkeypatch.context() as m:
+        seen = capture_logits(llm, m)
+        outs = llm.generate([ids[:i] for i in range(1, len(ids))], SamplingParams(max_new_tokens=1, temperature=0))
+        logits = torch.stack([seen[o.request_id][0] for o in outs]).double()
+    nats = -torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
+    return nats / math.log(2) / len(llm.tokenizer.decode(ids[1:]).encode())
+
+
+def test_fp8_keeps_the_embedded_models_bits_per_byte_within_2_percent(monkeypatch):
+    seed = random.randrange(2**31)
+    plain = LLM(device="cpu", page_size=16)
+    fp8 = LLM(device="cpu", page_size=16, quantization="fp8")
+    ids = plain.tokenizer.encode(docstring_text(seed))[:200]
+    for name, linear in projections(fp8.runner.model).items():  # every projection's weight moved to FP8 values
+        before = projections(plain.runner.model)[name].weight
+        assert not torch.equal(linear.weight, before), name
+        assert (linear.weight - before).abs().max() <= before.abs().amax(1).max() / 448 * 16, name
+    base, quantized = bits_per_byte(plain, ids, monkeypatch), bits_per_byte(fp8, ids, monkeypatch)
+    assert 0.5 < base < 4, f"seed={seed}: {base}"  # the model predicts this text (a byte is 8 bits)
+    assert abs(quantized - base) / base < 0.02, f"seed={seed}: {base:.4f} -> {quantized:.4f} bits per byte"
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="Unknown quantization 'int4'; choose one of fp8."):
+        LLM(device="cpu", quantization="int4")
+
+
+def test_cli_takes_quantization():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "flexsgl.cli", "generate", "--device", "cpu", "--model", "tiny", "Hello"]
+    procs = [subprocess.Popen(cmd + extra, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for extra in (["--quantization", "fp8", "--max-new-tokens", "3", "--json"],
+                           ["--quantization", "int4"], ["--quantization", "fp8", "--tp", "2"])]
+    (good, _), (bad, bad_err), (tp, tp_err) = [p.communicate(timeout=120) for p in procs]
+    assert procs[0].returncode == 0, good
+    [out] = json.loads(good)
+    api = LLM("tiny", device="cpu", quantization="fp8").generate(["Hello"], SamplingParams(max_new_tokens=3,
+                                                                                            temperature=0))[0]
+    assert out["token_ids"] == api.token_ids and len(api.token_ids) == 3, out
+    assert procs[1].returncode == 2 and "error: Unknown quantization 'int4'" in bad_err, bad_err
+    assert procs[2].returncode == 2 and "tensor_parallel_size 1" in tp_err and "Traceback" not in tp_err, tp_err

@@ -1,0 +1,68 @@
+"""Non-finite numbers: a checkpoint tensor holding NaN or infinity is refused at load, naming it, and a
+request whose logits are not finite ends with an error (not an empty text), greedy or sampled, and
+leaves nothing behind that harms the requests after it."""
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.errors import CheckpointError
+from tests.hf_models import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    seed = random.randrange(2**31)
+    path = tmp_path_factory.mktemp("qwen3")
+    make_checkpoint("qwen3", path, seed)
+    return path, seed
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_weight_holding_non_finite_values_is_refused_naming_it(checkpoint, tmp_path, bad):
+    src, seed = checkpoint
+    rng = random.Random(seed)
+    tensors = load_file(src / "model.safetensors")
+    name = rng.choice(sorted(tensors))
+    flat = tensors[name].view(-1)
+    flat[rng.randrange(flat.numel())] = bad
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        LLM(str(tmp_path), device="cpu")
+    msg = str(e.value)
+    assert repr(name) in msg and "NaN or infinite" in msg and "\n" not in msg, (msg, f"seed={seed}")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_request_whose_logits_are_not_finite_ends_with_an_error(checkpoint, temperature):
+    """Token `poison`'s embedding row is NaN: a prompt holding it has NaN logits. The engine serves on:
+    its pages were zeroed (masked slots still enter attention as 0 * v), so a clean prompt after it, whose
+    last page is one of them, decodes as before."""
+    path, seed = checkpoint
+    rng = random.Random(seed + 1)
+    poison = rng.randrange(1, 320)
+    clean = [rng.choice([t for t in range(320) if t != poison]) for _ in range(70)]
+    bad = clean[:66] + [poison] + clean[66:]
+    params = SamplingParams(max_new_tokens=6, temperature=temperature, seed=seed, ignore_eos=True)
+    llm = LLM(str(path), device="cpu", page_size=16)
+    expected = llm.generate([clean], params)[0]
+    llm.runner.model.model.embed_tokens.weight[poison] = float("nan")
+    got = llm.generate([bad], params)[0]
+    assert got.finish_reason == "error", (got, f"seed={seed}")
+    assert "not finite" in got.error and got.token_ids == [], (got, f"seed={seed}")
+    again = llm.generate([clean], params)[0]
+    assert (again.finish_reason, again.token_ids) == ("length", expected.token_ids), f"seed={seed}"
+
+
+def test_logprobs_requests_end_with_an_error_too(checkpoint):
+    path, seed = checkpoint
+    llm = LLM(str(path), device="cpu")
+    llm.runner.model.lm_head.weight[random.Random(seed).randrange(320), 0] = float("nan")
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=2))[0]
+    assert out.finish_reason == "error" and "not finite" in out.error, (out, f"seed={seed}")
