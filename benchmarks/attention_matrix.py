@@ -207,7 +207,7 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv, window: int | None = None):
     if flash and fb.mode != "prefill":
         return "it runs prefill only"
     spec = SPECS["flex" if flash else name]
-    reason = why_not(spec, torch.device("cuda"), "gqa", variants=() if variants is None else variants.layers)
+    reason = why_not(spec, torch.device("cuda"), "gqa", variants=() if variants is None else [b.variant for b in variants.layers])
     if reason is None and fb.mode not in spec.phases:
         reason = f"it runs {', '.join(spec.phases)} only"
     cls = backend_class(spec) if reason is None else None
