@@ -80,7 +80,7 @@ class Injector:
 
         monkeypatch.setattr(llm.runner, "run", run)
         if where == "build":
-            monkeypatch.setattr(llm.runner, "build", self.wrap(llm.runner.build))
+            monkeypatch.setattr(llm.runner, "plan", self.wrap(llm.runner.plan))  # building a step starts with its plan
         elif where == "forward":
             monkeypatch.setattr(llm.runner, "_prefill", self.wrap(llm.runner._prefill))
             monkeypatch.setattr(llm.runner, "_decode", self.wrap(llm.runner._decode))

@@ -227,7 +227,7 @@ def install_fault_injection(llm: LLM) -> None:
         return wrapped
 
     llm.runner.run = run
-    llm.runner.build = wrap("build", llm.runner.build)
+    llm.runner.plan = wrap("build", llm.runner.plan)  # building a step starts with its plan
     llm.runner._prefill = wrap("forward", llm.runner._prefill)
     llm.runner._decode = wrap("forward", llm.runner._decode)
     flexsgl.runner.sample = wrap("sample", flexsgl.runner.sample)

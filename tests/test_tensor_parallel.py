@@ -41,7 +41,8 @@ def sampled_logits(monkeypatch):
     real = flexsgl.runner.sample
 
     def sample(logits, st, argmax=None):
-        steps.append(logits.detach().float().cpu())
+        if logits.shape[0]:  # a prefill chunk that samples no request has no rows
+            steps.append(logits.detach().float().cpu())
         return real(logits, st, argmax)
 
     monkeypatch.setattr(flexsgl.runner, "sample", sample)
