@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flexsgl.cache.store import store_path
 from flexsgl.distributed import layers as tp
 from flexsgl.kernels import gemv
+from flexsgl.model.causal_lm import CausalLM
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from flexsgl.model.moe import MoE, expert_part
-from flexsgl.model.weight_loaders import allocate, packed_name, split_loader
+from flexsgl.model.weight_loaders import packed_name, split_loader
 
 
 class Attention(nn.Module):
@@ -39,7 +39,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.kv_store = None  # DecoderForCausalLM.bind_kv_pool sets it, and this layer's K/V:
+        self.kv_store = None  # CausalLM.bind_kv_pool sets it, and this layer's K/V:
         self.cache: tuple[torch.Tensor, ...] = ()
         # bind_variants sets the layer's attention variant (bound_variant.py; None: plain causal)
         # and, where the variant has a sink, its per-head logits
@@ -100,7 +100,7 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -123,45 +123,4 @@ class DecoderForCausalLM(nn.Module):
         """The parameter an HF tensor fills and its part there (None: all of it): a fused part, or
         (expert, 0 gate / 1 up / None down) of a stacked expert parameter."""
         return expert_part(hf_name) or packed_name(hf_name, FUSED)
-
-    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the parameters of this model, built on the meta device (their values come from
-        flexsgl/model/loader.py), and compute its rotary tables."""
-        allocate(self, device, dtype)
-        if self.cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.model.rotary.build(device)
-
-    def bind_kv_pool(self, pool) -> None:
-        """Give every attention layer its K/V in the pool and the store path that writes them (once,
-        before the first step)."""
-        store = store_path(pool, self.cfg.num_heads)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.kv_store, layer.self_attn.cache = store, pool.layer_cache(i)
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.place(pool.device)
-
-    def bind_variants(self, variants) -> None:
-        """Give every attention layer its attention variant from `variants` (a VariantSet, one per
-        layer) and the sink logits it reads, if any (once, before the first step)."""
-        for layer, bound in zip(self.model.layers, variants.layers):
-            attn = layer.self_attn
-            attn.variant = bound
-            attn.sink = None if bound is None else bound.layer_sink(attn)
-
-    def compiled_regions(self) -> list[nn.Module]:
-        """What torch.compile compiles (flexsgl/compile.py): each decoder layer, all from one code (with
-        a mixture of experts, the dense layers from one code and the MoE ones from another)."""
-        return list(self.model.layers)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
-        """Returns the logits (in the model's dtype) of the tokens at `fb.logits_index` (each request's
-        last token). The sampler upcasts them only where it needs to: a greedy step takes the argmax
-        as they are, which saves writing and re-reading a float32 copy of [batch, vocab]."""
-        m = self.model
-        x = m.embed_tokens(input_ids)
-        for layer in m.layers:
-            x = layer(x, positions, m.rotary, fb)
-        logits = gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
-        return tp.gather_logits(logits, self.cfg.vocab_size) if self.cfg.tp_size > 1 else logits
 

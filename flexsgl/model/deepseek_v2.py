@@ -34,15 +34,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flexsgl.cache.store import store_path
 from flexsgl.distributed import layers as tp
 from flexsgl.kernels import gemv, latent_query
 from flexsgl.kernels.latent_query import latent_query_reference
 from flexsgl.kernels.norm_rope import rotate_pairs
+from flexsgl.model.causal_lm import CausalLM
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, yarn_inv_freq
 from flexsgl.model.moe import MoE, expert_part
-from flexsgl.model.weight_loaders import StackedExperts, allocate, fused_rows, packed_name, split_loader
+from flexsgl.model.weight_loaders import StackedExperts, fused_rows, packed_name, split_loader
 
 LATENT_NORM_EPS = 1e-6  # HF's DeepseekV2RMSNorm default, used for q_a_layernorm and kv_a_layernorm
 
@@ -77,7 +77,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * m.v_head_dim, cfg.hidden_size, bias=False)
-        self.kv_store = None  # DeepseekV2ForCausalLM.bind_kv_pool sets it, and this layer's latents:
+        self.kv_store = None  # CausalLM.bind_kv_pool sets it, and this layer's latents:
         self.cache: tuple[torch.Tensor, ...] = ()
         self.heads: torch.Tensor | None = None  # 0..H-1 on the pool's device: each head's slot in W_UV's kernel
         self.parallel = cfg.tp_size > 1  # o_proj row-parallel (flexsgl/distributed/layers.py)
@@ -161,7 +161,7 @@ FUSED = {"q_proj": ("qkv_a_proj", 0), "q_a_proj": ("qkv_a_proj", 0), "kv_a_proj_
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -184,34 +184,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         (expert, 0 gate / 1 up / None down) of a stacked expert parameter."""
         return expert_part(hf_name) or packed_name(hf_name, FUSED)
 
-    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the parameters of this model, built on the meta device (their values come from
-        flexsgl/model/loader.py), and compute its rotary tables."""
-        allocate(self, device, dtype)
-        if self.cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.model.rotary.build(device)
-
-    def bind_kv_pool(self, pool) -> None:
-        """Give every attention layer its latents in the pool and the store path that writes them (once,
-        before the first step)."""
-        store = store_path(pool, self.cfg.num_heads)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.kv_store, layer.self_attn.cache = store, pool.layer_cache(i)
-            layer.self_attn.heads = torch.arange(layer.self_attn.hq, dtype=torch.int32, device=pool.device)
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.place(pool.device)
-
-    def compiled_regions(self) -> list[nn.Module]:
-        """What torch.compile compiles (flexsgl/compile.py): each layer, the dense ones from one code
-        and the MoE ones from another."""
-        return list(self.model.layers)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
-        """The logits of the tokens at `fb.logits_index`, in the model's dtype."""
-        m = self.model
-        x = m.embed_tokens(input_ids)
-        for layer in m.layers:
-            x = layer(x, positions, m.rotary, fb)
-        logits = gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
-        return tp.gather_logits(logits, self.cfg.vocab_size) if self.cfg.tp_size > 1 else logits
+    def place_layer(self, layer: nn.Module, device: torch.device) -> None:
+        """The attention's head indices on the device, and a MoE layer's experts' device."""
+        layer.self_attn.heads = torch.arange(layer.self_attn.hq, dtype=torch.int32, device=device)
+        super().place_layer(layer, device)

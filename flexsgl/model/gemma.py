@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexsgl.kernels import gemv
+from flexsgl.model.causal_lm import CausalLM
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.decoder import Attention, DecoderForCausalLM
 from flexsgl.model.layers import GatedMLP, RotaryEmbedding, rope_inv_freq
-from flexsgl.model.weight_loaders import Whole, allocate, fused_rows
+from flexsgl.model.weight_loaders import Whole, fused_rows
 
 
 class GemmaRMSNorm(nn.Module):
@@ -113,7 +114,7 @@ class GemmaModel(nn.Module):
         self.normalizer: torch.Tensor | None = None  # sqrt(hidden_size) in the model dtype (materialize)
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -122,21 +123,14 @@ class GemmaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    # The decoder's own: HF names to the fused q/k/v and gate/up parts; each layer's K/V and store
-    # path; each layer's variant; one compiled region per decoder layer.
+    # The decoder's own: HF names to the fused q/k/v and gate/up parts.
     checkpoint_name = DecoderForCausalLM.checkpoint_name
-    bind_kv_pool = DecoderForCausalLM.bind_kv_pool
-    bind_variants = DecoderForCausalLM.bind_variants
-    compiled_regions = DecoderForCausalLM.compiled_regions
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the parameters (the model is built on the meta device), compute the rotary
         tables and the embedding normalizer."""
-        allocate(self, device, dtype)
+        super().materialize(device, dtype)
         m = self.model
-        if self.cfg.tie_word_embeddings:
-            self.lm_head.weight = m.embed_tokens.weight
-        m.rotary.build(device)
         if m.rotary_local is not m.rotary:
             m.rotary_local.build(device)
         # HF keeps sqrt(hidden_size) as a float32 tensor and casts it to the weights' dtype

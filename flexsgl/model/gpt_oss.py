@@ -27,13 +27,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flexsgl.cache.store import store_path
 from flexsgl.kernels import gemv
+from flexsgl.model.causal_lm import CausalLM
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.decoder import Attention
 from flexsgl.model.layers import RMSNorm, RotaryEmbedding
 from flexsgl.model.moe import Experts
-from flexsgl.model.weight_loaders import TransposedExperts, allocate, fused_rows, packed_name
+from flexsgl.model.weight_loaders import TransposedExperts, fused_rows, packed_name
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -118,7 +118,7 @@ class GptOssModel(nn.Module):
 QKV = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -135,38 +135,5 @@ class GptOssForCausalLM(nn.Module):
         """The parameter an HF tensor fills and its part there (None: all of it)."""
         return packed_name(hf_name, QKV)
 
-    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the parameters of this model, built on the meta device (their values come from
-        flexsgl/model/loader.py), and compute its rotary tables."""
-        allocate(self, device, dtype)
-        if self.cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.model.rotary.build(device)
-
-    def bind_kv_pool(self, pool) -> None:
-        """Give every attention layer its K/V in the pool and the store path that writes them, and the
-        experts their device (once, before the first step)."""
-        store = store_path(pool, self.cfg.num_heads)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.kv_store, layer.self_attn.cache = store, pool.layer_cache(i)
-            layer.mlp.experts.place(pool.device)
-
-    def bind_variants(self, variants) -> None:
-        """Give every attention layer its attention variant from `variants` (a VariantSet, one per
-        layer) and the sink logits it reads (once, before the first step)."""
-        for layer, bound in zip(self.model.layers, variants.layers):
-            attn = layer.self_attn
-            attn.variant = bound
-            attn.sink = None if bound is None else bound.layer_sink(attn)
-
-    def compiled_regions(self) -> list[nn.Module]:
-        """What torch.compile compiles (flexsgl/compile.py): each layer, one code per kind of layer."""
-        return list(self.model.layers)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
-        """The logits of the tokens at `fb.logits_index`, in the model's dtype."""
-        m = self.model
-        x = m.embed_tokens(input_ids)
-        for layer in m.layers:
-            x = layer(x, positions, m.rotary, fb)
-        return gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
+    def place_layer(self, layer: nn.Module, device: torch.device) -> None:
+        layer.mlp.experts.place(device)  # a MoE block on every layer

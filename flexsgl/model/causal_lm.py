@@ -1,0 +1,67 @@
+"""CausalLM: what every flexsgl model does alike once it is built.
+
+A model holds `self.cfg`, `self.model` (its `embed_tokens`, `layers`, `norm` and `rotary`; each layer
+its `self_attn` and `mlp`) and `self.lm_head`, and is built on the meta device. The loader
+(flexsgl/model/loader.py) then calls `materialize`, and the engine (flexsgl/engine_core.py)
+`bind_kv_pool` and `bind_variants` once before the first step; flexsgl/compile.py compiles its
+`compiled_regions`. A model changes what is its own by overriding `materialize`, `place_layer`
+or `forward`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flexsgl.cache.store import store_path
+from flexsgl.distributed import layers as tp
+from flexsgl.kernels import gemv
+from flexsgl.model.moe import MoE
+from flexsgl.model.weight_loaders import allocate
+
+
+class CausalLM(nn.Module):
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the parameters of this model, built on the meta device (their values come from
+        flexsgl/model/loader.py), and compute its rotary tables."""
+        allocate(self, device, dtype)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.rotary.build(device)
+
+    def bind_kv_pool(self, pool) -> None:
+        """Give every attention layer its K/V (or latents) in the pool and the store path that writes
+        them, and each layer what it keeps of the device (`place_layer`), once, before the first step."""
+        store = store_path(pool, self.cfg.num_heads)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.kv_store, layer.self_attn.cache = store, pool.layer_cache(i)
+            self.place_layer(layer, pool.device)
+
+    def place_layer(self, layer: nn.Module, device: torch.device) -> None:
+        """A layer's device-dependent state: a MoE layer's experts note the device and zero their counters."""
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.place(device)
+
+    def bind_variants(self, variants) -> None:
+        """Give every attention layer its attention variant from `variants` (a VariantSet, one per
+        layer) and the sink logits it reads, if any (once, before the first step)."""
+        for layer, bound in zip(self.model.layers, variants.layers):
+            attn = layer.self_attn
+            attn.variant = bound
+            attn.sink = None if bound is None else bound.layer_sink(attn)
+
+    def compiled_regions(self) -> list[nn.Module]:
+        """What torch.compile compiles (flexsgl/compile.py): each layer, one code per kind of layer
+        (dense and MoE, sliding and global)."""
+        return list(self.model.layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
+        """Returns the logits (in the model's dtype) of the tokens at `fb.logits_index` (each request's
+        last token). The sampler upcasts them only where it needs to: a greedy step takes the argmax
+        as they are, which saves writing and re-reading a float32 copy of [batch, vocab]."""
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        for layer in m.layers:
+            x = layer(x, positions, m.rotary, fb)
+        logits = gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
+        return tp.gather_logits(logits, self.cfg.vocab_size) if self.cfg.tp_size > 1 else logits
