@@ -36,6 +36,7 @@ def loading(model: str, tp: int) -> None:
     print(f"{'rank':>4} {'part':>8} {'peak':>8} {'reserved':>9} {'load s':>7}")
     for rank in range(tp):
         device = torch.device("cuda", rank)
+        torch.empty(0, device=device)  # the device's context: its memory stats cannot be reset before it
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         t0 = time.perf_counter()
