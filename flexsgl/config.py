@@ -55,6 +55,9 @@ class EngineConfig:
     max_running_requests: int = option(256, "Most requests decoding at once.")
     max_num_batched_tokens: int = option(8192, "Most tokens in one prefill step (longer prompts are "
                                                "prefilled in chunks).")
+    prefill_first: bool = option(False, "Prefill every waiting prompt before the next decode step (the whole "
+                                        "batch's first tokens soonest), rather than alternating prefill and "
+                                        "decode steps while requests decode (steady inter-token latency).")
     compile: bool | None = option(None, "torch.compile the model (default: on CUDA, off on the CPU).")
     disable_cuda_graph: bool = option(False, "Run decode steps without CUDA graphs.")
     cuda_graph_bs: tuple[int, ...] | None = option(None, "Decode batch sizes to capture as CUDA graphs, "

@@ -105,7 +105,7 @@ class LLM:
         self.default_sampling = default_sampling(self.src)
         self.allocator = PageAllocator(core.num_pages)
         self.scheduler = Scheduler(cfg.page_size, self.allocator, cfg.max_num_batched_tokens,
-                                   cfg.max_running_requests, kv_window(self.resolved.variants))
+                                   cfg.max_running_requests, kv_window(self.resolved.variants), cfg.prefill_first)
         if self._channel is not None:
             self.runner.tp = self._channel
             self.runner.wait = self._channel.wait

@@ -2,7 +2,9 @@
 
 Each step is a prefill batch or a decode batch. While requests are decoding and prompts wait,
 the two alternate, so a long prompt (prefilled in chunks of at most `max_batch_tokens`) never
-stalls the running requests for more than one step at a time.
+stalls the running requests for more than one step at a time. With `prefill_first` a decode step
+runs only when no prompt can be prefilled: a batch submitted at once decodes together once every
+prompt is in (flexsgl bench's latency workload runs so).
 
 Admission is first come, first served: a request reuses the whole pages of its longest cached
 prefix and is admitted while the per-step budget, the running-batch limit and pages allow (free
@@ -40,10 +42,13 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, page_size: int, allocator: PageAllocator, max_batch_tokens: int, max_running: int,
-                 kv_window: int | None = None):
+                 kv_window: int | None = None, prefill_first: bool = False):
         """kv_window: where every layer attends only to its last kv_window keys, pages wholly behind
-        the window of a request's next query go back to the pool as it proceeds."""
+        the window of a request's next query go back to the pool as it proceeds. prefill_first: a
+        decode step runs only when no prompt can be prefilled (else a decode step follows each
+        prefill step while requests decode)."""
         self.kv_window = kv_window
+        self.prefill_first = prefill_first
         # The most KV slots a request holds at once with a window: the window, a prefill chunk, and the
         # pages they straddle (None: its whole length)
         self.held_tokens = None if kv_window is None else kv_window + max_batch_tokens + 2 * page_size
@@ -134,7 +139,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         decode_ready = any(self._decodable(r) for r in self.running)
-        if decode_ready and self._last_was_prefill:
+        if decode_ready and self._last_was_prefill and not self.prefill_first:
             batch = self._schedule_decode() or self._schedule_prefill()
         else:
             batch = self._schedule_prefill() or self._schedule_decode()

@@ -110,7 +110,7 @@ def test_latency_on_two_overrides_gives_two_columns(tmp_path):
         assert close(res["decode_tokens_per_s"] * res["tpot_s"], b)
         assert res["tied_embeddings"] and res["embedding_bytes"] == 0
         assert res["weight_bytes"] == res["weight_bytes_read"] == TINY.num_params() * 4  # float32 on the CPU
-        assert res["mean_context"] == n_in + n_out / 2
+        assert res["mean_context"] == n_in + (n_out + 1) / 2
         assert close(res["kv_bytes_read"], b * res["mean_context"] * TINY.kv_bytes_per_token(4))
         assert close(res["bytes_per_step"], res["weight_bytes_read"] + res["kv_bytes_read"])
         assert close(res["floor_tpot_s"], res["bytes_per_step"] / bw)

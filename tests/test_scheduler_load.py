@@ -64,6 +64,36 @@ def test_chunked_prefill_gives_the_same_tokens(model_dir):
     assert chunked_llm.stats()["prefill_steps"] >= sum(len(p) for p in prompts) // 24
 
 
+@pytest.mark.parametrize("prefill_first", [False, True])
+def test_prefill_first_decodes_the_whole_batch_once_every_prompt_is_in(model_dir, prefill_first):
+    """By default a decode step follows each prefill step while requests decode; with prefill_first
+    every prompt is prefilled (in chunks) before the first decode step, which runs them all. The
+    tokens are those of one unchunked prefill either way."""
+    path, seed = model_dir
+    rng = random.Random(seed + 5)
+    prompts = [[rng.randrange(300) for _ in range(rng.randrange(20, 100))] for _ in range(6)]
+    sp = SamplingParams(max_new_tokens=5, temperature=0.0)
+    llm = LLM(path, device="cpu", page_size=16, max_num_batched_tokens=24, prefill_first=prefill_first)
+    steps, schedule = [], llm.scheduler.schedule
+
+    def recorded():
+        batch = schedule()
+        if batch is not None:
+            steps.append((batch.mode, len(batch.requests)))
+        return batch
+
+    llm.scheduler.schedule = recorded
+    outs = llm.generate(prompts, sp)
+    first_decode = [m for m, _ in steps].index("decode")
+    last_prefill = max(i for i, (m, _) in enumerate(steps) if m == "prefill")
+    if prefill_first:
+        assert last_prefill < first_decode and steps[first_decode][1] == len(prompts), steps
+    else:
+        assert first_decode < last_prefill, steps
+    whole = LLM(path, device="cpu", page_size=16).generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in whole], f"seed={seed}"
+
+
 def test_prefix_cache_reuses_pages_and_reports_cached_tokens(model_dir):
     path, seed = model_dir
     rng = random.Random(seed + 2)

@@ -162,8 +162,9 @@ def plan(args: BenchArgs) -> Plan:
         p.batch_size, p.repeats = d["batch_size"], d["repeats"]
         p.input_range = _fixed(d["input_len"], "--input-len", w)
         p.output_range = _fixed(d["output_len"], "--output-len", w)
-        if p.output_range[0] < 2:
-            raise ValueError("The latency workload needs --output-len of at least 2 to time decode steps.")
+        if p.output_range[0] < 3:
+            raise ValueError("The latency workload needs --output-len of at least 3 to time decode steps (it "
+                             "times those after each request's second token).")
         running = e.max_running_requests
         if running != EngineConfig.max_running_requests and running < p.batch_size:
             raise ValueError(f"--batch-size ({p.batch_size}) is above --max-running-requests ({running}), "
@@ -172,6 +173,8 @@ def plan(args: BenchArgs) -> Plan:
         # time (as `flexsgl generate` does for its batch).
         if running == EngineConfig.max_running_requests:
             p.engine = engine.replace(max_running_requests=p.batch_size)
+        # Every prompt of the batch is prefilled before it decodes: each decode step then runs the whole batch.
+        p.engine = p.engine.replace(prefill_first=True)
         longest = p.input_range[1] + p.output_range[1]
     else:
         p.repeats = d["repeats"]

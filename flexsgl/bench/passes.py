@@ -63,12 +63,16 @@ def timed_pass(llm, prompts: list[list[int]], out_lens: list[int], desc: str, pr
     from flexsgl import SamplingParams
 
     first: dict[int, float] = {}
+    second: dict[int, float] = {}
     last: dict[int, float] = {}
     count = [0]
 
     def on_token(req) -> None:
         now = time.perf_counter()
-        first.setdefault(req.request_id, now)
+        if req.request_id not in first:
+            first[req.request_id] = now
+        elif req.request_id not in second:
+            second[req.request_id] = now
         last[req.request_id] = now
         count[0] += 1
 
@@ -95,4 +99,5 @@ def timed_pass(llm, prompts: list[list[int]], out_lens: list[int], desc: str, pr
         if len(o.token_ids) != n:  # EOS is ignored, so every request runs to its length
             raise RuntimeError(f"request {o.request_id} produced {len(o.token_ids)} tokens, expected {n}")
     return {"wall_s": wall, "outputs": outs, "steps": steps, "ttft_s": [first[i] - t0 for i in ids],
-            "tpot_s": [(last[i] - first[i]) / (n - 1) if n > 1 else None for i, n in zip(ids, out_lens)]}
+            "tpot_s": [(last[i] - first[i]) / (n - 1) if n > 1 else None for i, n in zip(ids, out_lens)],
+            "decode_tpot_s": [(last[i] - second[i]) / (n - 2) if n > 2 else None for i, n in zip(ids, out_lens)]}
