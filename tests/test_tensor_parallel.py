@@ -267,6 +267,27 @@ def test_worker_that_fails_before_joining_is_reported(monkeypatch):
         LLM("tiny", load_format="dummy", tensor_parallel_size=2, **OPTIONS)
 
 
+def test_a_killed_process_reads_as_exiting_before_it_is_reaped():
+    """Channel.dead counts a worker that is ending as gone: here a killed child not yet waited for."""
+    import subprocess
+    import sys
+
+    from flexsgl.distributed.worker import exiting
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not exiting(proc.pid) and not exiting(os.getpid())
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while not exiting(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert exiting(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not exiting(proc.pid)  # reaped: no such process
+
+
 def test_agree_raises_the_failed_ranks_reason():
     class Group:
         size = 3

@@ -22,9 +22,12 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import pickle
 import sys
 import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +41,7 @@ from flexsgl.log import logger
 # idle; a rank that dies closes its sockets, which fails the others' waits at once.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
+WATCH_S = 0.1  # how often a watched broadcast calls its watch
 LEAVE_TIMEOUT_S = 10.0  # how long leaving the group may take on a GPU before the process goes on without it
 
 
@@ -54,11 +58,21 @@ class TPGroup:
     def name(self) -> str:
         return self.group.group_name
 
-    def broadcast(self, obj=None):
-        """Rank 0's `obj` on every rank (over the control group)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+    def broadcast(self, obj=None, watch: Callable[[], None] | None = None):
+        """Rank 0's `obj` on every rank (over the control group): its pickled size, then its bytes.
+        `watch`, called every WATCH_S while the broadcast is in flight, may raise to stop waiting
+        for it (rank 0 checking that its workers still run: a rank that died may leave its side
+        of the broadcast unfinished for as long as its process takes to end)."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.empty(1, dtype=torch.int64)
+        _finish(dist.broadcast(size, src=0, group=self.control, async_op=True), watch)
+        if self.rank != 0:
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+        _finish(dist.broadcast(data, src=0, group=self.control, async_op=True), watch)
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank (over the control group)."""
@@ -71,6 +85,18 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t[0])
+
+
+def _finish(work, watch: Callable[[], None] | None) -> None:
+    """Wait for a collective of the control group; with `watch`, polling, and calling it every WATCH_S."""
+    if watch is not None:
+        last = time.monotonic()
+        while not work.is_completed():
+            time.sleep(0)  # yields the GIL; the collective itself runs on gloo's threads
+            if time.monotonic() - last > WATCH_S:
+                watch()
+                last = time.monotonic()
+    work.wait()  # raises the collective's error, if it failed
 
 
 _current: TPGroup | None = None

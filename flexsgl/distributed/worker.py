@@ -13,8 +13,9 @@ A worker builds its rank with the function the engine hands it (`build`: engine_
 so nothing here imports the engine.
 
 Failures: a worker that raises in a step writes why to the store and exits; rank 0 checks that
-its workers are alive before each step, when a step fails, and while it waits for a step's tokens,
-and raises EngineDeadError naming the rank. A worker whose rank 0 goes away (its sockets close)
+its workers are alive (not ended, nor ending: `exiting`) before each step, while it broadcasts a
+step's plan, when a step fails, and while it waits for a step's tokens, and raises EngineDeadError
+naming the rank. A worker whose rank 0 goes away (its sockets close)
 fails its next receive and exits; a spawned worker also ends as soon as its parent process does
 (a thread waits on the parent's sentinel), even inside a collective that can no longer finish,
 and ignores Ctrl-C, which the terminal sends to every process of its group: rank 0 decides.
@@ -78,7 +79,7 @@ class Channel:
     def dead(self) -> str | None:
         """Why a worker is gone, or None while all run."""
         for rank, p in enumerate(self.procs or (), 1):
-            if not p.is_alive():
+            if not p.is_alive() or exiting(p.pid):
                 return f"tensor-parallel rank {rank} stopped ({exit_reason(self.store, rank, p.exitcode)})"
         return None
 
@@ -117,7 +118,9 @@ class Channel:
     def send(self, msg: tuple) -> None:
         self.check()
         try:
-            self.group.broadcast(msg)
+            self.group.broadcast(msg, watch=self.check)
+        except EngineDeadError:
+            raise
         except Exception as e:
             reason = self.dead_soon()
             raise self.abandon(reason or f"the tensor-parallel ranks lost contact ({describe(e)})") from e
@@ -234,6 +237,21 @@ def _report(store, rank: int, e: BaseException) -> None:
         store.set(f"error/{rank}", describe(e))
     except Exception:
         pass
+
+
+PF_EXITING = 0x4  # Linux's task flag of a process that is ending
+
+
+def exiting(pid: int) -> bool:
+    """Whether process `pid` is ending though not yet reaped (Linux: PF_EXITING in its flags, or a
+    zombie). A killed process that held a GPU can take a long time to end, and its sockets stay
+    open meanwhile; False where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return False
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 
 
 def exit_reason(store, rank: int, exitcode) -> str:
