@@ -42,8 +42,10 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         shown = self._decode(self.ids[self.prefix:self.read])
         text = self._decode(self.ids[self.prefix:])
-        if len(text) <= len(shown) or (text.endswith("\ufffd") and not final):
+        if len(text) < len(shown) or (text.endswith("\ufffd") and not final):
             return ""
+        # Tokens that add no text (skipped special tokens; a byte tokenizer's ids past 255) move the
+        # window on too: held, they would make each later step decode all of them again.
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(shown):]
 

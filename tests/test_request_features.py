@@ -149,6 +149,26 @@ def test_incremental_text_never_breaks_a_character_and_matches_a_whole_decode():
     assert all("\ufffd" not in d for d in deltas), deltas
 
 
+def test_tokens_without_text_do_not_widen_the_decoded_window():
+    """A byte tokenizer's ids past 255 decode to nothing (a dummy model samples mostly those): the
+    window each step decodes stays a few tokens wide, and the text is the whole decode's."""
+    from flexsgl.detokenizer import IncrementalDetokenizer
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    text = "naïve → 日本語 😀 "
+    ids = [t for ch in text * 20 for t in list(ch.encode("utf-8")) + [rng.randrange(256, 5000)] * rng.randrange(0, 50)]
+    tok, widest = ByteTokenizer(), 0
+    d = IncrementalDetokenizer(tok, [65])
+    out = ""
+    for t in ids:
+        out += d.step(t)
+        widest = max(widest, len(d.ids) - d.prefix)
+    out += d.flush()
+    assert out == tok.decode(ids) == text * 20, f"seed={seed}"
+    assert widest <= 12, f"seed={seed}: a window of {widest} tokens"
+
+
 def test_incremental_text_of_the_embedded_tokenizer_matches_a_whole_decode(tiny_docs):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
