@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = ("auto", *DTYPES)
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 
 
 def option(default, help: str, **kw):
@@ -69,6 +70,10 @@ class EngineConfig:
     quantization: str | None = option(None, "fp8: quantize an unquantized checkpoint's projections to FP8 as "
                                             "it loads (weights per output channel; on GPUs with FP8 products, "
                                             "activations per token). FP8 checkpoints need no flag.")
+    kv_cache_dtype: str = option("auto", "auto (the engine's dtype) or fp8_e4m3 (also fp8): the KV cache in "
+                                         "FP8 E4M3, half the bytes of 16-bit K/V, with a scale per layer for K and "
+                                         "one for V (the checkpoint's k_scale and v_scale, else 1.0). flex reads "
+                                         "it; models with K/V heads only.")
     random_seed: int = option(0, "Seed of dummy weights.")
     tensor_parallel_size: int = option(1, "GPUs (ranks) to split the model across, one process each "
                                           "(--tp, --tp-size; flexsgl starts them, or torchrun does).")
@@ -137,8 +142,13 @@ class EngineConfig:
             raise ValueError(f"quantization {self.quantization!r} runs with tensor_parallel_size 1; tensor "
                              "parallelism does not split quantized weights yet.")
         variants = resolve_variants(self.attention, model)
+        kv_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if kv_dtype is not None and model.attention == "mla":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} serves models with K/V heads; this model "
+                             "caches MLA latents (DeepSeek-V2), which stay in the engine's dtype.")
         attention = resolve_override(self.override, device, model.attention, self.page_size, model.kv_layout[2],
-                                     str(dtype).removeprefix("torch."), variants)
+                                     str(dtype).removeprefix("torch."), variants,
+                                     None if kv_dtype is None else str(kv_dtype).removeprefix("torch."))
         if self.override == "auto":  # no cold FlashInfer compile for a small model
             attention = without_cold_compile(attention, model, device, str(dtype).removeprefix("torch."),
                                              self.page_size)
@@ -163,7 +173,7 @@ class EngineConfig:
             check_kv_tokens(kv.tokens, self.page_size)
         compile = device.type == "cuda" if self.compile is None else self.compile
         return ResolvedConfig(self, device, dtype, attention, compile, sizes, kv and kv.tokens,
-                              kv.reason if kv else "", variants)
+                              kv.reason if kv else "", variants, kv_dtype or dtype)
 
 
 def check_kv_tokens(tokens: int, page_size: int) -> None:
@@ -198,6 +208,11 @@ class ResolvedConfig:
     # Each layer's attention variant: the model's own composed with `attention`'s (None: plain
     # causal attention; flexsgl/attention/layer_variants.py)
     variants: tuple = ()
+    kv_dtype: torch.dtype | None = None  # the KV cache's dtype: kv_cache_dtype's, or `dtype` for "auto"
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
 
 def resolve_variants(spec, model: ModelConfig) -> tuple:
@@ -294,6 +309,7 @@ CHECKS = {
     "cuda_graph_bs": _batch_sizes,
     "cuda_graph_max_bs": _optional(_positive_int),
     "quantization": _optional(_one_of(QUANTIZATIONS)),
+    "kv_cache_dtype": _one_of(tuple(KV_CACHE_DTYPES)),
     "random_seed": _seed,
     "tensor_parallel_size": _positive_int,
 }

@@ -82,13 +82,15 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
         num_pages = group.min(num_pages)
     runner = None
     try:
-        pool = build_kv_pool(mcfg, num_pages, cfg.page_size, rc.dtype, device)
+        pool = build_kv_pool(mcfg, num_pages, cfg.page_size, rc.cache_dtype, device)
         model.bind_kv_pool(pool)
         kv_pool_s = time.perf_counter() - t0 - load_s
         if rank == 0:
             why = kv.reason if num_pages == kv.pages else "the fewest any rank's memory holds"
             logger.info(f"KV cache: {num_pages - 1} pages of {cfg.page_size} tokens"
-                        + (" per rank" if size > 1 else "") + f" ({why})")
+                        + (" per rank" if size > 1 else "")
+                        + (f" in {str(rc.kv_dtype).removeprefix('torch.')}" if rc.kv_dtype != rc.dtype else "")
+                        + f" ({why})")
         if rc.compile and rank == 0:
             logger.info("torch.compile on: the first step of each new batch shape compiles kernels first "
                         "(tens of seconds for a large model)")

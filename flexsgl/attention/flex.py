@@ -9,6 +9,10 @@ KV blocks (no mask_mod call) and the pages that reach its causal frontier are *p
 the mask_mod (flex_masks.py) runs. Mask memory is query blocks x pages per request (on the CPU,
 compiled, x pool pages: Inductor's CPU kernel wants full-width index rows).
 
+An FP8 pool (kv_cache_dtype fp8_e4m3) is read as it is where FlexAttention's Triton kernels run
+(compiled, on CUDA: they cast K and V to the query's dtype as they load them; the scales are the
+attention layer's, model/decoder.py); elsewhere, and for packed rows, the step's K/V are cast first.
+
 Decode through flex_ops.py's op, where its kernel splits each request's KV over several programs
 (small batches), lists every visible page as partial instead: Inductor's flex-decoding kernel,
 given full blocks, cuts its KV splits from the KV length, which is the whole pool here, so one
@@ -336,7 +340,12 @@ class FlexAttentionBackend(AttentionBackend):
                                fb.page_table, *meta.mask_state, self.pool.page_size, scale,
                                -1 if plain else variant.id, None if plain else self.page_pos,
                                None if plain else fb.req_slots, sink)
-        return self.attend(q, self.kv_sequence(k, fb), self.kv_sequence(v, fb), meta, scale, options, sink)
+        k, v = self.kv_sequence(k, fb), self.kv_sequence(v, fb)
+        if k.dtype != q.dtype and (fb.attn.kv_rows is not None or not (self.compiled and q.is_cuda)):
+            # An FP8 cache where no Triton flex kernel casts it as it loads (SDPA, the CPU's flex
+            # kernel), or packed rows, which are a copy anyway.
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        return self.attend(q, k, v, meta, scale, options, sink)
 
     def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]`: the

@@ -32,6 +32,7 @@ class BackendSpec:
     # The attention-variant kernel features it runs (variant.py: window, softcap, sinks, chunk,
     # scale); ANY: every variant, its mods included (flex).
     features: tuple[str, ...] = ()
+    kv_dtypes: tuple[str, ...] = ()  # quantized KV cache dtypes it reads, beside the engine's dtype
 
 
 ANY = ("any",)
@@ -44,6 +45,7 @@ HALF = ("bfloat16", "float16")
 SPECS = {s.name: s for s in (
     BackendSpec("flex", "flexsgl.attention.flex:FlexAttentionBackend", ("prefill", "decode"), None, None,
                 attention=("gqa", "mla"), mla_target="flexsgl.attention.flex_mla:FlexMLABackend", features=ANY,
+                kv_dtypes=("float8_e4m3fn",),
                 doc="torch.compile + FlexAttention block masks over the paged KV (default path)"),
     BackendSpec("fa3", "flexsgl.overrides.fa3:FA3Backend", ("prefill", "decode"), (90,), "sgl_kernel",
                 head_dims=(64, 96, 128, 192, 256), dtypes=HALF, features=FA3_FEATURES,
@@ -87,9 +89,10 @@ def sm_version(device: torch.device) -> int | None:
 
 
 def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa", head_dim: int | None = None,
-            dtype: str | None = None, page_size: int | None = None, variants=()) -> str | None:
+            dtype: str | None = None, page_size: int | None = None, variants=(), kv_dtype: str | None = None) -> str | None:
     """Why `spec` cannot run on `device` for a model with this attention kind, head size and dtype,
-    a cache of this page size (None: not known yet) and these per-layer attention variants, or None."""
+    a cache of this page size (None: not known yet), these per-layer attention variants and a KV
+    cache quantized to `kv_dtype` (None: in the engine's dtype), or None."""
     if spec.sm is not None:
         sm = sm_version(device)
         if sm is None:
@@ -103,6 +106,8 @@ def why_not(spec: BackendSpec, device: torch.device, attention: str = "gqa", hea
         return f"its kernels take {what} {'/'.join(map(str, spec.head_dims))}, and this model's is {head_dim}"
     if dtype is not None and spec.dtypes is not None and dtype not in spec.dtypes:
         return f"it runs {' and '.join(spec.dtypes)}, and this engine runs {dtype}"
+    if kv_dtype is not None and kv_dtype not in spec.kv_dtypes:
+        return f"it does not read a {kv_dtype} KV cache (flex does)"
     reason = variant_refusal(spec, variants)
     if reason:
         return reason
@@ -172,10 +177,13 @@ def split_small_decode(part: str, override: str) -> tuple[str, int]:
 
 
 def resolve_override(override: str, device: torch.device, attention: str = "gqa", page_size: int | None = None,
-                     head_dim: int | None = None, dtype: str | None = None, variants=()) -> Choice:
+                     head_dim: int | None = None, dtype: str | None = None, variants=(),
+                     kv_dtype: str | None = None) -> Choice:
     """Pick the backends `override` names, or raise ValueError saying in one sentence why not.
-    variants: each layer's attention variant (None: plain causal), which every backend must serve."""
-    names = auto_choice(device, attention, head_dim, dtype, page_size, variants) if override == "auto" else override
+    variants: each layer's attention variant (None: plain causal), which every backend must serve;
+    kv_dtype: the KV cache's quantized dtype (None: the engine's), which every backend must read."""
+    names = (auto_choice(device, attention, head_dim, dtype, page_size, variants, kv_dtype) if override == "auto"
+             else override)
     parts = [p.strip() for p in names.split(",")]
     if len(parts) > 3 or not all(parts):
         raise ValueError(f"Override {override!r} should be one backend, PREFILL,DECODE or "
@@ -197,18 +205,20 @@ def resolve_override(override: str, device: torch.device, attention: str = "gqa"
             if spec is not None and phase not in spec.phases:
                 raise ValueError(f"Override {spec.name!r} does not run {phase}; it runs {', '.join(spec.phases)}.")
     for spec in {s.name: s for s in (prefill, decode, small) if s is not None}.values():
-        reason = why_not(spec, device, attention, head_dim, dtype, page_size, variants)
+        reason = why_not(spec, device, attention, head_dim, dtype, page_size, variants, kv_dtype)
         if reason:
             raise ValueError(f"Override {spec.name!r} cannot run here: {reason}.")
     return Choice(prefill, decode, small, small_max)
 
 
 def auto_choice(device: torch.device, attention: str = "gqa", head_dim: int | None = None,
-                dtype: str | None = None, page_size: int | None = None, variants=()) -> str:
-    """`auto`'s backends here: AUTO's for this GPU where they run and serve every layer's variant;
-    a phase whose backend cannot falls back to flex, and the small-batch decode backend is left out."""
+                dtype: str | None = None, page_size: int | None = None, variants=(), kv_dtype: str | None = None) -> str:
+    """`auto`'s backends here: AUTO's for this GPU where they run and serve every layer's variant
+    and the KV cache's dtype; a phase whose backend cannot falls back to flex, and the small-batch
+    decode backend is left out."""
     def runs(name: str, layers=()) -> bool:
-        return why_not(SPECS[name.partition("<=")[0]], device, attention, head_dim, dtype, page_size, layers) is None
+        return why_not(SPECS[name.partition("<=")[0]], device, attention, head_dim, dtype, page_size, layers,
+                       kv_dtype) is None
 
     key = (sm_version(device), attention)
     names = AUTO.get(key, "flex")

@@ -71,7 +71,7 @@ def decode_floor(llm, batch_size: int, mean_context: float, bandwidth: float) ->
         read = 1 - (1 - moe.top_k / moe.n_routed_experts) ** batch_size
         w = {**w, "routed_expert_bytes": routed, "routed_fraction_read": read,
              "weight_bytes_read": w["weight_bytes_read"] - routed * (1 - read)}
-    itemsize = llm.dtype.itemsize
+    itemsize = llm.resolved.cache_dtype.itemsize
     cfg = llm.model.cfg
     per_layer = cfg.kv_bytes_per_token(itemsize) / cfg.num_layers  # this rank's KV heads
     windows = [None if v is None else v.window for v in llm.resolved.variants] or [None] * cfg.num_layers

@@ -7,6 +7,11 @@ scatter through a view of it is functionalised into a copy of the whole cache pe
 (seen on an H200: 2 ms per layer at 1M slots). Page 0 is reserved as the dummy page: padded batch
 rows write there and read only there, so real pages are never touched by padding.
 
+An FP8 pool (kv_cache_dtype fp8_e4m3) holds K and V in float8_e4m3fn, each layer's scaled by one
+factor for K and one for V (`scales`): the attention layer divides by them as it stores and
+multiplies the query and its output by them as it attends (flexsgl/model/decoder.py), so a backend
+reads FP8 values as they are, casting them in its kernel.
+
 The pool is tensors, and the allocator hands out its pages. Each attention layer holds its own
 layer's tensors (`layer_cache`) and writes its step's K/V into them through its store path
 (flexsgl/cache/store.py), then asks the backend to attend; backends only read the pool. `store`
@@ -77,20 +82,27 @@ class KVPool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    @property
+    def quantized(self) -> bool:
+        """Whether K and V are FP8, stored with per-layer scales."""
+        return self.k[0].dtype.itemsize == 1 if self.k else False
+
     def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`layer`'s K and V, which its attention module holds (`cache`) and hands to the backend."""
         return self.k[layer], self.v[layer]
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write k, v `[tokens, Hkv, D]` into `layer`'s slots, in place."""
-        write_kv(self.k[layer], self.v[layer], k, v, slots)
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              scales: torch.Tensor | None = None) -> None:
+        """Write k, v `[tokens, Hkv, D]` into `layer`'s slots, in place (into an FP8 pool divided by
+        `scales`, [K's, V's])."""
+        write_kv(self.k[layer], self.v[layer], k, v, slots, scales)
 
     def clear_pages(self, pages: list[int]) -> None:
         """Zero every layer's K and V in `pages` (masked slots enter P @ V, see __init__)."""
         if pages:
             slots = page_slots(pages, self.page_size, self.device)
             for t in (*self.k, *self.v):
-                t.index_fill_(0, slots, 0)
+                (t.view(torch.uint8) if t.dtype.itemsize == 1 else t).index_fill_(0, slots, 0)  # FP8's zero is 0x00
 
     @staticmethod
     def num_pages_for(tokens: int, page_size: int) -> int:
@@ -98,7 +110,8 @@ class KVPool:
 
 
 def build_kv_pool(mcfg, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
-    """The pool for model config `mcfg`: K/V per KV head, or the latent pool of an MLA model."""
+    """The pool for model config `mcfg` in `dtype` (FP8 for a quantized cache): K/V per KV head, or
+    the latent pool of an MLA model."""
     if mcfg.mla is not None:
         return LatentKVPool(mcfg.num_layers, num_pages, page_size, mcfg.mla, dtype, device)
     return KVPool(mcfg.num_layers, num_pages, page_size, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)

@@ -94,7 +94,7 @@ def kv_tokens_from_memory(rc: ResolvedConfig, mcfg, free: int, itemsize: int,
     act = o.max_num_batched_tokens * (2 * widest + 4 * mcfg.hidden_size) * itemsize * 2
     act += o.max_running_requests * mcfg.vocab_size * 4 * 4 + (1 << 30)
     act += prefill_scratch
-    return int((free * o.mem_fraction_static - act) // mcfg.kv_bytes_per_token(itemsize))
+    return int((free * o.mem_fraction_static - act) // mcfg.kv_bytes_per_token(rc.cache_dtype.itemsize))
 
 
 def kv_pool_size(rc: ResolvedConfig, mcfg, prefill_scratch=lambda tokens, itemsize: 0) -> KVPoolSize:
@@ -115,7 +115,7 @@ def kv_pool_size(rc: ResolvedConfig, mcfg, prefill_scratch=lambda tokens, itemsi
                            f"{free / 2**30:.1f} GiB free once the weights loaded holds, less one step's activations")
     check_kv_tokens(size.tokens, ps)
     num_pages = KVPool.num_pages_for(size.tokens, ps) + 1  # + the dummy page
-    need, free = num_pages * ps * mcfg.kv_bytes_per_token(itemsize), free_memory_bytes(device)
+    need, free = num_pages * ps * mcfg.kv_bytes_per_token(rc.cache_dtype.itemsize), free_memory_bytes(device)
     if free is not None and need > free:
         raise ValueError(f"A KV cache of {size.tokens} tokens needs {need / 2**30:.1f} GiB, and the "
                          f"{device.type} has {free / 2**30:.1f} GiB free; lower max_total_tokens.")

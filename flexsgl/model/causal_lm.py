@@ -21,6 +21,10 @@ from flexsgl.model.weight_loaders import allocate
 
 
 class CausalLM(nn.Module):
+    # Per layer, the checkpoint's [k_scale, v_scale] for an FP8 KV cache (the loader sets them; 1.0
+    # where a checkpoint has none)
+    kv_cache_scales: dict[int, list[float]] = {}
+
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the parameters of this model, built on the meta device (their values come from
         flexsgl/model/loader.py), and compute its rotary tables."""
@@ -33,8 +37,13 @@ class CausalLM(nn.Module):
         """Give every attention layer its K/V (or latents) in the pool and the store path that writes
         them, and each layer what it keeps of the device (`place_layer`), once, before the first step."""
         store = store_path(pool, self.cfg.num_heads)
+        fp8 = getattr(pool, "quantized", False)
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.kv_store, layer.self_attn.cache = store, pool.layer_cache(i)
+            attn = layer.self_attn
+            attn.kv_store, attn.cache = store, pool.layer_cache(i)
+            if fp8:
+                attn.kv_scales = torch.tensor(self.kv_cache_scales.get(i, [1.0, 1.0]), dtype=torch.float32,
+                                              device=pool.device)
             self.place_layer(layer, pool.device)
 
     def place_layer(self, layer: nn.Module, device: torch.device) -> None:

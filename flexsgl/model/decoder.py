@@ -45,13 +45,21 @@ class Attention(nn.Module):
         # and, where the variant has a sink, its per-head logits
         self.variant = None
         self.sink: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # an FP8 cache's [K, V] scales (bind_kv_pool)
 
     def attend(self, qkv, positions, rope: RotaryEmbedding, fb):
-        """qkv_proj's output -> attention output `[tokens, Hq * D]`, the input of o_proj."""
+        """qkv_proj's output -> attention output `[tokens, Hq * D]`, the input of o_proj. With an FP8
+        cache K and V are stored divided by their scales, and since q . (s_k k) = (s_k q) . k the
+        query takes K's scale and the output V's: the backend reads the FP8 values as they are."""
         norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
-        q = self.kv_store.norm_rope_store(self.cache, qkv, norms, eps, rope, positions, fb.out_slots)
-        out = fb.backend.forward(q, self.cache, fb, self.variant, self.sink)
+        scales = self.kv_scales
+        q = self.kv_store.norm_rope_store(self.cache, qkv, norms, eps, rope, positions, fb.out_slots, scales)
+        if scales is None:
+            out = fb.backend.forward(q, self.cache, fb, self.variant, self.sink)
+        else:
+            scales = scales.to(q.dtype)
+            out = fb.backend.forward(q * scales[0], self.cache, fb, self.variant, self.sink) * scales[1]
         return out.reshape(qkv.shape[0], self.hq * self.d)
 
 

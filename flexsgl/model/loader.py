@@ -5,6 +5,8 @@ checkpoint tensor lands in its parameter is that parameter's weight loader
 
 from __future__ import annotations
 
+import math
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +28,9 @@ from flexsgl.quant.scheme import QuantScheme
 # scales (flexsgl/quant); anything else (integers, other float8) is a quantized or foreign checkpoint.
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 FP8_DTYPE = "F8_E4M3"
+# A layer's FP8 KV cache scales, one value each (llm-compressor's and vLLM's names): read into
+# the model's kv_cache_scales, which an FP8 cache uses (flexsgl/model/causal_lm.py).
+KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
 def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed: int = 0, rank: int = 0,
@@ -92,6 +97,25 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
                 except NonFinite as e:
                     raise CheckpointError(f"Weight {e.name!r} in {str(e.file or f)!r} holds NaN or infinite "
                                           "values.") from None
+    model.kv_cache_scales = kv_cache_scales(files)
+
+
+def kv_cache_scales(files: list[Path]) -> dict[int, list[float]]:
+    """Per layer, [k_scale, v_scale] from the checkpoint's KV_SCALE tensors (1.0 for one it lacks);
+    a scale that is not a positive finite number raises CheckpointError."""
+    out: dict[int, list[float]] = {}
+    for f in files:
+        with _open_safetensors(f) as st:
+            for name in st.keys():
+                m = KV_SCALE.match(name)
+                if m is None:
+                    continue
+                value = float(st.get_tensor(name).float().reshape(()))
+                if not (math.isfinite(value) and value > 0):
+                    raise CheckpointError(f"KV cache scale {name!r} in {str(f)!r} is {value}; a scale is a positive "
+                                          "finite number.")
+                out.setdefault(int(m.group(1)), [1.0, 1.0])["kv".index(m.group(2))] = value
+    return out
 
 
 class NonFinite(Exception):
@@ -170,6 +194,11 @@ def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tup
             continue  # recomputed from the config; an activation scale (activations are scaled per token)
         if hf_name in scales:
             continue  # an FP8 weight's scale, checked and read with it
+        if KV_SCALE.match(hf_name):
+            if math.prod(shape) != 1:
+                raise CheckpointError(f"KV cache scale {hf_name!r} in {str(f)!r} has shape {shape}; flexsgl reads "
+                                      "one scale per layer for K and one for V.")
+            continue  # read by kv_cache_scales
         target, part = model.checkpoint_name(hf_name)
         if target == "lm_head.weight" and tied:
             target = "model.embed_tokens.weight"  # the same tensor; checked, and loaded once

@@ -1,0 +1,171 @@
+"""An FP8 KV cache (kv_cache_dtype fp8_e4m3): K and V stored in float8_e4m3fn divided by per-layer
+scales (the checkpoint's k_scale / v_scale), read by flex as they are.
+
+The reference is HF transformers running the same checkpoint with its attention over the K and V
+the engine stored, dequantized with the checkpoint's scales, in float32; the stored values
+themselves are checked against HF's own K and V quantized (check_against_hf)."""
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flexsgl import LLM, SamplingParams
+from flexsgl.attention.registry import SPECS, why_not
+from flexsgl.errors import CheckpointError
+from tests.hf_models import capture_logits, make_checkpoint
+
+FP8 = torch.float8_e4m3fn
+STEPS = 24
+LENGTHS = (1, 9, 40)
+
+
+def fake_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    top = torch.finfo(FP8).max
+    return (x / scale).clamp(-top, top).to(FP8).to(x.dtype) * scale
+
+
+def add_kv_scales(path, seed: int, layers: int) -> dict[int, tuple[float, float]]:
+    """Write per-layer k_scale and v_scale tensors into the checkpoint at `path`; returns them. The
+    scales are small, so that K/V divided by them spread over FP8's range and its rounding shows."""
+    rng = random.Random(seed)
+    scales = {i: (rng.uniform(0.01, 0.05), rng.uniform(0.005, 0.03)) for i in range(layers)}
+    f = path / "model.safetensors"
+    tensors = load_file(f)
+    for i, (k, v) in scales.items():
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(tensors, f, metadata={"format": "pt"})
+    return scales
+
+
+class HFOverStoredKV:
+    """The HF model of `path` in float32, its attention over given K and V per layer (`use`: each
+    [1, Hkv, S, D]) in place of its own, which it records (`own`)."""
+
+    def __init__(self, path):
+        from transformers import AttentionInterface, AutoModelForCausalLM
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        self.use, self.own = {}, {}
+
+        def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+            self.own[module.layer_idx] = key, value
+            key, value = self.use[module.layer_idx]
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kw)
+
+        AttentionInterface.register("flexsgl_stored_kv", attention)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                          attn_implementation="flexsgl_stored_kv").eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    seed = random.randrange(1 << 30)
+    path = tmp_path_factory.mktemp("fp8kv")
+    hf = make_checkpoint("qwen3", path, seed)
+    scales = add_kv_scales(path, seed, hf.config.num_hidden_layers)
+    return path, seed, scales, hf
+
+
+def check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol: float, **options) -> LLM:
+    """Each prompt alone on a fresh engine (its pages are then 1, 2, ... in order: position p sits in
+    slot page_size + p). HF runs the prompt and the engine's tokens over the K/V the engine stored,
+    dequantized with the checkpoint's scales: its logits are the engine's within `tol`, and far from
+    the unquantized model's. The stored FP8 values are HF's own K/V quantized, but for entries that
+    float32 noise rounded to the neighbouring FP8 value."""
+    hf = HFOverStoredKV(path)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(plain_hf.config.vocab_size) for _ in range(n)] for n in LENGTHS]
+    for i, prompt in enumerate(prompts):
+        llm = LLM(str(path), kv_cache_dtype="fp8_e4m3", **options)
+        with monkeypatch.context() as patch:  # this engine's capture only
+            seen = capture_logits(llm, patch)
+            out = llm.generate([prompt], SamplingParams(max_new_tokens=STEPS, temperature=0.0))[0]
+        assert out.error is None, out.error
+        ids = prompt + out.token_ids[:-1]  # the last token sampled is never stored
+        pool, ps = llm.runner.pool, llm.runner.pool.page_size
+        slots = slice(ps, ps + len(ids))
+        stored = {layer: [t[slots].float().cpu().transpose(0, 1)[None] for t in pool.layer_cache(layer)]
+                  for layer in scales}
+        hf.use = {layer: (k * scales[layer][0], v * scales[layer][1]) for layer, (k, v) in stored.items()}
+        with torch.no_grad():
+            ref = hf.model(torch.tensor([ids])).logits[0, len(prompt) - 1:]
+            plain = plain_hf(torch.tensor([ids])).logits[0, len(prompt) - 1:]
+        ours = torch.stack(seen[out.request_id]).float().cpu()
+        rel = ((ours - ref).abs().max(-1).values / ref.abs().max(-1).values).max().item()
+        assert rel < tol, f"prompt {i} (len {len(prompt)}): logits relative error {rel:.2e}, seed={seed}"
+        off = ((ours - plain).abs().max(-1).values / plain.abs().max(-1).values).max().item()
+        assert off > 10 * tol, f"prompt {i}: the cache's FP8 rounding does not show ({off:.2e}), seed={seed}"
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # steps whose argmax no rounding can flip
+        assert (torch.tensor(out.token_ids)[clear] == ref.argmax(-1)[clear]).all(), f"prompt {i}, seed={seed}"
+        for layer, (k_scale, v_scale) in scales.items():
+            for own, kept, scale in zip(hf.own[layer], stored[layer], (k_scale, v_scale)):
+                top = torch.finfo(FP8).max
+                want = (own / scale).clamp(-top, top).to(FP8).float()
+                differ = want != kept
+                assert differ.float().mean() < 2e-3, f"layer {layer}: {int(differ.sum())} entries, seed={seed}"
+                assert torch.allclose(want[differ], kept[differ], rtol=0.13), f"layer {layer}, seed={seed}"
+    return llm
+
+
+def test_fp8_cache_matches_hf_attending_over_the_stored_kv(checkpoint, monkeypatch):
+    path, seed, scales, plain_hf = checkpoint
+    llm = check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol=1e-4, device="cpu", page_size=16,
+                           max_num_batched_tokens=16)
+    pool = llm.runner.pool
+    assert pool.k[0].dtype == pool.v[0].dtype == FP8
+    for i, layer in enumerate(llm.model.model.layers):  # the checkpoint's scales, layer by layer
+        assert layer.self_attn.kv_scales.tolist() == pytest.approx(scales[i], rel=1e-6)
+
+
+def test_the_pool_holds_twice_the_tokens_in_the_same_bytes(checkpoint):
+    path, *_ = checkpoint
+    fp8 = LLM(str(path), device="cpu", max_total_tokens=1024, kv_cache_dtype="fp8")
+    full = LLM(str(path), device="cpu", max_total_tokens=1024)
+    k8, k32 = fp8.runner.pool.k[0], full.runner.pool.k[0]
+    assert k8.shape == k32.shape and k8.element_size() * 4 == k32.element_size()  # float32 on the CPU
+
+
+@pytest.mark.parametrize("bad, why", [(torch.tensor([0.1, 0.2]), "shape"), (torch.tensor(float("nan")), "positive"),
+                                      (torch.tensor(0.0), "positive")])
+def test_a_bad_kv_scale_is_refused_naming_it(checkpoint, tmp_path, bad, why):
+    import shutil
+
+    path, *_ = checkpoint
+    shutil.copytree(path, tmp_path / "bad")
+    f = tmp_path / "bad" / "model.safetensors"
+    tensors = load_file(f)
+    tensors["model.layers.1.self_attn.v_scale"] = bad
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"model\.layers\.1\.self_attn\.v_scale.*{why}"):
+        LLM(str(tmp_path / "bad"), device="cpu", kv_cache_dtype="fp8")
+
+
+def test_refusals_before_loading():
+    with pytest.raises(ValueError, match="caches MLA latents"):
+        LLM("tiny-mla", device="cpu", load_format="dummy", kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="kv cache dtype 'fp16'"):
+        LLM(device="cpu", kv_cache_dtype="fp16")
+    cpu = torch.device("cpu")
+    assert why_not(SPECS["flex"], cpu, kv_dtype="float8_e4m3fn") is None
+    import dataclasses
+
+    for name in ("fa3", "fi-decode", "triton-decode"):  # as if they ran here: the cache's dtype refuses them
+        spec = dataclasses.replace(SPECS[name], sm=None, package=None)
+        assert "does not read a float8_e4m3fn KV cache" in why_not(spec, cpu, kv_dtype="float8_e4m3fn")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run with -m gpu on the device machine")
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_gpu_compiled_and_graphed_fp8_cache_matches_hf(checkpoint, monkeypatch, page_size):
+    """flex's Triton kernels read the FP8 K/V as they are (FlexAttention casts K and V to the query's
+    dtype as it loads them), in compiled steps and CUDA graphs."""
+    path, seed, scales, plain_hf = checkpoint
+    llm = check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol=1e-3, device="cuda", dtype="float32",
+                           page_size=page_size, max_num_batched_tokens=48, cuda_graph_bs=(1,), max_total_tokens=4096)
+    assert llm.runner.graphs is not None
