@@ -75,6 +75,10 @@
 #                  constrained to a JSON schema (--structured json-schema), one server each (~300 s on a
 #                  cold cache); the second's output tok/s over the first's is the cost of structured
 #                  outputs. Stage and install .gpu/serve as for serve
+#   fp8            the FP8 GPU tests (Fp8Linear, FP8 checkpoints, online fp8, the FP8 KV cache compiled and
+#                  graphed), then bench throughput of the Qwen3-0.6B dummy with flex: bf16, FP8 weights
+#                  (--quantization fp8), FP8 KV (--kv-cache-dtype fp8_e4m3); and bench latency of the Qwen3-8B
+#                  dummy at batch 1, bf16 and --quantization fp8, with their floors (~500 s on a cold cache)
 #   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
 #                  whole matrix, pages 16/64/128 and GQA 4/8, takes several calls: split it by --pages/--gqa).
 #                  FlexAttention's FLASH backend (flash-attn-4): stage it with tools/stage_flash.sh, then e.g.
@@ -115,7 +119,7 @@ declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=4
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
                    [tp-tests]=580 [tp-exit]=580 [tp-allreduce]=200 [tp-memory]=500 [tp-bench]=590
                    [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480
-                   [serve-structured]=560)
+                   [serve-structured]=560 [fp8]=590)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -130,6 +134,15 @@ for s in "${steps[@]}"; do
   echo "== $s (limit $LIMIT s)"
   case $s in
     tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs "${@:-tests}" ;;
+    fp8) timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_fp8_gpu.py tests/test_fp8_kv_cache.py
+         for q in "" "--quantization fp8" "--kv-cache-dtype fp8_e4m3"; do
+           timeout 100 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override flex $q \
+             --json "$OUT/fp8-throughput${q//[ -]/_}.json" 2>&1 | grep -E "^output tok/s" | sed "s|^|throughput ${q:-bf16}: |"
+         done
+         for q in "" "--quantization fp8"; do
+           timeout 100 "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 2 $q \
+             --json "$OUT/fp8-latency${q//[ -]/_}.json" 2>&1 | grep -E "TPOT" | sed "s|^|latency ${q:-bf16}: |"
+         done ;;
     check) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gemv.py \
              tests/test_rope_store.py tests/test_gpu.py tests/test_gpu_overrides.py \
              -k "gemv or fused or batch_1 or tracks_hf or kernel_matches" ;;
