@@ -8,9 +8,9 @@ scatter through a view of it is functionalised into a copy of the whole cache pe
 rows write there and read only there, so real pages are never touched by padding.
 
 An FP8 pool (kv_cache_dtype fp8_e4m3) holds K and V in float8_e4m3fn, each layer's scaled by one
-factor for K and one for V (`scales`): the attention layer divides by them as it stores and
-multiplies the query and its output by them as it attends (flexsgl/model/decoder.py), so a backend
-reads FP8 values as they are, casting them in its kernel.
+factor for K and one for V, which the attention layer keeps (`kv_scales`): it divides by them as
+it stores and multiplies the query and its output by them as it attends (flexsgl/model/decoder.py),
+so a backend reads FP8 values as they are, casting them in its kernel.
 
 The pool is tensors, and the allocator hands out its pages. Each attention layer holds its own
 layer's tensors (`layer_cache`) and writes its step's K/V into them through its store path

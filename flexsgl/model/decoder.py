@@ -57,9 +57,10 @@ class Attention(nn.Module):
         q = self.kv_store.norm_rope_store(self.cache, qkv, norms, eps, rope, positions, fb.out_slots, scales)
         if scales is None:
             out = fb.backend.forward(q, self.cache, fb, self.variant, self.sink)
-        else:
-            scales = scales.to(q.dtype)
-            out = fb.backend.forward(q * scales[0], self.cache, fb, self.variant, self.sink) * scales[1]
+        else:  # the products in float32: a scale rounded to 16 bits would bias every score of the layer
+            q = (q.float() * scales[0]).to(q.dtype)
+            out = fb.backend.forward(q, self.cache, fb, self.variant, self.sink)
+            out = (out.float() * scales[1]).to(out.dtype)
         return out.reshape(qkv.shape[0], self.hq * self.d)
 
 
