@@ -76,15 +76,17 @@ class Channel:
         # given whether to wait for the device first.
         self.release: Callable[[bool], None] | None = None
 
-    def dead(self) -> str | None:
-        """Why a worker is gone, or None while all run."""
+    def dead(self, ending: bool = True) -> str | None:
+        """Why a worker is gone (with `ending`, also one that is ending: `exiting`), or None while all
+        run. The check before each step leaves out `ending` (a read of /proc per worker); the waits
+        that poll include it."""
         for rank, p in enumerate(self.procs or (), 1):
-            if not p.is_alive() or exiting(p.pid):
+            if not p.is_alive() or (ending and exiting(p.pid)):
                 return f"tensor-parallel rank {rank} stopped ({exit_reason(self.store, rank, p.exitcode)})"
         return None
 
-    def check(self) -> None:
-        reason = self.dead()
+    def check(self, ending: bool = True) -> None:
+        reason = self.dead(ending)
         if reason is not None:
             raise self.abandon(reason)
 
@@ -116,7 +118,7 @@ class Channel:
             time.sleep(0.02)
 
     def send(self, msg: tuple) -> None:
-        self.check()
+        self.check(ending=False)
         try:
             self.group.broadcast(msg, watch=self.check)
         except EngineDeadError:
