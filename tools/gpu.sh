@@ -6,7 +6,11 @@
 # headline lines last. A device call runs at most 600 s: pick steps whose limits (below) sum to
 # less, e.g. `check`, `latency throughput`, `prefill suite-kernels`.
 #
-#   tests          the GPU tests (`pytest -m gpu`): all of them, or what follows `--`
+#   tests          the GPU tests (`pytest -m gpu`): all of them, or what follows `--`. All of them run past one
+#                  call's 600 s: run them in parts, `tests -- tests/test_gemv.py tests/test_rope_store.py
+#                  tests/test_triton_decode.py tests/test_latent_query.py tests/test_latent_store.py`, then
+#                  `tests -- tests/test_gpu.py tests/test_gpu_overrides.py tests/test_cold_start.py tests/test_gpt_oss.py
+#                  tests/test_request_features.py`, with `variants`, `mla`, `fp8` and the TP steps for the rest
 #   check          the batch-1 kernels against float64 and the engine against HF on every backend
 #                  (155 tests, ~280 s on a warm machine; not the 8B, flex-kernel and split-KV cases)
 #   latency        flexsgl bench latency, Qwen3-8B dummy, batch 1 (--override flags in $OVERRIDES)
