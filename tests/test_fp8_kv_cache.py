@@ -169,3 +169,17 @@ def test_gpu_compiled_and_graphed_fp8_cache_matches_hf(checkpoint, monkeypatch, 
     llm = check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol=1e-3, device="cuda", dtype="float32",
                            page_size=page_size, max_num_batched_tokens=48, cuda_graph_bs=(1,), max_total_tokens=4096)
     assert llm.runner.graphs is not None
+
+
+def test_two_ranks_give_one_ranks_tokens():
+    """Under tensor parallelism each rank's pool holds its KV heads in FP8, quantized as one rank's."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    opts = dict(load_format="dummy", device="cpu", kv_cache_dtype="fp8_e4m3", max_total_tokens=2048, page_size=16)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (3, 40, 70)]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    ref = LLM("tiny", **opts).generate(prompts, greedy)
+    with LLM("tiny", tensor_parallel_size=2, **opts) as two:
+        assert two.runner.pool.k[0].dtype == FP8
+        out = two.generate(prompts, greedy)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
