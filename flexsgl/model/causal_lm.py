@@ -21,9 +21,17 @@ from flexsgl.model.weight_loaders import allocate
 
 
 class CausalLM(nn.Module):
-    # Per layer, the checkpoint's [k_scale, v_scale] for an FP8 KV cache (the loader sets them; 1.0
-    # where a checkpoint has none)
-    kv_cache_scales: dict[int, list[float]] = {}
+    def __init__(self, cfg, model: nn.Module):
+        """`model` (its embed_tokens, layers, norm and rotary) and the LM head over this rank's
+        vocabulary rows (all of them with one rank), tied to the embedding where `cfg` says so."""
+        super().__init__()
+        self.cfg, self.model = cfg, model
+        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_rows(cfg.vocab_size, cfg.tp_size), bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Per layer, the checkpoint's [k_scale, v_scale] for an FP8 KV cache (the loader sets them;
+        # 1.0 where a checkpoint has none)
+        self.kv_cache_scales: dict[int, list[float]] = {}
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the parameters of this model, built on the meta device (their values come from

@@ -111,14 +111,7 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 
 class DecoderForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.model = DecoderModel(cfg)
-        # Under tensor parallelism: this rank's vocabulary slice (flexsgl/distributed/layers.py).
-        rows = tp.vocab_rows(cfg.vocab_size, cfg.tp_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, DecoderModel(cfg))
         # Each parameter's weight loader: the fused parts (q, k, v; gate, up), and under tensor
         # parallelism this rank's slices of them (flexsgl/distributed/layers.py split_of); the stacked
         # experts keep their own.

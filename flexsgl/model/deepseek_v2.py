@@ -163,12 +163,7 @@ FUSED = {"q_proj": ("qkv_a_proj", 0), "q_a_proj": ("qkv_a_proj", 0), "kv_a_proj_
 
 class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.model = DeepseekV2Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_rows(cfg.vocab_size, cfg.tp_size), bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, DeepseekV2Model(cfg))
         if cfg.tp_size > 1:  # each parameter's loader reads this rank's slices (flexsgl/distributed/layers.py)
             for name, p in self.named_parameters():
                 if ".experts." in name:

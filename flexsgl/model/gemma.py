@@ -116,12 +116,7 @@ class GemmaModel(nn.Module):
 
 class GemmaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.model = GemmaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, GemmaModel(cfg))
 
     # The decoder's own: HF names to the fused q/k/v and gate/up parts.
     checkpoint_name = DecoderForCausalLM.checkpoint_name
