@@ -49,18 +49,22 @@ def running_server(*extra: str):
 
 
 @contextlib.contextmanager
-def server_process(*extra: str):
-    """running_server, yielding its base URL and its process."""
+def server_process(*extra: str, log=None, env: dict | None = None):
+    """running_server, yielding its base URL and its process; its output goes to `log` (an open
+    file) where given, else to a pipe, and `env` adds to its environment."""
     port = free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
     proc = subprocess.Popen([sys.executable, "-m", "flexsgl", "serve", "--port", str(port), *flags, *extra,
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--log-level", "warning"], stdout=subprocess.PIPE if log is None else log,
+                            stderr=subprocess.STDOUT, text=True, env=None if env is None else {**os.environ, **env})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"the server exited: {proc.stdout.read()}")
+                if log is not None:
+                    log.seek(0)
+                pytest.fail(f"the server exited: {(proc.stdout if log is None else log).read()}")
             try:
                 if get(base + "/health")[0] == 200:
                     break

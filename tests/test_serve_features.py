@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,7 +35,7 @@ from openai.types.chat import ChatCompletionChunk  # noqa: E402
 from openai.types.completion_choice import CompletionChoice, Logprobs  # noqa: E402
 
 from flexsgl.model.presets import EMBEDDED  # noqa: E402
-from tests.test_serve import OPTIONS, TIMEOUT, free_port, random_prompt  # noqa: E402
+from tests.test_serve import TIMEOUT, random_prompt, server_process  # noqa: E402
 from tests.test_structured import WORDS, random_schema  # noqa: E402
 
 KEY = "sk-flexsgl-test"
@@ -64,30 +61,9 @@ def logged_server(*extra: str):
     the log's path) once healthy. Its engine computes on one OpenMP thread: on a 2-core machine,
     OpenMP threads on every core, spinning beside the HTTP process and this test's clients, stall
     the CPU engine itself for seconds, which would hide what the stall test measures."""
-    port = free_port()
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
-    log = tempfile.NamedTemporaryFile("w+", prefix="flexsgl-serve-", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-m", "flexsgl", "serve", "--port", str(port), *flags, *extra,
-                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while request("GET", base + "/health", key=None)[0] != 200:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the server exited: {log.read()}")
-            assert time.monotonic() < deadline, "the server did not become healthy in 120 s"
-            time.sleep(0.2)
+    with tempfile.NamedTemporaryFile("w+", prefix="flexsgl-serve-", suffix=".log") as log, \
+            server_process(*extra, log=log, env={"OMP_NUM_THREADS": "1"}) as (base, _):
         yield base, log.name
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-        log.close()
 
 
 def request(method: str, url: str, body: bytes | None = None, key: str | None = KEY,
