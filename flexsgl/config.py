@@ -22,6 +22,7 @@ import torch
 
 from flexsgl.model.source import LOAD_FORMATS
 from flexsgl.quant.apply import QUANTIZATIONS
+from flexsgl.quant.fp8 import FP8
 
 if TYPE_CHECKING:
     from flexsgl.attention.registry import Choice
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = ("auto", *DTYPES)
-KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": FP8, "fp8": FP8}
 
 
 def option(default, help: str, **kw):

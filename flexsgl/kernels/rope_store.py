@@ -30,6 +30,7 @@ import torch
 
 from flexsgl.kernels.launch import pdl
 from flexsgl.kernels.norm_rope import rms_norm, rotate
+from flexsgl.quant.fp8 import quantize
 
 
 @functools.cache
@@ -97,16 +98,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """One layer's scatter of k, v `[tokens, Hkv, D]` into its flat `[slots, Hkv, D]` tensors, in
     place; into an FP8 cache divided by `scales` ([K's, V's] float32) and saturated to FP8's range."""
     if scales is not None:
-        k, v = quantize(k, scales[0], k_cache.dtype), quantize(v, scales[1], v_cache.dtype)
+        k, v = quantize(k, scales[0]), quantize(v, scales[1])
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.to(v_cache.dtype)
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x / scale in the FP8 `dtype`, values past its largest saturated to it (a cast alone would
-    make them NaN)."""
-    top = torch.finfo(dtype).max
-    return (x.float() / scale).clamp(-top, top).to(dtype)
 
 
 def launch(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,

@@ -30,11 +30,17 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, strategy: str,
     return weight.float() * expand_scale(scale, strategy, block, tuple(weight.shape))
 
 
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in FP8 (computed in float32), values past 448 saturated to it (a cast alone would
+    make them NaN)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight` `[N, K]` as FP8 with one float32 scale per row `[N, 1]` (row absmax / 448)."""
     w = weight.float()
     scale = (w.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return quantize(w, scale), scale
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
