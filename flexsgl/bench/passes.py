@@ -59,7 +59,9 @@ def throughput_requests(seed: int, n: int, input_range: tuple[int, int], output_
 
 
 def timed_pass(llm, prompts: list[list[int]], out_lens: list[int], desc: str, progress: bool) -> dict:
-    """Run requests to completion through the step API; wall time and per-request token times."""
+    """Run requests to completion through the step API; wall time and per-request token times: TTFT
+    from just before the requests are added, TPOT over the decode steps from each request's second
+    token to its last (the gap to the second token may hold other requests' prefill steps)."""
     from flexsgl import SamplingParams
 
     first: dict[int, float] = {}
@@ -99,5 +101,4 @@ def timed_pass(llm, prompts: list[list[int]], out_lens: list[int], desc: str, pr
         if len(o.token_ids) != n:  # EOS is ignored, so every request runs to its length
             raise RuntimeError(f"request {o.request_id} produced {len(o.token_ids)} tokens, expected {n}")
     return {"wall_s": wall, "outputs": outs, "steps": steps, "ttft_s": [first[i] - t0 for i in ids],
-            "tpot_s": [(last[i] - first[i]) / (n - 1) if n > 1 else None for i, n in zip(ids, out_lens)],
-            "decode_tpot_s": [(last[i] - second[i]) / (n - 2) if n > 2 else None for i, n in zip(ids, out_lens)]}
+            "tpot_s": [(last[i] - second[i]) / (n - 2) if n > 2 else None for i, n in zip(ids, out_lens)]}

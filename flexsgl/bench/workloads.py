@@ -98,8 +98,9 @@ def latency(llm, p: Plan, bandwidth: float, progress: bool) -> dict:
             passes.append(res)
             cached += sum(o.cached_tokens for o in res["outputs"])
     ttft = statistics.median(statistics.mean(r["ttft_s"]) for r in passes)
-    # Decode steps only: from each request's second token on, when (prefill_first) the whole batch decodes.
-    tpot = statistics.median(statistics.mean(r["decode_tpot_s"]) for r in passes)
+    # Decode steps only (timed_pass's TPOT, from each request's second token): with prefill_first,
+    # each runs the whole batch.
+    tpot = statistics.median(statistics.mean(r["tpot_s"]) for r in passes)
     wall = statistics.median(r["wall_s"] for r in passes)
     # The decode step that samples token j attends over n_in + j - 1 tokens; timed are j = 3..n_out,
     # whose mean context is n_in + (n_out + 1) / 2.
@@ -109,7 +110,7 @@ def latency(llm, p: Plan, bandwidth: float, progress: bool) -> dict:
             "ttft_s": ttft, "tpot_s": tpot, "wall_s": wall, "tokens_per_s": b * n_out / wall,
             "decode_tokens_per_s": b / tpot, **floor, "pct_of_floor": 100.0 * floor["floor_tpot_s"] / tpot,
             "ttft_s_per_pass": [statistics.mean(r["ttft_s"]) for r in passes],
-            "tpot_s_per_pass": [statistics.mean(r["decode_tpot_s"]) for r in passes], "cached_tokens": cached,
+            "tpot_s_per_pass": [statistics.mean(r["tpot_s"]) for r in passes], "cached_tokens": cached,
             "preemptions": sum(r["steps"]["preemptions"] for r in passes)}
 
 
