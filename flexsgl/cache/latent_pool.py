@@ -23,6 +23,7 @@ def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.
 
 class LatentKVPool:
     attention = "mla"
+    quantized = False  # latents stay in the model's dtype (no FP8 cache for MLA)
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, mla, dtype: torch.dtype,
                  device: torch.device | str):

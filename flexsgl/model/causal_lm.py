@@ -45,11 +45,10 @@ class CausalLM(nn.Module):
         """Give every attention layer its K/V (or latents) in the pool and the store path that writes
         them, and each layer what it keeps of the device (`place_layer`), once, before the first step."""
         store = store_path(pool, self.cfg.num_heads)
-        fp8 = getattr(pool, "quantized", False)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             attn.kv_store, attn.cache = store, pool.layer_cache(i)
-            if fp8:
+            if pool.quantized:
                 attn.kv_scales = torch.tensor(self.kv_cache_scales.get(i, [1.0, 1.0]), dtype=torch.float32,
                                               device=pool.device)
             self.place_layer(layer, pool.device)
