@@ -48,21 +48,15 @@ from flexsgl.errors import EngineDeadError, Health, SamplingParamsError, Unknown
 from flexsgl.interrupts import deferred_interrupts
 from flexsgl.output import OutputProcessor
 from flexsgl.request import FinishReason, Request, RequestOutput
-from flexsgl.runner import NONFINITE
 from flexsgl.request_factory import RequestFactory, check_callback, prompt_list, sampling_list
-from flexsgl.runner import DeferredStep
 from flexsgl.sampling import grammar
 from flexsgl.sampling.params import SamplingParams
 from flexsgl.scheduler import Scheduler
+from flexsgl.step_loop import StepLoop
 from flexsgl.tokenizer import load_tokenizer
 
 # generate() shows a progress bar (stderr, at log level info) for calls of this many prompts or tokens.
 PROGRESS_PROMPTS, PROGRESS_TOKENS = 8, 1024
-COMPILE_WAIT_S = 0.01  # how long an idle step waits for a grammar being compiled
-
-
-NONFINITE_ERROR = ("The model's logits for this request were not finite (NaN or infinity), so no token could be "
-                   "sampled from them.")
 
 
 class LLM:
@@ -123,8 +117,7 @@ class LLM:
         self.grammars = grammar.GrammarQueue(self.tokenizer, mcfg.vocab_size)  # requests waiting for their grammar
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._next_id = 0  # above every id added (abort tells a finished request from an unknown one)
-        self._done: list[Request] = []  # finished, to be returned by the next step()
-        self._pending = None  # the launched step not yet read back
+        self.loop = StepLoop(self.scheduler, self.runner, self.outputs, self.grammars, self.health, self.device)
 
     @staticmethod
     def _start_ranks(cfg: EngineConfig, mcfg):
@@ -219,8 +212,7 @@ class LLM:
         elif reason is None:
             self.scheduler.add(req)
         else:
-            self.scheduler.finish(req, FinishReason.REFUSED, f"Request refused: {reason}.")
-            self._done.append(req)
+            self.loop.finish(req, FinishReason.REFUSED, f"Request refused: {reason}.")
         return req.request_id
 
     def abort(self, request_id: int) -> None:
@@ -238,8 +230,7 @@ class LLM:
             raise UnknownRequestError(f"abort takes an id that add_request, add_requests or submit returned; "
                                       f"no request has id {short_repr(request_id)}.")
         if not req.finished:
-            self.scheduler.finish(req, FinishReason.ABORT)
-            self._done.append(req)
+            self.loop.finish(req, FinishReason.ABORT)
             self.grammars.discard(req)
 
     # ---- steps
@@ -253,7 +244,7 @@ class LLM:
         self.health.check()
         try:
             with deferred_interrupts() as deferred:
-                interrupt = self._advance()
+                interrupt = self.loop.advance()
         except EngineDeadError:
             raise
         except BaseException as e:  # a bug, or a second Ctrl-C half-way through the step
@@ -262,113 +253,14 @@ class LLM:
         if interrupt is not None:
             raise interrupt
         deferred.redeliver()
-        done, self._done = self._done, []
+        done, self.loop.done = self.loop.done, []
         for r in done:
             del self._live[r.request_id]
         return [self.outputs.request_output(r) for r in done]
 
-    def _advance(self) -> BaseException | None:
-        """Schedule and launch the next step, then read back and hand out the previous one. Every
-        fault a request can be blamed for ends that request here; what escapes kills the engine.
-        Returns an interrupt raised by a callback, to be raised once the step is complete.
-
-        A step that samples a request with structured outputs is launched up to its logits; its
-        token mask needs the previous step's tokens, so it is filled (and the step sampled) once
-        they are read back, while the device runs the forward pass."""
-        self._admit_compiled()
-        batch = self.scheduler.schedule()
-        launched = failure = None
-        if batch is not None and batch.mode == "prefill":
-            now = time.monotonic()
-            for r in batch.requests:
-                if r.scheduled_at is None:
-                    r.scheduled_at = now
-        if batch is not None:
-            try:
-                launched = self.runner.run_forward(batch) if self._constrained(batch) else self.runner.run(batch)
-            except EngineDeadError as e:  # a tensor-parallel rank died, or the ranks parted ways
-                raise self.health.kill(str(e)) from e
-            except Exception as e:  # building the batch, the forward pass, sampling
-                failure = self._step_failed(batch, e)
-        deferred = launched if isinstance(launched, DeferredStep) else None
-        pending, self._pending = self._pending, None if deferred is not None else launched
-        interrupt = None
-        if pending is not None:  # read the previous step while this one runs
-            interrupt = self._read_back(pending)
-        elif batch is None and self.scheduler.has_unfinished:
-            raise self.health.kill("the scheduler has unfinished requests but nothing it can run")
-        if deferred is not None:
-            try:
-                sampled = [r for r, s in zip(batch.requests, batch.samples) if s]
-                mask = self.grammars.fill_mask([r.grammar for r in sampled], self.device.type == "cuda")
-                self._pending = self.runner.sample(deferred, mask)
-            except Exception as e:
-                failure = self._step_failed(batch, e)
-        if failure is not None:  # after the previous step's tokens, which these requests may have
-            self._finish_all(batch.requests, failure)
-        if batch is None and pending is None:  # idle (but for grammars being compiled): wait a moment
-            self.grammars.wait(COMPILE_WAIT_S)
-        return interrupt
-
-    def _step_failed(self, batch, e: Exception) -> str:
-        self.health.check_device(e, self.device)
-        self.scheduler.unschedule(batch)
-        logger.debug("step failed for requests %s", [r.request_id for r in batch.requests], exc_info=True)
-        return f"The step that ran this request failed: {describe(e)}."
-
-    @staticmethod
-    def _constrained(batch) -> bool:
-        return any(r.grammar is not None for r, s in zip(batch.requests, batch.samples) if s)
-
-    def _admit_compiled(self) -> None:
-        """Queue the requests whose grammar has compiled; a grammar that failed to compile ends its
-        request with the reason."""
-        compiled, failed = self.grammars.ready()
-        for req in compiled:
-            self.scheduler.add(req)
-        for req, error in failed:
-            self.scheduler.finish(req, FinishReason.ERROR, error)
-            self._done.append(req)
-
-    def _read_back(self, pending) -> BaseException | None:
-        """Hand the tokens of a launched step to the output path (flexsgl/output.py) and finish the
-        requests it ends; returns an interrupt raised by a callback."""
-        try:
-            tokens = pending.tokens()
-        except EngineDeadError as e:  # a tensor-parallel rank died while rank 0 waited
-            raise self.health.kill(str(e)) from e
-        except Exception as e:
-            self.health.check_device(e, self.device)
-            self._finish_all(pending.batch.requests, f"Reading back the step that ran this request failed: "
-                                                     f"{describe(e)}.")
-            return None
-        batch = pending.batch
-        for i, first, lps in pending.prompt_logprobs():
-            req = batch.requests[i]
-            have = len(req.prompt_logprobs)
-            if first <= have:  # recomputed after a preemption: only what is new
-                req.prompt_logprobs += lps[have - first:]
-        for r, token in zip((r for r, s in zip(batch.requests, batch.samples) if s), tokens):
-            if token == NONFINITE and not r.finished:  # its pages may hold NaN: not cached, and zeroed
-                self.runner.pool.clear_pages(self.scheduler.finish(r, FinishReason.ERROR, NONFINITE_ERROR, cache=False))
-                self._done.append(r)
-        events = self.scheduler.process(batch, tokens, pending.logprobs)
-        endings, interrupt = self.outputs.process(events)
-        for req, reason, error in endings:
-            self.scheduler.finish(req, reason, error)
-            self._done.append(req)
-        return interrupt
-
-    def _finish_all(self, reqs: list[Request], error: str) -> None:
-        for r in reqs:
-            if not r.finished:
-                self.scheduler.finish(r, FinishReason.ERROR, error)
-                self._done.append(r)
-
     @property
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished or self._pending is not None or bool(self._done)
-                or bool(self.grammars))
+        return self.loop.has_unfinished
 
     def stats(self) -> dict:
         """Counters: prefix-cache hit tokens, preemptions, evicted pages, steps, pages free/cached/running;
@@ -415,8 +307,8 @@ class LLM:
         for i in ids:
             self.abort(i)
             req = self._live.pop(i, None)
-            if req is not None and req in self._done:
-                self._done.remove(req)
+            if req is not None and req in self.loop.done:
+                self.loop.done.remove(req)
 
     def decode_text(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)

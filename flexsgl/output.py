@@ -8,9 +8,11 @@ TokenEvent per token; OutputProcessor.process takes them in batch order. For eac
 2. stop tokens and length: EOS (unless ignore_eos) and stop_token_ids end the output ("stop", with
    the id as `stop_reason` for a stop_token_id), and so does the max_new_tokens-th token
    ("length"). min_tokens needs nothing here: the sampler never picks a stop token before it;
-   a request with structured outputs hands the token to its grammar's matcher (every such token
-   of the step in one call), and ends ("stop") once its grammar is complete and allows nothing
-   more (a grammar that refuses the token ends it with reason "error");
+   a request with structured outputs has handed the token to its grammar's matcher before
+   (follow_grammars: every such token of the step in one call, done first so that the next
+   step's token mask need not wait for the rest of this path), and ends ("stop") once its
+   grammar is complete and allows nothing more (a grammar that refuses the token ends it with
+   reason "error");
 3. the text (TextState) grows by what the token completes; a stop string in that text ends the
    output there ("stop", with the string as `stop_reason`), from the min_tokens-th token on, the
    token that reached max_new_tokens included; after a stop token no stop string is looked for;
@@ -109,11 +111,11 @@ class OutputProcessor:
         req.on_token = on_token
         req.text_state = None if self.tokenizer is None else TextState(self.tokenizer, req.prompt_ids)
 
-    def process(self, events: list[TokenEvent]) -> tuple[list[Ending], BaseException | None]:
-        """Hand each token to its request (see the module docstring); returns the requests that end,
-        and a KeyboardInterrupt or SystemExit that a callback raised (the first), if any."""
+    def process(self, events: list[TokenEvent], allowed: dict[int, bool]) -> tuple[list[Ending], BaseException | None]:
+        """Hand each token to its request (see the module docstring), the grammars of those with
+        structured outputs already advanced by follow_grammars (`allowed`); returns the requests
+        that end, and a KeyboardInterrupt or SystemExit that a callback raised (the first), if any."""
         endings, interrupt = [], None
-        allowed = _follow_grammars(events)
         for ev in events:
             r = ev.request
             if r.logprobs is not None and ev.logprobs is not None:
@@ -188,17 +190,17 @@ def _stop_token(r: Request, token: int) -> tuple[FinishReason | None, int | None
     return None, None
 
 
-def _follow_grammars(events: list[TokenEvent]) -> dict[int, bool]:
+def follow_grammars(tokens: list[tuple[Request, int]]) -> dict[int, bool]:
     """Advance the grammar of each request with structured outputs by its token, all in one call;
     by request id, whether its grammar allowed the token (it refuses none the sampler's token
     mask allowed)."""
-    mine = [ev for ev in events if ev.request.grammar is not None]
+    mine = [(r, t) for r, t in tokens if r.grammar is not None]
     if not mine:
         return {}
     from flexsgl.sampling.grammar import accept_tokens
 
-    ok = accept_tokens([ev.request.grammar for ev in mine], [ev.token for ev in mine])
-    return {ev.request.request_id: a for ev, a in zip(mine, ok)}
+    ok = accept_tokens([r.grammar for r, _ in mine], [t for _, t in mine])
+    return {r.request_id: a for (r, _), a in zip(mine, ok)}
 
 
 def _run_callback(r: Request) -> tuple[str | None, BaseException | None]:

@@ -132,7 +132,7 @@ def stream_text(tokenizer, prompt_ids, tokens, **sampling):
     deltas = []
     for t in tokens:
         req.output_ids.append(t)
-        outputs.process([TokenEvent(req, t)])
+        outputs.process([TokenEvent(req, t)], {})
         deltas.append(req.new_text)
         if req.finish_reason is not None:
             break
@@ -223,7 +223,7 @@ def run_output_path(tokens: bytes, eos=(), on_token=None, **sampling):
     ending = interrupt = None
     for t in tokens:
         req.output_ids.append(t)
-        endings, interrupt = outputs.process([TokenEvent(req, t)])
+        endings, interrupt = outputs.process([TokenEvent(req, t)], {})
         if endings or interrupt:
             ending = endings[0] if endings else None
             break
@@ -274,7 +274,7 @@ def test_text_that_cannot_be_decoded_stops_the_text_not_the_request(monkeypatch)
         if t == ord("c"):
             monkeypatch.setattr(tok, "decode", lambda ids, skip_special_tokens=True: 1 / 0)
         req.output_ids.append(t)
-        endings, _ = outputs.process([TokenEvent(req, t)])
+        endings, _ = outputs.process([TokenEvent(req, t)], {})
     monkeypatch.setattr(tok, "decode", real)
     out = outputs.request_output(req)
     assert [e.reason.value for e in endings] == ["length"] and out.token_ids == list(b"abcde")
