@@ -15,12 +15,12 @@ where Inductor's own rule gives fewer splits than run fastest; with pages of 16 
 warps and the splits small_tile_splits picks. Prefill (run inside the compiled decoder layer), up to
 head_dim 128: 64x64 tiles, 4 warps, 3 stages, with TMA loads at head_dim 128, pages of 64, bf16/fp16
 on SM90. With flash-attn-4 installed, prefill over KV blocks of 128 (the step's K/V packed into
-rows, flex.py, or pages of 128) runs on FlexAttention's FLASH backend instead, which takes less time
-than the Triton kernel there. MLA's latent decode (one KV head of 576 dims): latent_decode_options;
-its split-combining reduction kernels take the config Inductor's heuristic picks, not the fastest of
-their candidates timed one by one on first use: those timings pick differently from compile to
-compile, and one of their picks makes DeepSeek-V2-Lite's batch-1 step markedly slower. The KV tile
-must divide a page.
+rows, flex_meta.py, or pages of 128) runs on FlexAttention's FLASH backend instead, which takes
+less time than the Triton kernel there. MLA's latent decode (one KV head of 576 dims):
+latent_decode_options; its split-combining reduction kernels take the config Inductor's heuristic
+picks, not the fastest of their candidates timed one by one on first use: those timings pick
+differently from compile to compile, and one of their picks makes DeepSeek-V2-Lite's batch-1 step
+markedly slower. The KV tile must divide a page.
 
 The flex-decoding kernel indexes its KV tensor with 32-bit offsets (torch 2.11: with 64-bit ones its
 template does not compile), so a pool of more than MAX_KERNEL_ELEMENTS elements per layer is read in
@@ -128,8 +128,8 @@ def triton_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) ->
 
 
 def packed_prefill_options(head_dim: int, dtype: torch.dtype) -> dict:
-    """Kernel options for prefill over the step's K/V packed into rows (flex.py), where a KV block is
-    128 rows rather than a page: the FLASH backend where flash_prefill_runs
+    """Kernel options for prefill over the step's K/V packed into rows (flex_meta.py), where a KV
+    block is 128 rows rather than a page: the FLASH backend where flash_prefill_runs
     at that block, else the Triton kernel as over pages of 64 (64x64 tiles, 4 warps, 3 stages, TMA
     loads at head_dim 128 in half precision on SM90: the fastest of the option sets timed on packed
     rows, docs/BENCHMARKS.md)."""
