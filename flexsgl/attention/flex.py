@@ -3,7 +3,7 @@
 Its step metadata (the page positions, the BlockMask or dense mask, the query layout) is
 FlexMetaBuilder's (flex_meta.py); this class is the attention call over it. Compiled on CUDA,
 decode runs through flex_ops.py's opaque op (a kernel per batch size, outside the compiled decoder
-layer) and prefill runs flex_attention inside the layer, with the options flex_ops.py picks for
+layer) and prefill runs flex_attention inside the layer, with the options flex_options.py picks for
 the pages or for packed rows; compiled on the CPU, flex_attention runs for both. Not compiled,
 SDPA applies the step's dense mask, and where a variant's score_mod or a sink changes the scores
 they are written out (`_scores_written_out`).
@@ -21,8 +21,8 @@ from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.attention.flex_meta import FlexMeta, FlexMetaBuilder
-from flexsgl.attention.flex_ops import (flex_decode, packed_prefill_options, prefill_options,
-                                        triton_prefill_options, with_sink)
+from flexsgl.attention.flex_ops import flex_decode, with_sink
+from flexsgl.attention.flex_options import packed_prefill_options, prefill_options, triton_prefill_options
 from flexsgl.cache.pool import KVPool
 
 
@@ -37,7 +37,7 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
         cuda = pool.device.type == "cuda"
         self.kernel_options = self.cuda_kernel_options() if cuda else None
         self.packed_kernel_options = self.packed_cuda_kernel_options() if cuda and self.packs_prefill else None
-        # A variant's mods run on the Triton kernels (flex_ops.triton_prefill_options says why)
+        # A variant's mods run on the Triton kernels (flex_options.triton_prefill_options says why)
         self.variant_kernel_options = self.variant_packed_options = None
         if cuda and self.variants:
             dim, dtype = self.kv_shape()[1], self.pool.k[0].dtype

@@ -26,7 +26,7 @@ and its query blocks list the blocks wholly before their first row as full and t
 last row as partial, where the mask compares rows with the query block's request start and first
 position (`packed_causal`: no page lookups, nothing per key). The KV block is 128 rows whatever the
 page size, so FlexAttention's FLASH backend runs at any page size (options:
-flex_ops.packed_prefill_options), and the kernel's time does not depend on the page size, as it
+flex_options.packed_prefill_options), and the kernel's time does not depend on the page size, as it
 does over the pages (figures: docs/BENCHMARKS.md). A step whose prefixes hold more than
 PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
 
@@ -48,7 +48,7 @@ from flexsgl.attention.base import ForwardBatch
 from flexsgl.attention.flex_blocks import block_positions, block_rules, kv_blocks, packed_rows, query_blocks
 from flexsgl.attention.flex_masks import (Q_BLOCK, packed_causal, packed_paged_causal, packed_paged_variant,
                                           packed_rows_variant, paged_causal, paged_decode_variant)
-from flexsgl.attention.flex_ops import kv_splits
+from flexsgl.attention.flex_options import kv_splits
 from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 
 @dataclass

@@ -33,7 +33,7 @@ import torch
 from flexsgl.attention.base import ForwardBatch
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.flex_meta import PACKED_PREFIX_MAX_TOKENS
-from flexsgl.attention.flex_ops import packed_prefill_options
+from flexsgl.attention.flex_options import packed_prefill_options
 from flexsgl.cache.latent_pool import LatentKVPool
 
 
