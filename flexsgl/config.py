@@ -1,5 +1,4 @@
-"""EngineConfig: every engine option, once, with its default, its check and its help text, and
-its resolution for one model on one device (ResolvedConfig).
+"""EngineConfig: every engine option, once, with its default, its check and its help text.
 
 `LLM(model, **options)`, `flexsgl generate` and `flexsgl bench` are all built from it; the command
 line makes one flag per field (`--max-total-tokens`, ...) from the field's name, type and help, so a
@@ -8,7 +7,8 @@ flexsgl used before are still taken, with a FutureWarning, for one release (DEPR
 
 Each field's own check (type, range) runs when the config is made. `resolve` then turns the
 defaults that depend on the device and the model ("auto", None) into values and checks the rules
-between fields, all before anything loads; the engine builds from what it returns.
+between fields, all before anything loads (resolved_config.py); the engine builds from what it
+returns.
 """
 
 from __future__ import annotations
@@ -22,16 +22,10 @@ import torch
 
 from flexsgl.model.source import LOAD_FORMATS
 from flexsgl.quant.apply import QUANTIZATIONS
-from flexsgl.quant.fp8 import FP8
+from flexsgl.resolved_config import DTYPE_NAMES, KV_CACHE_DTYPES, ResolvedConfig, resolve_config
 
 if TYPE_CHECKING:
-    from flexsgl.attention.registry import Choice
     from flexsgl.model.config import ModelConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = ("auto", *DTYPES)
-KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": FP8, "fp8": FP8}
 
 
 def option(default, help: str, **kw):
@@ -127,106 +121,8 @@ class EngineConfig:
     def resolve(self, model: ModelConfig, device: torch.device | str | None = None) -> ResolvedConfig:
         """Every default made concrete for `model` on `device` (default: torch_device), and every
         rule between options checked, before anything loads; ValueError in one sentence if they
-        cannot run together (ResolvedConfig says what each value becomes)."""
-        from flexsgl.attention.cold_start import without_cold_compile
-        from flexsgl.attention.registry import backend_class, resolve_override
-        from flexsgl.cache.sizing import CPU_KV_TOKENS, pool_tokens
-        from flexsgl.step_shape import decode_buckets
-
-        device = self.torch_device if device is None else torch.device(device)
-        cpu = device.type == "cpu"
-        if self.dtype != "auto":
-            dtype = DTYPES[self.dtype]
-        else:
-            dtype = torch.float32 if cpu else torch.float16 if model.torch_dtype == "float16" else torch.bfloat16
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise ValueError(f"quantization {self.quantization!r} runs with tensor_parallel_size 1; tensor "
-                             "parallelism does not split quantized weights yet.")
-        variants = resolve_variants(self.attention, model)
-        kv_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
-        if kv_dtype is not None and model.attention == "mla":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} serves models with K/V heads; this model "
-                             "caches MLA latents (DeepSeek-V2), which stay in the engine's dtype.")
-        attention = resolve_override(self.override, device, model.attention, self.page_size, model.kv_layout[2],
-                                     str(dtype).removeprefix("torch."), variants,
-                                     None if kv_dtype is None else str(kv_dtype).removeprefix("torch."))
-        if self.override == "auto":  # no cold FlashInfer compile for a small model
-            attention = without_cold_compile(attention, model, device, str(dtype).removeprefix("torch."),
-                                             self.page_size)
-        graphs = device.type == "cuda" and not self.disable_cuda_graph
-        given = next((name for name in ("cuda_graph_bs", "cuda_graph_max_bs") if getattr(self, name) is not None), None)
-        if given and not graphs:
-            raise ValueError(f"{given} was given, but CUDA graphs are off: they need a CUDA device "
-                             f"(this engine runs on {device.type}) and disable_cuda_graph unset.")
-        sizes = ()
-        if graphs:
-            per_shape = any(backend_class(s, model.attention).compiles_per_shape
-                            for s in (attention.decode, attention.small_decode) if s is not None)
-            top = min(self.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
-            sizes = tuple(sorted(set(self.cuda_graph_bs or decode_buckets(per_shape, top))))
-            for limit, name in ((self.max_running_requests, "max_running_requests"),
-                                (self.cuda_graph_max_bs, "cuda_graph_max_bs")):
-                if limit is not None and sizes[-1] > limit:
-                    raise ValueError(f"CUDA graph batch sizes go up to {name} ({limit}), got {sizes[-1]}.")
-        # The KV pool's size where the device's limit is known before loading (cache/sizing.py).
-        kv = pool_tokens(self, model.max_position, CPU_KV_TOKENS if cpu else None, "flexsgl's CPU default")
-        if kv is not None:
-            check_kv_tokens(kv.tokens, self.page_size)
-        compile = device.type == "cuda" if self.compile is None else self.compile
-        return ResolvedConfig(self, device, dtype, attention, compile, sizes, kv and kv.tokens,
-                              kv.reason if kv else "", variants, kv_dtype or dtype)
-
-
-def check_kv_tokens(tokens: int, page_size: int) -> None:
-    """ValueError unless a KV cache of `tokens` tokens holds at least one page."""
-    if tokens < page_size:
-        raise ValueError(f"The KV cache must hold at least one page ({page_size} tokens); it would hold "
-                         f"{max(tokens, 0)}.")
-
-
-@dataclass(frozen=True)
-class ResolvedConfig:
-    """An EngineConfig made concrete for one model on one device (EngineConfig.resolve): what the
-    engine builds. `options` holds the options as given; the rest are the values they resolve to."""
-
-    options: EngineConfig
-    device: torch.device
-    dtype: torch.dtype  # dtype "auto": float32 on the CPU; on a GPU float16 for a float16 checkpoint, else bfloat16
-    # The backends of `override` ("auto": the fastest that run here, attention/registry.py, but none
-    # that would compile a FlashInfer kernel first for a small model, attention/cold_start.py).
-    attention: Choice
-    compile: bool  # compile None: on CUDA, off on the CPU
-    # Decode batch sizes captured as CUDA graphs: cuda_graph_bs, else the decode buckets up to
-    # max_running_requests, or up to cuda_graph_max_bs where that is lower (flexsgl/step_shape.py);
-    # () where graphs are off (not CUDA, or disable_cuda_graph).
-    cuda_graph_bs: tuple[int, ...]
-    # KV cache tokens (flexsgl/cache/sizing.py has the rule): max_total_tokens; else on the CPU what
-    # max_running_requests requests at the model's context fill and as much again, at most
-    # CPU_KV_TOKENS; None on a GPU, where the device's limit, mem_fraction_static of the memory free
-    # once the weights are loaded less one step's activations, is measured then.
-    max_total_tokens: int | None
-    max_total_tokens_reason: str = ""  # why max_total_tokens is what it is ("" where None)
-    # Each layer's attention variant: the model's own composed with `attention`'s (None: plain
-    # causal attention; flexsgl/attention/layer_variants.py)
-    variants: tuple = ()
-    kv_dtype: torch.dtype | None = None  # the KV cache's dtype: kv_cache_dtype's, or `dtype` for "auto"
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        return self.kv_dtype or self.dtype
-
-
-def resolve_variants(spec, model: ModelConfig) -> tuple:
-    """Each layer's attention variant for `model` with the user's `spec` (the `attention` option),
-    or ValueError (a VariantError) in one sentence where one cannot run."""
-    from flexsgl.attention.layer_variants import layer_variants, user_variants
-    from flexsgl.attention.variant import VariantError
-
-    own = model.attention_variants()
-    user = user_variants(spec, model.num_layers)
-    if model.attention == "mla" and any(v is not None for v in (*own, *user)):
-        raise VariantError("Attention variants are not served on MLA models (DeepSeek-V2) yet.")
-    return tuple(layer_variants(own, user, model.num_heads))
+        cannot run together (resolved_config.py; ResolvedConfig says what each value becomes)."""
+        return resolve_config(self, model, device)
 
 
 # ---- checks: one sentence each, types as well as ranges

@@ -89,7 +89,7 @@ def test_compiled_flex_on_cpu_matches_float64_reference(case, packed):
 
 
 def test_compiled_flex_decode_without_full_blocks_on_cpu():
-    """Decode as the CUDA op lays it out (flex.py): every visible page a partial KV block."""
+    """Decode as the CUDA op lays it out (flex_meta.py): every visible page a partial KV block."""
     run_backend_case(CASES["decode"], 16, torch.compile(FlexAttentionBackend.forward, dynamic=False), "cpu",
                      torch.float32, rtol=1e-4, atol=1e-5, compiled=True, full_blocks=False)
 

@@ -37,7 +37,7 @@ import transformers
 from flexsgl import LLM, SamplingParams
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention import flex_ops
-from flexsgl.attention.flex_ops import flash_prefill_runs
+from flexsgl.attention.flex_options import flash_prefill_runs
 from flexsgl.model.presets import DEFAULT_MODEL, EMBEDDED, PRESETS
 from tests.hf_models import capture_logits, make_checkpoint
 from tests.test_flex_attention import CASES, GQA_RATIOS, HEAD_DIMS, TOLERANCE, run_backend_case

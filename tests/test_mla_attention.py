@@ -101,7 +101,7 @@ def test_flex_mla_matches_float64(case, page_size):
 
 @pytest.mark.parametrize("case", ["prefix-extend", "decode"])
 def test_compiled_flex_mla_on_cpu_matches_float64(case):
-    """Compiled, decode lays each request's heads out as the rows of its query (flex.py's FlexMeta)."""
+    """Compiled, decode lays each request's heads out as the rows of its query (flex_meta.py's FlexMeta)."""
     run_mla_case(CASES[case], 16, "cpu", torch.float32, rtol=1e-4, atol=1e-5, compiled=True,
                  forward=torch.compile(FlexMLABackend.forward, dynamic=False))
 

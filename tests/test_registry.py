@@ -191,10 +191,10 @@ def test_table_says_whether_flex_prefill_has_its_flash_backend(fake_gpu, monkeyp
     the `flash` extra, which pyproject.toml must define with flash-attn-4."""
     from pathlib import Path
 
-    import flexsgl.attention.flex_ops as flex_ops
+    import flexsgl.attention.flex_options as flex_options
 
     fake_gpu(90)
-    monkeypatch.setattr(flex_ops, "_flash_installed", lambda: installed)
+    monkeypatch.setattr(flex_options, "_flash_installed", lambda: installed)
     about = {r["name"]: r for r in registry.table(GPU)}["flex"]["about"]
     if installed:
         assert "FLASH backend (flash-attn-4)" in about
@@ -202,7 +202,7 @@ def test_table_says_whether_flex_prefill_has_its_flash_backend(fake_gpu, monkeyp
         assert "pip install 'flexsgl[flash]'" in about
         pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
         assert 'flash = ["flash-attn-4==' in pyproject  # the extra (tomllib is Python 3.11+)
-    assert flex_ops.flash_note(None) == "" == flex_ops.flash_note(80)
+    assert flex_options.flash_note(None) == "" == flex_options.flash_note(80)
 
 
 def test_cli_backends_and_a_refused_override():

@@ -6,7 +6,7 @@ batches, FlashInfer's decode beside each (CUDA GPU; FlashInfer installed or stag
 Every (batch, context, GQA) cell is built as benchmarks/attention_matrix.py builds it (random K/V,
 shuffled pages) and timed the same way (calls captured in one CUDA graph, the median of the
 replays). For each option set the flex_decode op's options are replaced, and the op compiles a
-function of its own for them; `default` is what flexsgl chooses (flexsgl/attention/flex_ops.py,
+function of its own for them; `default` is what flexsgl chooses (flexsgl/attention/flex_options.py,
 decode_options). Each line gives µs, the ratio to fi-decode and the largest error against float64 on
 sampled rows; --json appends a line per cell. Times of a few µs vary from compile to compile by
 Inductor's autotuned split-combining kernels (docs/BENCHMARKS.md, "H200: attention kernels"):

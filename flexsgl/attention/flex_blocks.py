@@ -1,6 +1,6 @@
 """Where flex's queries and keys sit in a step: query blocks of packed prefill rows, the positions of
 their rows, and which KV blocks (pages, or blocks of packed rows) each query block reads, full or
-partial (flex.py builds its BlockMasks from them)."""
+partial (flex_meta.py builds its BlockMasks from them)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Which KV slot a query sees: flex's mask_mods over the pool as one KV sequence.
 
 A slot is visible to a query iff its page is one of the query's request's pages, at the logical
-index `page_pos[page]` (flex.py writes it from each step's page table; a page shared through a
-prefix is at the same index in every request that uses it, and a page no request of the step
+index `page_pos[page]` (flex_meta.py writes it from each step's page table; a page shared through
+a prefix is at the same index in every request that uses it, and a page no request of the step
 holds is at 0, so the mask indexes the page table without a clamp), and its position is not after
-the query's. Each mask is correct over the whole pool on its own: not compiled, flex.py evaluates it
-everywhere (and SDPA applies the result); compiled flex, only on the partial KV blocks of its
-BlockMask. `listed_decode_causal` is the exception: it is correct only on the pages a decode
+the query's. Each mask is correct over the whole pool on its own: not compiled, flex_meta.py
+evaluates it everywhere (and SDPA applies the result); compiled flex, only on the partial KV blocks
+of its BlockMask. `listed_decode_causal` is the exception: it is correct only on the pages a decode
 BlockMask lists for each request, and so it needs no page lookup at all. `packed_causal` reads no
 pages: it runs over the step's K/V copied into rows, request after request.
 """
@@ -60,10 +60,11 @@ def packed_paged_causal(page_table: torch.Tensor, block_req: torch.Tensor, block
 
 
 def packed_causal(block_kv_start: torch.Tensor, block_first_pos: torch.Tensor, rows_per_block: int):
-    """Prefill over the step's K/V packed into rows (flex.py): query block j holds a request's tokens
-    from position block_first_pos[j] on, one per row, and that request's positions 0, 1, ... are the
-    KV rows from block_kv_start[j] on. Two lookups per query row and none per key: a lookup per key
-    (comparing the key's block's request with the query's) made the H200 kernel 1.35-1.42x slower."""
+    """Prefill over the step's K/V packed into rows (flex_meta.py): query block j holds a request's
+    tokens from position block_first_pos[j] on, one per row, and that request's positions 0, 1, ...
+    are the KV rows from block_kv_start[j] on. Two lookups per query row and none per key: a lookup
+    per key (comparing the key's block's request with the query's) made the H200 kernel 1.35-1.42x
+    slower."""
     def mask(b, h, q_idx, kv_idx, rows_per_block=rows_per_block):
         j = q_idx // rows_per_block
         start = block_kv_start[j]

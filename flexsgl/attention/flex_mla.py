@@ -1,8 +1,8 @@
 """FlexAttention over the latent pool of an MLA model: the `flex` backend for MLA models.
 
 The same block masks over the same page tables as for GQA (flexsgl/attention/flex.py, whose
-metadata, graph hooks and page positions this backend inherits); only the attention call differs.
-Queries arrive absorbed into the latent space, `[T, H, kv_lora_rank + rope dims]`
+metadata (flex_meta.py), graph hooks and page positions this backend inherits); only the attention
+call differs. Queries arrive absorbed into the latent space, `[T, H, kv_lora_rank + rope dims]`
 (flexsgl/model/deepseek_v2.py), and attend over the latent pool read as one shared KV head: the
 key is a token's whole latent vector, the value its first kv_lora_rank dims (a view of the same
 tensor, no copy). The output is `[T, H, kv_lora_rank]`, still in latent space.
@@ -16,12 +16,12 @@ every head's program would read the request's whole latent KV.
 
 Compiled prefill takes the MHA form instead (`expands_latents`, `forward_expanded`), as SGLang and
 vLLM do for MLA prefill: the step's latents, cached prefixes included, are copied into rows as for
-GQA (flex.py's packed prefill, up to its PACKED_PREFIX_MAX_TOKENS) and expanded through kv_b_proj
-into each head's K (`[k_nope, k_pe]`, nope + rope dims) and V (v_head_dim), and the queries are not
-absorbed. Absorbed attention scores each (query, key) pair over 576 dims (1,024 in flex's tiles)
-and sums 512-dim values; expanded, over 192 and 128. Decode reads each latent once per step and
-keeps the absorbed form. Outside the packed case (not compiled, or prefixes past that bound) prefill
-stays absorbed over the pages.
+GQA (flex_meta.py's packed prefill, up to its PACKED_PREFIX_MAX_TOKENS) and expanded through
+kv_b_proj into each head's K (`[k_nope, k_pe]`, nope + rope dims) and V (v_head_dim), and the
+queries are not absorbed. Absorbed attention scores each (query, key) pair over 576 dims (1,024 in
+flex's tiles) and sums 512-dim values; expanded, over 192 and 128. Decode reads each latent once per
+step and keeps the absorbed form. Outside the packed case (not compiled, or prefixes past that
+bound) prefill stays absorbed over the pages.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import math
 import torch
 
 from flexsgl.attention.base import ForwardBatch
-from flexsgl.attention.flex import PACKED_PREFIX_MAX_TOKENS, FlexAttentionBackend
-from flexsgl.attention.flex_ops import packed_prefill_options
+from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.flex_meta import PACKED_PREFIX_MAX_TOKENS
+from flexsgl.attention.flex_options import packed_prefill_options
 from flexsgl.cache.latent_pool import LatentKVPool
 
 

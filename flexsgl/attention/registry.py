@@ -246,7 +246,7 @@ def backend_class(spec: BackendSpec, attention: str = "gqa"):
 
 def table(device: torch.device) -> list[dict]:
     """One row per backend: its phases, the models it serves, whether it runs here for them and why not."""
-    from flexsgl.attention.flex_ops import flash_note
+    from flexsgl.attention.flex_options import flash_note
 
     rows = []
     for spec in SPECS.values():

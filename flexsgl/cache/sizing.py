@@ -17,11 +17,14 @@ memory. A small model on a large GPU thus gets a pool its requests can fill (the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from flexsgl.cache.pool import KVPool
-from flexsgl.config import ResolvedConfig, check_kv_tokens
+
+if TYPE_CHECKING:
+    from flexsgl.resolved_config import ResolvedConfig
 
 CPU_KV_TOKENS = 16384  # the most the CPU's KV pool holds unless max_total_tokens is given
 # Pages the prefix cache may keep, as a share of those the running requests can fill: as much again.
@@ -43,6 +46,13 @@ class KVPoolSize:
     pages: int
     tokens: int
     reason: str
+
+
+def check_kv_tokens(tokens: int, page_size: int) -> None:
+    """ValueError unless a KV cache of `tokens` tokens holds at least one page."""
+    if tokens < page_size:
+        raise ValueError(f"The KV cache must hold at least one page ({page_size} tokens); it would hold "
+                         f"{max(tokens, 0)}.")
 
 
 def usable_kv_tokens(max_running: int, context: int, page_size: int) -> int:

@@ -1,1 +1,2 @@
-"""Plain-PyTorch models (flexsgl.model.config.ARCHITECTURES lists them), their configs, presets and loader."""
+"""Plain-PyTorch models (flexsgl.model.architectures.ARCHITECTURES lists them), their configs,
+presets and loader."""

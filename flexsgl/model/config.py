@@ -1,73 +1,17 @@
-"""A model's configuration, read from an HF `config.json`, and the architectures flexsgl serves."""
+"""A model's configuration, ModelConfig, read and checked from an HF `config.json` (the
+architectures it may name: architectures.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexsgl.errors import CheckpointError, short_repr
+from flexsgl.model.architectures import ARCHITECTURES, import_target
 from flexsgl.model.mla_config import MLAConfig, MoEConfig, deepseek_v2_params
 from flexsgl.quant.scheme import QuantScheme, quant_scheme
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """An HF architecture flexsgl serves: its `model_type`, the module:class that builds it (imported
-    when a model is built) and how it configures that class."""
-
-    model_type: str
-    target: str
-    qk_norm: bool  # per-head RMSNorm of q and k before RoPE
-    rope_types: tuple[str, ...] = ("default", "llama3")
-    # "module:function" reading the architecture's own config keys into ModelConfig fields
-    extra_fields: str | None = None
-    sliding: bool = False  # reads `sliding_window` (and `layer_types`): windowed attention layers
-    # "module:function" giving each layer's attention variant from the ModelConfig (default:
-    # window_variants, the sliding windows the config names)
-    variants: str | None = None
-    ignores: tuple[str, ...] = ()  # UNSUPPORTED_SETTINGS keys HF's modeling code of it never reads
-    # "module:function" counting the parameters of a ModelConfig (default: the dense decoder's count)
-    params: str | None = None
-
-
-DECODER = "flexsgl.model.decoder:DecoderForCausalLM"
-GEMMA, GEMMA_VARIANTS = "flexsgl.model.gemma:GemmaForCausalLM", "flexsgl.model.gemma_config:gemma_variants"
-# The one architecture registry: HF architecture name -> what flexsgl builds for it. Llama 3 is the
-# Qwen3 decoder without q/k norm; Mistral is Llama with a sliding window on every layer; Qwen3-MoE is
-# Qwen3 with a mixture of experts for the MLP.
-ARCHITECTURES = {
-    "Qwen3ForCausalLM": Architecture("qwen3", DECODER, qk_norm=True),
-    "LlamaForCausalLM": Architecture("llama", DECODER, qk_norm=False),
-    "MistralForCausalLM": Architecture("mistral", DECODER, qk_norm=False, sliding=True),
-    "Qwen3MoeForCausalLM": Architecture("qwen3_moe", DECODER, qk_norm=True,
-                                        extra_fields="flexsgl.model.qwen3_moe_config:qwen3_moe_fields"),
-    "DeepseekV2ForCausalLM": Architecture("deepseek_v2", "flexsgl.model.deepseek_v2:DeepseekV2ForCausalLM",
-                                          qk_norm=False, rope_types=("default", "yarn"),
-                                          extra_fields="flexsgl.model.mla_config:deepseek_v2_fields"),
-    "Gemma2ForCausalLM": Architecture("gemma2", GEMMA, qk_norm=False, rope_types=("default",), ignores=("hidden_act",),
-                                      extra_fields="flexsgl.model.gemma_config:gemma2_fields", variants=GEMMA_VARIANTS),
-    "Gemma3ForCausalLM": Architecture("gemma3_text", GEMMA, qk_norm=True, rope_types=("default", "linear"),
-                                      ignores=("hidden_act",), extra_fields="flexsgl.model.gemma_config:gemma3_fields",
-                                      variants=GEMMA_VARIANTS),
-    "GptOssForCausalLM": Architecture("gpt_oss", "flexsgl.model.gpt_oss:GptOssForCausalLM", qk_norm=False,
-                                      rope_types=("default", "yarn"),
-                                      extra_fields="flexsgl.model.gpt_oss_config:gpt_oss_fields",
-                                      variants="flexsgl.model.gpt_oss_config:gpt_oss_variants",
-                                      params="flexsgl.model.gpt_oss_config:gpt_oss_params"),
-}
-
-
-def model_class(architecture: str) -> type:
-    """The class that builds models of `architecture` (a key of ARCHITECTURES)."""
-    return _load(ARCHITECTURES[architecture].target)
-
-
-def _load(target: str):
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
@@ -192,7 +136,7 @@ class ModelConfig:
             raise CheckpointError(f"{source}: 'head_dim' must be even for rotary embeddings, got {head_dim}.")
         dtype = d.get("torch_dtype") or d.get("dtype")
         extra = ARCHITECTURES[arch].extra_fields
-        fields = {} if extra is None else _load(extra)(get, d, rope, source)
+        fields = {} if extra is None else import_target(extra)(get, d, rope, source)
         fields.setdefault("rope_scaling", rope if rope_type != "default" else None)
         fields.setdefault("head_dim", head_dim)
         if ARCHITECTURES[arch].sliding:
@@ -236,7 +180,7 @@ class ModelConfig:
     def attention_variants(self) -> list:
         """Each layer's own attention variant (flexsgl/attention/variant.py; None: plain causal)."""
         target = ARCHITECTURES[self.architecture].variants
-        return window_variants(self) if target is None else _load(target)(self)
+        return window_variants(self) if target is None else import_target(target)(self)
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         tensors, heads, dim = self.kv_layout
@@ -247,7 +191,7 @@ class ModelConfig:
             return deepseek_v2_params(self)
         count = ARCHITECTURES[self.architecture].params
         if count is not None:
-            return _load(count)(self)
+            return import_target(count)(self)
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         layer = attn + 2 * h + (2 * d if self.qk_norm else 0)

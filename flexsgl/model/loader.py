@@ -16,7 +16,7 @@ from torch import nn
 
 from flexsgl.errors import CheckpointError, describe
 from flexsgl.log import logger, progress
-from flexsgl.model.config import model_class
+from flexsgl.model.architectures import model_class
 from flexsgl.model.dummy_weights import init_dummy_weights
 from flexsgl.model.source import ModelSource, weight_files
 from flexsgl.model.weight_loaders import weight_loader
