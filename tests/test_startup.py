@@ -1,11 +1,17 @@
 """Start-up does no work its run does not use: a model built for loading runs no initialiser (its
-values come from the checkpoint alone)."""
+values come from the checkpoint alone), and a CPU KV pool is not written until it is used."""
+
+import os
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from flexsgl.cache.latent_pool import LatentKVPool
+from flexsgl.cache.pool import KVPool
 from flexsgl.model.empty_init import no_init
 from flexsgl.model.loader import build_model
 from flexsgl.model.presets import DEFAULT_MODEL, EMBEDDED
@@ -56,3 +62,41 @@ def test_no_init_skips_initialisers_of_meta_tensors_only(random_fills):
         cpu = torch.full((64, 64), 7.0)
         nn.init.normal_(cpu)
     assert random_fills == ["normal_"] and not torch.equal(cpu, torch.full((64, 64), 7.0))
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the process's resident memory from /proc")
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_a_cpu_kv_pool_is_zero_and_costs_memory_only_where_written(kind):
+    """A CPU pool of 1 GiB reads zero everywhere, yet adds almost nothing to the process's resident
+    memory until pages are written (torch.zeros would have written all of it); what is written
+    reads back."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    layers, page_size = 4, 64
+    if kind == "gqa":
+        heads, dim = 8, 128
+        pages = (1 << 30) // (2 * layers * page_size * heads * dim * 4)
+        before = resident_bytes()
+        pool = KVPool(layers, pages, page_size, heads, dim, torch.float32, CPU)
+        tensors = pool.k + pool.v
+    else:
+        mla = SimpleNamespace(kv_lora_rank=448, qk_rope_head_dim=64, qk_nope_head_dim=128, latent_dim=512,
+                              softmax_scale=0.1)
+        pages = (1 << 30) // (layers * page_size * mla.latent_dim * 4)
+        before = resident_bytes()
+        pool = LatentKVPool(layers, pages, page_size, mla, torch.float32, CPU)
+        tensors = pool.kv
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    assert size >= 1 << 29
+    assert all(t.is_contiguous() and t.data_ptr() % 64 == 0 and t.dtype == torch.float32 for t in tensors)
+    assert all(torch.count_nonzero(t) == 0 for t in tensors)
+    assert resident_bytes() - before < size // 8, f"seed={seed}"
+    slot = int(torch.randint(page_size, pages * page_size, (), generator=gen))
+    value = torch.randn(tensors[1].shape[1:], generator=gen)
+    tensors[1][slot] = value
+    assert torch.equal(tensors[1][slot], value) and torch.count_nonzero(tensors[0]) == 0, f"seed={seed}"
