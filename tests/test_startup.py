@@ -100,3 +100,29 @@ def test_a_cpu_kv_pool_is_zero_and_costs_memory_only_where_written(kind):
     value = torch.randn(tensors[1].shape[1:], generator=gen)
     tensors[1][slot] = value
     assert torch.equal(tensors[1][slot], value) and torch.count_nonzero(tensors[0]) == 0, f"seed={seed}"
+
+
+def test_dummy_weights_are_drawn_into_the_parameters(monkeypatch):
+    """Dummy weights fill each parameter with the values of the documented scheme (block c of
+    parameter i of rows of about BLOCK_ELEMENTS elements from a generator seeded from (seed, i, c):
+    N(0, 0.02), a norm's weight 1 + 0.1 N(0, 1)), recomputed here; whole blocks are drawn straight
+    into the parameter (no block drawn apart and copied), but for the norms'."""
+    import flexsgl.model.dummy_weights as dummy
+
+    seed = random.randrange(2**20)
+    monkeypatch.setattr(dummy, "BLOCK_ELEMENTS", 1 << 12)  # several blocks per matrix, the last one short
+    apart = []
+    real_block = dummy.DummyTensor.block
+    monkeypatch.setattr(dummy.DummyTensor, "block", lambda self, *a: (apart.append(self.norm), real_block(self, *a))[1])
+    model = build_model(resolve("tiny", "dummy"), CPU, torch.float32, seed)
+    assert apart and all(apart), "only the norms' blocks are drawn apart"
+    for i, (name, p) in enumerate(model.named_parameters()):
+        key, width = seed * 1000003 + i, p[0].numel()
+        rows = max(1, (1 << 12) // width)
+        blocks = []
+        for c in range(-(-p.shape[0] // rows)):
+            g = torch.Generator().manual_seed((key * 1000033 + c) % (1 << 63))
+            shape = (min(rows, p.shape[0] - c * rows),) + tuple(p.shape[1:])
+            blocks.append(1.0 + 0.1 * torch.randn(shape, generator=g) if name.endswith("norm.weight")
+                          else torch.empty(shape).normal_(0.0, 0.02, generator=g))
+        assert torch.equal(p, torch.cat(blocks)), f"{name} seed={seed}"
