@@ -1,8 +1,14 @@
 """Start-up does no work its run does not use: a model built for loading runs no initialiser (its
-values come from the checkpoint alone), and a CPU KV pool is not written until it is used."""
+values come from the checkpoint alone), dummy weights are drawn straight into the parameters, a
+CPU KV pool is not written until it is used, and `generate` imports no package it does not run;
+its start-up line names where the time went."""
 
+import json
 import os
 import random
+import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -126,3 +132,33 @@ def test_dummy_weights_are_drawn_into_the_parameters(monkeypatch):
             blocks.append(1.0 + 0.1 * torch.randn(shape, generator=g) if name.endswith("norm.weight")
                           else torch.empty(shape).normal_(0.0, 0.02, generator=g))
         assert torch.equal(p, torch.cat(blocks)), f"{name} seed={seed}"
+
+
+GENERATE = """
+import json, sys
+from flexsgl.cli import app
+try:
+    app(["generate", "Return the", "--device", "cpu", "--max-new-tokens", "4"])
+except SystemExit as e:
+    assert not e.code, e.code
+print(json.dumps({m: m in sys.modules for m in ("torch._dynamo", "transformers", "xgrammar", "fastapi")}))
+"""
+
+
+def test_generate_on_the_embedded_model_imports_only_what_it_runs_and_names_its_start_up():
+    """`flexsgl generate` on the CPU (eager) with the embedded model imports neither torch._dynamo
+    nor transformers (its tokenizer.json is read by the tokenizers library), nor the server's or
+    structured outputs' packages; its start-up line names phases that add up to its total (each
+    shown to a tenth of a second), and the first token comes after it."""
+    out = subprocess.run([sys.executable, "-c", GENERATE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "FLEXSGL_LOG_LEVEL": "info"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == {"torch._dynamo": False, "transformers": False,
+                                                        "xgrammar": False, "fastapi": False}, out.stdout
+    ready = re.search(r"ready in ([\d.]+)s after start \((.*)\)", out.stderr)
+    assert ready, out.stderr
+    phases = dict((name.strip(), float(s)) for name, s in re.findall(r"([A-Za-z ]+) ([\d.]+)s", ready.group(2)))
+    assert set(phases) == {"imports", "resolving", "weights", "tokenizer", "KV pool", "other"}, phases
+    assert abs(sum(phases.values()) - float(ready.group(1))) <= 0.05 * (len(phases) + 1), ready.group(0)
+    first = re.search(r"first token ([\d.]+)s after start", out.stderr)
+    assert first and float(first.group(1)) >= float(ready.group(1)), out.stderr
