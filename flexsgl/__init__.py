@@ -1,5 +1,7 @@
 """flexsgl: LLM inference on torch.compile + FlexAttention over a paged KV cache."""
 
+from flexsgl import startup  # noqa: F401  (first, before torch: start-up's clock)
+
 
 def _map_source_overrides() -> None:
     """An installed flexsgl has `overrides/` as flexsgl.overrides (pyproject maps it). Run from a

@@ -12,6 +12,7 @@ import typer
 from flexsgl.cli_options import engine_options, fail
 from flexsgl.config import EngineConfig
 from flexsgl.log import logger
+from flexsgl.startup import process_seconds, ready_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="flexsgl: LLM inference on torch.compile + FlexAttention over a paged KV cache.")
@@ -101,13 +102,10 @@ def generate(
             check_prompt(p, i)  # what needs no tokenizer, before the model loads
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                   top_p=top_p, min_p=min_p, seed=seed, ignore_eos=ignore_eos, n=n)
-        t0 = time.perf_counter()
+        before_s, t0 = process_seconds(), time.perf_counter()  # t0 - before_s: the process's start
         llm = LLM(generate_config(engine, len(prompts) * n))
         ready = llm.startup_times()
-        logger.info(f"ready in {time.perf_counter() - t0:.1f}s (loading {ready['load_s']:.1f}s, "
-                    f"KV pool {ready['kv_pool_s']:.1f}s"
-                    + (f", CUDA graphs {ready['capture_s']:.1f}s with {ready['compile_s']:.1f}s of compiling"
-                       if ready["capture_s"] else "") + ")")
+        logger.info(ready_line(before_s + time.perf_counter() - t0, before_s, ready))
         stream = len(prompts) == 1 and n == 1 and not json_out
         if not json_out and llm.tokenizer is not None and not shows_text(llm):
             logger.info(f"{llm.src.name} has dummy (random) weights and a byte tokenizer, which give no readable "
@@ -133,7 +131,7 @@ def generate(
     if stream:
         printer.finish(outs[0].token_ids)
         if printer.first_token_at is not None:
-            logger.info(f"first token {printer.first_token_at - t0:.1f}s after start")
+            logger.info(f"first token {before_s + printer.first_token_at - t0:.1f}s after start")
     else:
         for p, o in zip(asked, outs):
             shown = o.text if o.text is not None and shows_text(llm) else " " + " ".join(map(str, o.token_ids))

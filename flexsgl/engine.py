@@ -65,6 +65,7 @@ class LLM:
         with engine `options`: the fields of EngineConfig (flexsgl/config.py), e.g.
         `LLM("qwen3-0.6b", load_format="dummy", max_total_tokens=65536, override="fa3")`, or an
         EngineConfig itself. Bad options raise ValueError before anything loads."""
+        started = time.perf_counter()
         if isinstance(model, EngineConfig):
             if options:
                 raise ValueError("Pass an EngineConfig or keyword options, not both.")
@@ -74,6 +75,7 @@ class LLM:
         self.device = cfg.torch_device
         # Refuses before the model loads, with the reason.
         self.src, self.resolved = prepare(cfg, self.device)
+        resolve_s = time.perf_counter() - started
         self.dtype = self.resolved.dtype
         self.config = mcfg = self.src.config
         self._channel = None  # to the other tensor-parallel ranks
@@ -83,7 +85,6 @@ class LLM:
         logger.info(f"loading {self.src.name} ({self.src.load_format}, {mcfg.num_params() / 1e6:.1f}M params, "
                     f"{str(self.dtype).removeprefix('torch.')}, {self.device}"
                     + (f", {cfg.tensor_parallel_size} tensor-parallel ranks" if self._channel else "") + ")")
-        t0 = time.perf_counter()
         try:
             core = build_core(cfg, None if self._channel is None else self._channel.group,
                               (self.src, self.resolved))
@@ -92,10 +93,10 @@ class LLM:
             raise
         self.model, self.pool, self.runner, self.backends = core.model, core.pool, core.runner, core.backends
         self.compile = core.compile
+        t0 = time.perf_counter()
         self.tokenizer = load_tokenizer(self.src)
+        tokenizer_s = time.perf_counter() - t0
         self.outputs = OutputProcessor(self.tokenizer)  # text, stop decisions, callbacks
-        self.load_s = core.load_s + time.perf_counter() - t0 - core.build_s  # weights and tokenizer
-        self.kv_pool_s = core.kv_pool_s
         self.default_sampling = default_sampling(self.src)
         self.allocator = PageAllocator(core.num_pages)
         self.scheduler = Scheduler(cfg.page_size, self.allocator, cfg.max_num_batched_tokens,
@@ -118,6 +119,8 @@ class LLM:
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._next_id = 0  # above every id added (abort tells a finished request from an unknown one)
         self.loop = StepLoop(self.scheduler, self.runner, self.outputs, self.grammars, self.health, self.device)
+        self._startup = {"startup_s": time.perf_counter() - started, "resolve_s": resolve_s, "load_s": core.load_s,
+                         "tokenizer_s": tokenizer_s, "kv_pool_s": core.kv_pool_s, "capture_s": self.runner.capture_s}
 
     @staticmethod
     def _start_ranks(cfg: EngineConfig, mcfg):
@@ -152,11 +155,17 @@ class LLM:
         self.shutdown()
 
     def startup_times(self) -> dict[str, float]:
-        """Seconds spent loading the model, sizing and allocating the KV pool, capturing CUDA graphs
-        (compiling included) and compiling so far (in graph capture and in the first steps of each
-        new shape)."""
-        return {"load_s": self.load_s, "kv_pool_s": self.kv_pool_s, "capture_s": self.runner.capture_s,
-                "compile_s": self.runner.compile_s}
+        """Seconds of this engine's construction (`startup_s`), and of it: resolving the options
+        for the model (`resolve_s`: finding it, picking the attention backends), building the model
+        and loading its weights (`load_s`), loading the tokenizer (`tokenizer_s`), sizing and
+        allocating the KV pool (`kv_pool_s`), capturing CUDA graphs, compiling included
+        (`capture_s`), and the rest (`other_s`: starting tensor-parallel ranks, the backends, the
+        runner, the scheduler); the phases add up to `startup_s`. Also the seconds spent compiling
+        so far (`compile_s`: in graph capture and in the first steps of each new shape)."""
+        times = dict(self._startup)
+        times["other_s"] = max(0.0, times["startup_s"] - sum(v for k, v in times.items() if k != "startup_s"))
+        times["compile_s"] = self.runner.compile_s
+        return times
 
     @cached_property
     def health(self) -> Health:

@@ -28,8 +28,9 @@ TOP = {"workload", "model", "load_format", "device", "tensor_parallel_size", "co
        "environment", "results"}
 ENV = {"hostname", "cpu", "cpu_count", "platform", "python", "torch", "cuda", "transformers", "gpu",
        "gpu_memory_bytes", "gpu_capability", "commit", "date"}
-COMMON = {"override", "backends", "startup_s", "load_s", "kv_pool_s", "capture_s", "compile_s", "kv_cache_tokens",
-          "compile", "dtype", "cached_tokens"}
+PHASES = {"resolve_s", "load_s", "tokenizer_s", "kv_pool_s", "capture_s", "other_s"}  # add up to startup_s
+COMMON = {"override", "backends", "startup_s", *PHASES, "compile_s", "kv_cache_tokens", "compile", "dtype",
+          "cached_tokens"}
 FIELDS = {
     "throughput": {"requests", "input_tokens", "output_tokens", "requested_output_tokens", "wall_s", "warmup_s",
                    "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "prefill_steps",
@@ -63,6 +64,8 @@ def run_bench(tmp_path, *args):
             assert res["startup_s"] > 0 and res["kv_cache_pages"] > 0
         else:
             assert res["startup_s"] >= res["load_s"] > 0 and res["kv_cache_tokens"] > 0
+            assert all(res[k] >= 0 for k in PHASES)
+            assert math.isclose(sum(res[k] for k in PHASES), res["startup_s"], rel_tol=1e-9), res
             assert res["capture_s"] == 0 and res["compile_s"] == 0  # the CPU runs eager, without CUDA graphs
     assert report["copy_bandwidth_bytes_per_s"] > 1e8
     assert report["environment"]["cpu_count"] >= 1 and report["environment"]["commit"]

@@ -141,8 +141,8 @@ def test_refused_before_loading_with_the_reason(runs, name, error):
 
 def test_stream_reports_startup_and_first_token(runs):
     err = runs["stream"].stderr
-    assert any(line.startswith("[flexsgl] ready in ") and "(loading " in line and ", KV pool " in line
-               for line in err.splitlines()), err
+    assert any(line.startswith("[flexsgl] ready in ") and "s after start (imports " in line and ", weights " in line
+               and ", tokenizer " in line and ", KV pool " in line and ", other " in line for line in err.splitlines()), err
     # One prompt: one running request, its 4,096-token context in 64 pages, and as many again.
     assert "[flexsgl] KV cache: 128 pages of 64 tokens (what 1 running request at the model's 4,096-token " \
            "context fills, and as much again for the prefix cache)" in err.splitlines(), err

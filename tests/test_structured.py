@@ -135,7 +135,10 @@ def test_constrained_greedy_decoding_follows_a_float64_reference(llm, hf):
     spec = StructuredOutputsParams(json=schema)
     prompt = [rng.randrange(1, 4096) for _ in range(rng.randrange(3, 20))]
     out = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0, structured_outputs=spec))[0]
-    ref = hf_constrained_greedy(hf, llm.tokenizer, prompt, spec, 60)
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(EMBEDDED["tiny-docs"]))  # the reference's own
+    ref = hf_constrained_greedy(hf, tokenizer, prompt, spec, 60)
     assert out.token_ids == ref, f"seed={seed} schema={schema}"
     if out.finish_reason == "stop":
         jsonschema.validate(json.loads(out.text), schema)

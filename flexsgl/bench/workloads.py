@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from dataclasses import asdict
 
 from flexsgl.bench.args import Plan
@@ -50,14 +49,13 @@ def _measure(p: Plan, override: str, label: str, bandwidth: float, progress: boo
     if p.args.workload == "serve":  # the engine runs in the server's process
         return [{"override": override, "backends": p.args.base_url or label, **res}
                 for res in serve_workload(p, override, progress)]
-    t0 = time.perf_counter()
     llm = build_llm(p, override)
-    res = {"override": override, "backends": label, "startup_s": time.perf_counter() - t0,
-           "kv_cache_tokens": (llm.pool.num_pages - 1) * llm.pool.page_size,
+    res = {"override": override, "backends": label, "kv_cache_tokens": (llm.pool.num_pages - 1) * llm.pool.page_size,
            "compile": llm.compile, "dtype": str(llm.dtype).removeprefix("torch.")}
     res.update(WORKLOADS_RUN[p.args.workload](llm, p, bandwidth, progress))
-    # Start-up apart from run time: loading, graph capture, and compiling wherever it happened
-    # (in capture, and in warm-up passes, which the timed figures above leave out).
+    # Start-up apart from run time: the engine's construction and its phases (LLM.startup_times),
+    # and compiling wherever it happened (in capture, and in warm-up passes, which the timed
+    # figures above leave out).
     res.update(llm.startup_times())
     llm.shutdown()  # tensor-parallel ranks stop now: the next backend's engine starts its own
     del llm

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from flexsgl.cache.zeroed import zeroed
+
 
 def page_slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:
     """The pool slots of `pages` (either pool's layout: page p holds slots p * page_size onwards), on `device`."""
@@ -32,8 +34,7 @@ class LatentKVPool:
         self.kv_lora_rank, self.rope_dim = mla.kv_lora_rank, mla.qk_rope_head_dim
         self.qk_nope_head_dim, self.softmax_scale = mla.qk_nope_head_dim, mla.softmax_scale
         # Zeroed: masked slots still enter P @ V as p=0 times v, and 0 * NaN is NaN.
-        self.kv = [torch.zeros(num_pages * page_size, 1, mla.latent_dim, dtype=dtype, device=device)
-                   for _ in range(num_layers)]
+        self.kv = [zeroed((num_pages * page_size, 1, mla.latent_dim), dtype, device) for _ in range(num_layers)]
 
     def layer_cache(self, layer: int) -> tuple[torch.Tensor]:
         """`layer`'s latents, which its attention module holds (`cache`) and hands to the backend."""

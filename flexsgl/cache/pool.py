@@ -25,6 +25,7 @@ import random
 import torch
 
 from flexsgl.cache.latent_pool import LatentKVPool, page_slots
+from flexsgl.cache.zeroed import zeroed
 from flexsgl.kernels.rope_store import write_kv
 
 DUMMY_PAGE = 0
@@ -79,8 +80,8 @@ class KVPool:
         self.device = torch.device(device)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         # Zeroed, not empty: masked slots still enter P @ V as p=0 times v, and 0 * NaN is NaN.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeroed(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def quantized(self) -> bool:

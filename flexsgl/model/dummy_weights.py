@@ -52,15 +52,31 @@ class DummyTensor:
         for block in range(first // self.rows, -(-end // self.rows)):
             a, b = block * self.rows, min((block + 1) * self.rows, self.shape[0])
             lo, hi = max(a, first), min(b, end)
-            box[lo - first:hi - first].copy_(self.block(block, a, b)[(slice(lo - a, hi - a),) + rest])
+            dst = box[lo - first:hi - first]
+            if (lo, hi) == (a, b) and self._drawn_in_place(dst):
+                self._draw(block, dst)
+            else:
+                dst.copy_(self.block(block, a, b)[(slice(lo - a, hi - a),) + rest])
 
     def block(self, index: int, start: int, end: int) -> torch.Tensor:
         """Rows start..end of the whole parameter: block `index`, from its own generator."""
-        g = torch.Generator(device=self.device).manual_seed((self.key * 1000033 + index) % (1 << 63))
         shape = (end - start,) + self.shape[1:]
         if self.norm:
+            g = self._generator(index)
             return 1.0 + 0.1 * torch.randn(shape, generator=g, device=self.device, dtype=torch.float32)
-        return torch.empty(shape, dtype=self.dtype, device=self.device).normal_(0.0, 0.02, generator=g)
+        return self._draw(index, torch.empty(shape, dtype=self.dtype, device=self.device))
+
+    def _drawn_in_place(self, dst: torch.Tensor) -> bool:
+        """Whether a whole block's values can be drawn straight into `dst` (a contiguous tensor of
+        the block's shape, dtype and device): the very values `block` would draw, without the copy."""
+        return (not self.norm and tuple(dst.shape[1:]) == self.shape[1:] and dst.is_contiguous()
+                and dst.dtype == self.dtype and dst.device == torch.device(self.device))
+
+    def _draw(self, index: int, out: torch.Tensor) -> torch.Tensor:
+        return out.normal_(0.0, 0.02, generator=self._generator(index))
+
+    def _generator(self, index: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed((self.key * 1000033 + index) % (1 << 63))
 
 
 @torch.no_grad()

@@ -69,12 +69,16 @@ class RotaryEmbedding(nn.Module):
     flexsgl/kernels/rope_store.py). With YaRN scaling its attention factor is folded into them.
 
     The tables are buffers computed from the config, not weights: a model built on the meta device
-    computes them once its parameters are allocated (`build`)."""
+    computes them once its parameters are allocated (`build`), and holds only their shapes before
+    (computed on the meta device, some of torch's meta operations import torch._dynamo)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
         self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
-        cos, sin = self.tables()
+        if torch.get_default_device().type == "meta":
+            cos, sin = (torch.empty(max_position, head_dim // 2) for _ in range(2))
+        else:
+            cos, sin = self.tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

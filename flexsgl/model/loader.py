@@ -18,6 +18,7 @@ from flexsgl.errors import CheckpointError, describe
 from flexsgl.log import logger, progress
 from flexsgl.model.architectures import model_class
 from flexsgl.model.dummy_weights import init_dummy_weights
+from flexsgl.model.empty_init import no_init
 from flexsgl.model.source import ModelSource, weight_files
 from flexsgl.model.weight_loaders import weight_loader
 from flexsgl.quant.apply import keep_fp8, keeps_fp8, quantize_online
@@ -46,7 +47,7 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
     cfg = src.config.shard(rank, size)
     cls = model_class(cfg.architecture)
     files = weight_files(src.path) if src.load_format != "dummy" else []
-    with torch.device("meta"):
+    with torch.device("meta"), no_init():  # values come from loading alone (empty_init.py)
         model = cls(cfg)
         full = model if size == 1 else cls(src.config)  # the whole model's shapes and weight loaders
         if cfg.quant is not None and files and cfg.quant.strategy != "block" and keeps_fp8(device, dtype, size):

@@ -96,12 +96,12 @@ def tokenizer_info(tokenizer, vocab_size: int):
     """xgrammar's view of `tokenizer` (at most the model's `vocab_size` tokens): a transformers
     tokenizer's vocabulary, or for the byte tokenizer of the presets, one byte per token id below 256."""
     xgr = _xgr()
-    from flexsgl.tokenizer import ByteTokenizer
+    from flexsgl.tokenizer import ByteTokenizer, hf_tokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         vocab = [bytes([i]) for i in range(min(256, vocab_size))]
         return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[])
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=min(vocab_size, len(tokenizer)))
+    return xgr.TokenizerInfo.from_huggingface(hf_tokenizer(tokenizer), vocab_size=min(vocab_size, len(tokenizer)))
 
 
 class GrammarCompiler:
