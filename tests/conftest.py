@@ -1,10 +1,17 @@
 import importlib.util
 import os
+import signal
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler (nor do the processes the tests start). The
+    # Ctrl-C tests check the engine's handling of KeyboardInterrupt as a terminal delivers it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if not CUDA:
     # Without a GPU, flexsgl's Triton kernels run on CPU tensors through Triton's interpreter

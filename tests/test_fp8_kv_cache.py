@@ -108,7 +108,8 @@ def check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol: float, **op
                 want = (own / scale).clamp(-top, top).to(FP8).float()
                 differ = want != kept
                 assert differ.float().mean() < 2e-3, f"layer {layer}: {int(differ.sum())} entries, seed={seed}"
-                assert torch.allclose(want[differ], kept[differ], rtol=0.13), f"layer {layer}, seed={seed}"
+                # one FP8 step apart: 1/8 of the value for normals, 2**-9 below 2**-6 (subnormals)
+                assert torch.allclose(want[differ], kept[differ], rtol=0.13, atol=2.0**-9), f"layer {layer}, seed={seed}"
     return llm
 
 
