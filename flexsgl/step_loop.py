@@ -78,7 +78,8 @@ class StepLoop:
         interrupt = None
         if pending is not None:  # read the previous step while this one runs
             tokens = self._tokens(pending)
-            allowed = {} if tokens is None else follow_grammars(self._events_of(pending, tokens))
+            allowed = ({} if tokens is None or not _constrained(pending.batch)
+                       else follow_grammars(self._events_of(pending, tokens)))
             if deferred is not None:
                 failure = self._sample(deferred, batch) or failure
                 deferred = None
