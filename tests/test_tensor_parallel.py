@@ -246,9 +246,24 @@ def test_shutdown_stops_the_workers():
     assert all(p.is_alive() for p in procs)
     llm.shutdown()
     assert [p.exitcode for p in procs] == [0]
+    # gloo's threads end with the groups: left running, they free their last collective's tensors
+    # while the interpreter exits, which aborts the process
+    assert _gloo_threads() == []
     with pytest.raises(EngineDeadError, match="shut down"):
         llm.generate([[1, 2]], greedy(1))
     llm.shutdown()  # twice is fine
+
+
+def _gloo_threads() -> list[str]:
+    """The names of this process's threads that gloo runs (Linux)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(n for n in names if "gloo" in n)
 
 
 def test_failed_start_up_raises_and_stops_the_workers():

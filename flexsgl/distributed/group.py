@@ -10,7 +10,7 @@ capture. The all-reduce is allreduce.py's, which chooses between symmetric memor
 up here once the group forms). With one rank there is no group at all, and the model never calls
 them (its layers check the config's tp_size when they are built).
 
-Leaving (`destroy_group`) is bounded on a GPU. NCCL's communicator cannot be destroyed while a
+Leaving (`destroy_group`) is bounded. NCCL's communicator cannot be destroyed while a
 CUDA graph that captured its work lives (pytorch/pytorch#115388), so every rank destroys its graphs
 first (ModelRunner.release_graphs); the destroy itself runs in a thread given LEAVE_TIMEOUT_S, and
 if it does not return by then the process goes on without it, and ends at exit (exit code 1)
@@ -50,8 +50,8 @@ class TPGroup:
     rank: int
     size: int
     device: torch.device
-    group: dist.ProcessGroup  # the device group
-    control: dist.ProcessGroup  # gloo, for host objects
+    group: dist.ProcessGroup | None  # the device group (None once left: destroy_group)
+    control: dist.ProcessGroup | None  # gloo, for host objects
     one_host: bool = True  # every rank on this host (spawned ranks; torchrun's when it ran them all here)
 
     @property
@@ -135,20 +135,26 @@ def init_group(rank: int, size: int, device: torch.device, store: dist.Store | N
 
 def destroy_group(abort: bool = False) -> bool:
     """Leave the group (every rank calls it at the end, after releasing its CUDA graphs); safe to
-    call twice. On the CPU it returns at once. On a GPU the NCCL communicators are destroyed, or
-    with `abort` (a rank died: its peers cannot finish anything) aborted, in a thread given
-    LEAVE_TIMEOUT_S; False if that did not return in time (the process then ends at exit without
+    call twice. The process groups are destroyed (on a GPU with `abort`, when a rank died and its
+    peers cannot finish anything, the NCCL communicators are aborted), then the TPGroup's handles
+    to them are dropped, the last ones: their destructors end gloo's threads, which would otherwise
+    still run when the interpreter exits, and free the tensors of their last collective there,
+    which aborts the process (pytorch/pytorch#179291). That runs in a thread given
+    LEAVE_TIMEOUT_S; False if it did not return in time (the process then ends at exit without
     waiting for it)."""
     global _current, _name, _size, _rank
-    device = None if _current is None else _current.device
+    tp = _current
     _current, _name, _size, _rank = None, None, 1, 0
     allreduce.teardown()
     if not dist.is_initialized():
         return True
-    if device is None or device.type != "cuda":
-        dist.destroy_process_group()
-        return True
-    leave = _abort_all if abort else dist.destroy_process_group
+    destroy = _abort_all if abort and tp is not None and tp.device.type == "cuda" else dist.destroy_process_group
+
+    def leave():
+        destroy()
+        if tp is not None:
+            tp.group = tp.control = None
+
     if _bounded(leave, LEAVE_TIMEOUT_S):
         return True
     logger.warning(f"the tensor-parallel process group did not close within {LEAVE_TIMEOUT_S:.0f} s; "
