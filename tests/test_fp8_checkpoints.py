@@ -82,6 +82,22 @@ def test_deepseek_v2_fp8_checkpoint_with_fp8_experts_matches_hf(tmp_path, monkey
     check_matches_hf(tmp_path / "fp8", tmp_path / "ref", monkeypatch, seed, steps=12)
 
 
+@pytest.mark.parametrize("family, fmt", [("qwen3-moe", "block"), ("gemma3", "channel")])
+def test_newer_family_fp8_checkpoint_matches_hf(tmp_path, monkeypatch, family, fmt):
+    """The families published in FP8 beyond the dense ones: Qwen3-MoE block-wise, with every expert
+    in FP8 (as Qwen3-30B-A3B-FP8), and Gemma 3 in compressed-tensors per channel (softcapped logits,
+    sliding and global layers)."""
+    from tests.test_gemma import make_gemma3
+    from tests.test_qwen3_moe import make_qwen3_moe
+
+    seed = random.randrange(2**31)
+    (make_qwen3_moe if family == "qwen3-moe" else make_gemma3)(tmp_path / "src", seed)
+    fp8 = make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", fmt, block=(32, 16))
+    if family == "qwen3-moe":
+        assert any(".mlp.experts.5.down_proj" in n for n in fp8), "every expert in FP8"
+    check_matches_hf(tmp_path / "fp8", tmp_path / "ref", monkeypatch, seed, steps=12)
+
+
 @pytest.fixture(scope="module")
 def block_checkpoint(tmp_path_factory):
     seed = random.randrange(2**31)
