@@ -149,13 +149,13 @@ class ModelRunner:
         return self.model(fb.input_ids, fb.positions, fb)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        """Launch `batch`: plan it on the host, upload, run the model and sample (nothing waits for the
-        device). Under tensor parallelism the plan goes to every other rank first, which executes it."""
+    def run(self, batch: ScheduledBatch, plan: StepPlan | None = None) -> StepOutput:
+        """Launch `batch`: plan it on the host (unless `plan`, made for it, is given), upload, run the
+        model and sample (nothing waits for the device). Under tensor parallelism the plan goes to
+        every other rank first, which executes it."""
+        plan = self.plan(batch) if plan is None else plan
         if self.tp is None:
-            plan = self.plan(batch)
             return self._launch(batch, self.upload(plan), plan)
-        plan = self.plan(batch)
         self.tp.send_step(plan)
         try:
             return self._launch(batch, self.upload(plan), plan)
@@ -182,10 +182,10 @@ class ModelRunner:
         return upload(plan, self.device, self.tokens, self.token_counts, self.graphs, self.variants)
 
     @torch.inference_mode()
-    def run_forward(self, batch: ScheduledBatch) -> DeferredStep:
-        """Launch `batch` up to its logits (one rank only); `sample` finishes it."""
+    def run_forward(self, batch: ScheduledBatch, plan: StepPlan | None = None) -> DeferredStep:
+        """Launch `batch` up to its logits (one rank only; `plan` as in run); `sample` finishes it."""
         assert self.tp is None, "a step sampled under a token mask runs on one rank"
-        plan = self.plan(batch)
+        plan = self.plan(batch) if plan is None else plan
         step = self.upload(plan)
         return DeferredStep(batch, plan, step, *self._forward(step))
 

@@ -6,10 +6,14 @@ device computes the next.
 
 A step that samples a request with structured outputs is launched up to its logits (the runner's
 `run_forward`): its token mask needs step k-1's tokens. Once they are back, the grammars of step
-k-1's requests take their tokens first, the mask of step k is filled from them and step k is
-sampled; only then do step k-1's tokens go through the output path (text, stop strings,
-callbacks), while the device samples step k. That keeps the output path off the critical path of
-a constrained step: what the device waits for is the read-back, the grammars and the mask.
+k-1's requests take their tokens, the scheduler records them, step k+1 is scheduled and planned,
+the mask of step k is filled and step k sampled, and step k+1 is launched at once behind it (the
+step launched ahead: the next `advance()` starts from it). Only then do step k-1's tokens go
+through the output path (text, stop strings, callbacks), while the device computes step k+1. So
+between a constrained step's forward and the next one the device waits for the upload and launch
+alone; the read-back, the grammars, the scheduling and the mask run while step k's forward does.
+A request that the output path ends has then been scheduled into step k+1 as well: its token
+there is dropped, as a finished request's always is.
 
 Every fault a request can be blamed for ends that request here (flexsgl/engine.py's docstring
 lists them); what escapes kills the engine through its Health. The requests that finish are
@@ -40,11 +44,14 @@ class StepLoop:
         self.health, self.device = health, device
         self.done: list[Request] = []  # finished, to be returned by the engine's next step()
         self.pending = None  # the launched step not yet read back
+        # A step launched ahead, right behind a constrained step's sampling, for the next advance():
+        # (batch, plan, StepOutput | DeferredStep | None, the reason its requests fail or None).
+        self.ahead = None
 
     @property
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished or self.pending is not None or bool(self.done)
-                or bool(self.grammars))
+        return (self.scheduler.has_unfinished or self.pending is not None or self.ahead is not None
+                or bool(self.done) or bool(self.grammars))
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         self.scheduler.finish(req, reason, error)
@@ -56,23 +63,15 @@ class StepLoop:
                 self.finish(r, FinishReason.ERROR, error)
 
     def advance(self) -> BaseException | None:
-        """Schedule and launch the next step, then read back and hand out the previous one. Returns
-        an interrupt raised by a callback, to be raised once the step is complete."""
-        self._admit_compiled()
-        batch = self.scheduler.schedule()
-        launched = failure = None
-        if batch is not None and batch.mode == "prefill":
-            now = time.monotonic()
-            for r in batch.requests:
-                if r.scheduled_at is None:
-                    r.scheduled_at = now
-        if batch is not None:
-            try:
-                launched = self.runner.run_forward(batch) if _constrained(batch) else self.runner.run(batch)
-            except EngineDeadError as e:  # a tensor-parallel rank died, or the ranks parted ways
-                raise self.health.kill(str(e)) from e
-            except Exception as e:  # building the batch, the forward pass, sampling
-                failure = self._step_failed(batch, e)
+        """Launch the next step (the one launched ahead, if any), then read back and hand out the
+        previous one. Returns an interrupt raised by a callback, to be raised once the step is complete."""
+        if self.ahead is not None:
+            batch, plan, launched, failure = self.ahead
+            self.ahead = None
+        else:
+            batch = self._schedule()
+            plan, failure = self._plan(batch)
+            launched, failure = self._launch(batch, plan, failure)
         deferred = launched if isinstance(launched, DeferredStep) else None
         pending, self.pending = self.pending, None if deferred is not None else launched
         interrupt = None
@@ -80,11 +79,16 @@ class StepLoop:
             tokens = self._tokens(pending)
             allowed = ({} if tokens is None or not _constrained(pending.batch)
                        else follow_grammars(self._events_of(pending, tokens)))
+            events = None if tokens is None else self._record(pending, tokens)
             if deferred is not None:
+                nxt = self._schedule()
+                nxt_plan, nxt_failure = self._plan(nxt)
                 failure = self._sample(deferred, batch) or failure
                 deferred = None
-            if tokens is not None:
-                interrupt = self._hand_out(pending, tokens, allowed)
+                if nxt is not None:
+                    self.ahead = (nxt, nxt_plan, *self._launch(nxt, nxt_plan, nxt_failure))
+            if events is not None:
+                interrupt = self._hand_out(events, allowed)
         elif batch is None and self.scheduler.has_unfinished:
             raise self.health.kill("the scheduler has unfinished requests but nothing it can run")
         if deferred is not None:
@@ -94,6 +98,40 @@ class StepLoop:
         if batch is None and pending is None:  # idle (but for grammars being compiled): wait a moment
             self.grammars.wait(COMPILE_WAIT_S)
         return interrupt
+
+    def _schedule(self):
+        """The next step's batch (None: nothing to run), once the compiled grammars' requests are queued."""
+        self._admit_compiled()
+        batch = self.scheduler.schedule()
+        if batch is not None and batch.mode == "prefill":
+            now = time.monotonic()
+            for r in batch.requests:
+                if r.scheduled_at is None:
+                    r.scheduled_at = now
+        return batch
+
+    def _plan(self, batch):
+        """(the host side of `batch`'s step, or None; the reason its requests fail, if planning failed)."""
+        if batch is None:
+            return None, None
+        try:
+            return self.runner.plan(batch), None
+        except Exception as e:
+            return None, self._step_failed(batch, e)
+
+    def _launch(self, batch, plan, failure: str | None):
+        """(the launched step: a StepOutput, or a DeferredStep where it samples a constrained request,
+        or None; the reason its requests fail, if they do)."""
+        if batch is None or failure is not None:
+            return None, failure
+        try:
+            if _constrained(batch):
+                return self.runner.run_forward(batch, plan), None
+            return self.runner.run(batch, plan), None
+        except EngineDeadError as e:  # a tensor-parallel rank died, or the ranks parted ways
+            raise self.health.kill(str(e)) from e
+        except Exception as e:  # uploading the batch, the forward pass, sampling
+            return None, self._step_failed(batch, e)
 
     def _sample(self, deferred: DeferredStep, batch) -> str | None:
         """Fill the token mask of a step launched up to its logits, and sample it; the reason its
@@ -144,17 +182,21 @@ class StepLoop:
         """(request, token) for each request of the step that a token will reach (not finished)."""
         return [(r, t) for r, t in zip(_sampled(pending.batch), tokens) if not r.finished]
 
-    def _hand_out(self, pending, tokens: list[int], allowed: dict[int, bool]) -> BaseException | None:
-        """Hand a step's tokens to the output path (flexsgl/output.py), its grammars already
-        advanced (`allowed`), and finish the requests it ends; returns an interrupt raised by a
-        callback."""
+    def _record(self, pending, tokens: list[int]) -> list:
+        """Record a step's tokens in their requests (the scheduler's part of handing them out, which
+        the next step's scheduling needs): its TokenEvents."""
         batch = pending.batch
         for i, first, lps in pending.prompt_logprobs():
             req = batch.requests[i]
             have = len(req.prompt_logprobs)
             if first <= have:  # recomputed after a preemption: only what is new
                 req.prompt_logprobs += lps[have - first:]
-        events = self.scheduler.process(batch, tokens, pending.logprobs)
+        return self.scheduler.process(batch, tokens, pending.logprobs)
+
+    def _hand_out(self, events: list, allowed: dict[int, bool]) -> BaseException | None:
+        """Hand a step's recorded tokens to the output path (flexsgl/output.py), its grammars already
+        advanced (`allowed`), and finish the requests it ends; returns an interrupt raised by a
+        callback."""
         endings, interrupt = self.outputs.process(events, allowed)
         for req, reason, error in endings:
             self.finish(req, reason, error)

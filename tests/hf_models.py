@@ -38,9 +38,9 @@ def capture_logits(llm, monkeypatch) -> dict[int, list[torch.Tensor]]:
     step_reqs = []
     real_sample, real_run = flexsgl.runner.sample, llm.runner.run
 
-    def run(batch):
+    def run(batch, plan=None):
         step_reqs.append([r.request_id for r, s in zip(batch.requests, batch.samples) if s])
-        return real_run(batch)
+        return real_run(batch, plan)
 
     def sample(logits, st, argmax=None):
         for row, rid in enumerate(step_reqs[-1]):

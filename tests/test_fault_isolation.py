@@ -65,23 +65,27 @@ class Injector:
     def __init__(self, llm, monkeypatch, where: str, phase: str, at: int, error: Exception):
         self.where, self.phase, self.at, self.error = where, phase, at, error
         self.count, self.armed, self.failed = 0, False, None
-        real_run = llm.runner.run
+        real_plan, real_run = llm.runner.plan, llm.runner.run
 
-        def run(batch):
+        def plan(batch):  # every step is planned once, first (the step loop hands the plan to run)
             if batch.mode == self.phase:
                 self.count += 1
                 if self.count == self.at:
                     self.armed, self.failed = True, [r.request_id for r in batch.requests]
-            out = real_run(batch)
+            if self.armed and where == "build":  # building a step starts with its plan
+                self.fire()
+            return real_plan(batch)
+
+        def run(batch, plan=None):
+            out = real_run(batch, plan)
             if self.armed and where == "readback":
                 real_tokens, self.armed = out.tokens, False
                 out.tokens = lambda: (real_tokens(), self.fire())[1]
             return out
 
+        monkeypatch.setattr(llm.runner, "plan", plan)
         monkeypatch.setattr(llm.runner, "run", run)
-        if where == "build":
-            monkeypatch.setattr(llm.runner, "plan", self.wrap(llm.runner.plan))  # building a step starts with its plan
-        elif where == "forward":
+        if where == "forward":
             monkeypatch.setattr(llm.runner, "_prefill", self.wrap(llm.runner._prefill))
             monkeypatch.setattr(llm.runner, "_decode", self.wrap(llm.runner._decode))
         elif where == "sample":
@@ -245,11 +249,11 @@ def test_ctrl_c_during_step_keeps_the_steps_outputs_for_the_next(llm, solo, monk
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
     real, steps = llm.runner.run, []
 
-    def run(batch):
+    def run(batch, plan=None):
         steps.append(batch.mode)
         if len(steps) % 3 == 0:
             os.kill(os.getpid(), signal.SIGINT)
-        return real(batch)
+        return real(batch, plan)
 
     monkeypatch.setattr(llm.runner, "run", run)
     outs, interrupts = [], 0
@@ -294,7 +298,7 @@ def test_device_fault_kills_the_engine_and_every_later_call_fails_fast(llm, monk
         llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4))
     reason = str(e.value)
     assert inject.failed and error.args[0].splitlines()[0].rstrip(".") in reason and "\n" not in reason
-    monkeypatch.setattr(llm.runner, "run", lambda batch: pytest.fail("a dead engine ran a step"))
+    monkeypatch.setattr(llm.runner, "run", lambda batch, plan=None: pytest.fail("a dead engine ran a step"))
     for call in (lambda: llm.generate([[1, 2]]), lambda: llm.add_request([1, 2]), llm.step, lambda: llm.abort(0)):
         with pytest.raises(EngineDeadError) as again:
             call()

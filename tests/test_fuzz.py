@@ -204,17 +204,22 @@ def install_fault_injection(llm: LLM) -> None:
         EngineFuzz.fault["at"] = -1
         raise RuntimeError("injected step fault")
 
-    real_run = llm.runner.run
+    real_plan, real_run = llm.runner.plan, llm.runner.run
 
-    def run(batch):
-        f, hit = EngineFuzz.fault, False
+    def plan(batch):  # every step is planned once, first (the step loop hands the plan to run)
+        f = EngineFuzz.fault
         if f is not None and f["at"] > 0:
             f["at"] -= 1
-            hit = f["at"] == 0
-            if hit:
+            if f["at"] == 0:
                 f["failed"] = [r.request_id for r in batch.requests]
-        out = real_run(batch)
-        if hit and f["where"] == "readback":  # this step's tokens, when the next step reads them back
+        if armed("build"):  # building a step starts with its plan
+            fire()
+        return real_plan(batch)
+
+    def run(batch, plan=None):
+        out = real_run(batch, plan)
+        if armed("readback"):  # this step's tokens, when the next step reads them back
+            EngineFuzz.fault["at"] = -1
             real_tokens = out.tokens
             out.tokens = lambda: (real_tokens(), fire())[1]
         return out
@@ -227,7 +232,7 @@ def install_fault_injection(llm: LLM) -> None:
         return wrapped
 
     llm.runner.run = run
-    llm.runner.plan = wrap("build", llm.runner.plan)  # building a step starts with its plan
+    llm.runner.plan = plan
     llm.runner._prefill = wrap("forward", llm.runner._prefill)
     llm.runner._decode = wrap("forward", llm.runner._decode)
     flexsgl.runner.sample = wrap("sample", flexsgl.runner.sample)

@@ -185,6 +185,46 @@ def test_every_kind_of_constraint_is_followed_beside_unconstrained_requests(llm)
         assert o.finish_reason in ("stop", "length"), (o.error, seed)
 
 
+def test_the_step_after_a_constrained_one_is_launched_before_the_output_path(llm, monkeypatch):
+    """Behind a constrained step's sampling the next step is launched at once, before the step
+    before it reaches the output path. A request the output path then ends (here by a stop string)
+    also holds a row of that step, whose token is dropped: the plain requests come out as they do
+    alone, the constrained ones follow their constraint, and no page is left held."""
+    from tests.test_engine import assert_no_page_leak
+
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    prompts = [[rng.randrange(1, 4096) for _ in range(rng.randrange(3, 12))] for _ in range(4)]
+    free = [SamplingParams(max_tokens=24, temperature=1.0, seed=rng.randrange(2**31)) for _ in prompts]
+    texts = [o.text for o in llm.generate(prompts, free)]
+    # A stop string from the middle of each free output, so the output path ends it there.
+    stops = [t[len(t) // 3:len(t) // 3 + 2] or "x" for t in texts]
+    plain = [SamplingParams(max_tokens=24, temperature=1.0, seed=sp.seed, stop=[s]) for sp, s in zip(free, stops)]
+    alone = llm.generate(prompts, plain)
+    ahead_at_output = []
+    real = llm.outputs.process
+
+    def process(events, allowed):
+        ahead_at_output.append(llm.loop.ahead is not None)
+        return real(events, allowed)
+
+    monkeypatch.setattr(llm.outputs, "process", process)
+    choices = rng.sample(WORDS, 3)
+    constrained = SamplingParams(max_tokens=30, temperature=0.9, seed=rng.randrange(2**31), n=3,
+                                 structured_outputs={"choice": choices})
+    outs = llm.generate(prompts + ["Return the value of"], plain + [constrained])
+    note = f"seed={seed}, stops={stops}"
+    assert any(ahead_at_output), note
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outs[:4]] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in alone], note
+    assert any(o.finish_reason == "stop" for o in alone), note
+    for o in outs[4:]:
+        assert o.finish_reason == "stop" and o.text in choices, (o.text, note)
+    assert not llm.has_unfinished, note
+    assert_no_page_leak(llm)
+
+
 def test_without_a_stop_token_the_grammar_ends_the_output(llm):
     out = llm.generate("Return", SamplingParams(max_tokens=50, temperature=1.0, ignore_eos=True,
                                                 structured_outputs={"choice": ["yes", "no"]}))[0]

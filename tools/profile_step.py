@@ -5,14 +5,14 @@ engine `flexsgl bench` builds) on one backend: a warm-up pass, then a pass with 
 engine's phases and CUDA events around each launched step:
 
     schedule  the scheduler picks the batch                                        (host)
-    build     the runner packs and uploads its inputs                              (host, inside launch)
-    launch    runner.run: build + graph replay or compiled call + sampling launch  (host)
+    plan      the runner lays out the step's inputs on the host (before its launch)  (host)
+    launch    runner.run: upload + graph replay or compiled call + sampling launch  (host)
     wait      reading the previous step's tokens: the host blocked on the device
     process   handing tokens to requests                                           (host)
     gpu       device time from the step's first to its last queued op              (CUDA events)
 
 It prints ms per step by mode and batch band. With `wait` near zero the host sets the pace (host =
-schedule + launch + process); with a large `wait` the device does. Steps whose launch took longer
+schedule + plan + launch + process); with a large `wait` the device does. Steps whose launch took longer
 than --slow seconds (compiles happen there) are listed with their shape; TORCH_LOGS=recompiles says
 why they compiled. With --profile-steps N, a third pass runs under torch.profiler from its K-th step
 of MODE (--profile-at MODE:K) for N steps of MODE, and its kernels are printed by device time and
@@ -41,7 +41,7 @@ from flexsgl.kernels.launch import pdl
 from flexsgl.runner import StepOutput
 
 SIZE_BANDS = (1, 32, 64, 128, 192, 257, 10**9)
-PHASES = ("schedule", "build", "launch", "wait", "process", "wall")
+PHASES = ("schedule", "plan", "launch", "wait", "process", "wall")
 
 
 def band(n: int) -> str:
@@ -56,18 +56,18 @@ class Timers:
         self.steps: list[dict] = []
         self.events: list[tuple] = []
         self._time(llm.scheduler, "schedule")
-        self._time(llm.runner, "build")
+        self._time(llm.runner, "plan")
         self._time(llm.scheduler, "process")
         self._time(StepOutput, "tokens", key="wait")
         run, cuda = llm.runner.run, llm.device.type == "cuda"
 
-        def timed_run(batch):
+        def timed_run(batch, plan=None):
             start = end = None
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             t = time.perf_counter()
-            out = run(batch)
+            out = run(batch, plan)
             self.cur["launch"] += time.perf_counter() - t
             if cuda:
                 end.record()
@@ -153,7 +153,7 @@ def summarize(steps, gpu) -> None:
         g = [x for _, x in items if x is not None]
         gms = 1e3 * statistics.mean(g) if g else float("nan")
         print(f"{mode:<8} {b:>8} {len(items):>6} " + " ".join(f"{mean[k]:>8.3f}" for k in PHASES)
-              + f" {mean['schedule'] + mean['launch'] + mean['process']:>8.3f} {gms:>8.3f}"
+              + f" {mean['schedule'] + mean['plan'] + mean['launch'] + mean['process']:>8.3f} {gms:>8.3f}"
               + f" {sum(s['wall'] for s, _ in items):>8.2f}")
 
 
