@@ -1,6 +1,9 @@
 """Microseconds per all-reduce across the GPUs of this host: NCCL against flexsgl's all-reduces over
 symmetric memory (flexsgl/distributed/allreduce.py: one-shot, two-shot, and the one it picks for
-the size), bfloat16 messages from 8 KB to 4 MB.
+the size), and, where FlashInfer is installed, its TensorRT-LLM all-reduce (`flashinfer.comm`,
+one-shot and two-shot, over IPC memory without multicast) alone and fused with the residual add
+and RMSNorm that follow it in a layer ("trt1+norm", one-shot); bfloat16 messages from 8 KB to
+4 MB, as rows of HIDDEN values (a Qwen3-8B hidden state per row).
 
 Each figure is one all-reduce's share of a CUDA graph of 50 in a row on the same buffer, replayed
 20 times (the way decode steps run them: captured, so launch costs are the graph's), the median of
@@ -9,7 +12,8 @@ Each figure is one all-reduce's share of a CUDA graph of 50 in a row on the same
     python tools/allreduce_bench.py            # every GPU of the host (at most 8)
     python tools/allreduce_bench.py --tp 2
 
-NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set).
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set;
+FlashInfer's workspace is made without multicast).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 SIZES_KB = (8, 16, 32, 64, 256, 1024, 4096)
 CALLS, REPLAYS, TIMINGS = 50, 20, 5
+HIDDEN = 4096
 
 
 def time_graph(fn, device) -> float:
@@ -62,6 +67,7 @@ def rank_main(rank: int, size: int, port: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
     init_group(rank, size, device, store)
     symm = allreduce._symm
+    fi = FlashInferAllReduce.make(rank, size, device, dist.group.WORLD)
     rows = []
     for kb in SIZES_KB:
         x = torch.randn(kb * 512, device=device, dtype=torch.bfloat16, generator=torch.Generator(device).manual_seed(rank))
@@ -79,18 +85,79 @@ def rank_main(rank: int, size: int, port: int) -> None:
                 row[kind] = time_graph(lambda: symm(x, kind), device)
             row["flexsgl"] = time_graph(lambda: allreduce.all_reduce(x), device)
             row["picks"] = symm.kind(x)
+        if fi is not None:
+            row.update(fi.time_all(x, want))
         rows.append(row)
     if rank == 0:
         print(f"all-reduce of bfloat16 across {size} GPUs ({torch.cuda.get_device_name(device)}), us per call "
               f"in CUDA graphs of {CALLS}; symmetric memory: {'yes' if symm is not None else 'no (see the log)'}")
         cols = ["KB", "nccl", "one-shot", "two-shot", "flexsgl", "picks"]
+        if fi is not None:
+            cols += list(FlashInferAllReduce.COLUMNS)
         print("  ".join(f"{c:>9}" for c in cols))
         for r in rows:
             cells = [r.get(c) for c in cols]
             print("  ".join(f"{c:>9.1f}" if isinstance(c, float) else f"{'-' if c is None else c!s:>9}"
                             for c in cells))
+    if rank == 0 and fi is not None and fi.errors:
+        print("FlashInfer's all-reduce refused: " + "; ".join(sorted(fi.errors)))
     torch.cuda.synchronize(device)
+    if fi is not None:
+        fi.workspace.destroy()
     destroy_group()
+
+
+class FlashInferAllReduce:
+    """FlashInfer's TensorRT-LLM all-reduce on one workspace sized for the largest message; each
+    size timed one-shot and two-shot, alone and fused with a residual add and RMSNorm, and checked
+    against NCCL's sum (a column is None where FlashInfer refuses the case; why goes to `errors`)."""
+
+    COLUMNS = ("trt-1shot", "trt-2shot", "trt1+norm")
+
+    def __init__(self, comm, workspace):
+        self.comm, self.workspace, self.errors = comm, workspace, set()
+
+    @classmethod
+    def make(cls, rank: int, size: int, device, group):
+        try:
+            import flashinfer.comm as comm
+        except ImportError:
+            return None
+        try:
+            workspace = comm.create_allreduce_fusion_workspace(
+                backend="trtllm", world_size=size, rank=rank, max_token_num=max(SIZES_KB) * 512 // HIDDEN,
+                hidden_dim=HIDDEN, dtype=torch.bfloat16, group=group)
+        except Exception as e:
+            print(f"rank {rank}: FlashInfer's all-reduce workspace failed: {type(e).__name__}: {e}")
+            return None
+        return cls(comm, workspace)
+
+    def time_all(self, x: torch.Tensor, want: torch.Tensor) -> dict:
+        x2 = x.view(-1, HIDDEN)
+        out = torch.empty_like(x2)
+        residual = torch.randn_like(x2)
+        gamma = torch.rand(HIDDEN, device=x.device, dtype=x.dtype) + 0.5
+        residual_out, norm_out = torch.empty_like(x2), torch.empty_like(x2)
+        kinds = {"trt-1shot": (True, False), "trt-2shot": (False, False), "trt1+norm": (True, True)}
+        row = {}
+        for col, (oneshot, norm) in kinds.items():
+            pattern = self.comm.AllReduceFusionPattern.kARResidualRMSNorm if norm else \
+                self.comm.AllReduceFusionPattern.kAllReduce
+            extra = (dict(residual_in=residual, rms_gamma=gamma, residual_out=residual_out, norm_out=norm_out)
+                     if norm else dict(output=out))
+
+            def call():
+                self.comm.allreduce_fusion(input=x2, workspace=self.workspace, pattern=pattern,
+                                           use_oneshot=oneshot, **extra)
+            try:
+                call()
+                got = (residual_out - residual) if norm else out
+                torch.testing.assert_close(got.float().view(-1), want.float(), rtol=0.02, atol=0.06)
+                row[col] = time_graph(call, x.device)
+            except Exception as e:  # a size or strategy FlashInfer does not take, or a wrong sum
+                self.errors.add(f"{col} at {x.numel() * 2 // 1024} KB: {type(e).__name__}: {str(e)[:120]}")
+                row[col] = None
+        return row
 
 
 def main() -> None:

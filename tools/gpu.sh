@@ -52,8 +52,9 @@
 #   tp-exit        (2 GPUs) the TP exit tests: with NCCL, compiled steps and CUDA graphs, every exit path (normal
 #                  end, shutdown(), a killed rank, Ctrl-C, SIGTERM to rank 0, `flexsgl generate --tp 2`, the
 #                  server's stop) ends every process within 60 s (~250-400 s)
-#   tp-allreduce   tools/allreduce_bench.py: us per all-reduce, NCCL against one-shot/two-shot over symmetric memory,
-#                  8 KB to 4 MB, on every GPU of the host (~40 s)
+#   tp-allreduce   tools/allreduce_bench.py: us per all-reduce, NCCL against one-shot/two-shot over symmetric memory
+#                  and (FlashInfer staged) FlashInfer's TensorRT-LLM all-reduce, alone and fused with residual +
+#                  RMSNorm, 8 KB to 4 MB, on every GPU of the host (~40 s)
 #   tp-memory      tools/tp_memory.py: llama3-70b dummy at TP=2 (and 4 where there are 4 GPUs), each rank's part
 #                  against the allocator's peak while loading, then the engine at the largest TP and each GPU's
 #                  memory in use (~200-300 s)
