@@ -8,11 +8,18 @@ engine's phases and CUDA events around each launched step:
     plan      the runner lays out the step's inputs on the host (before its launch)  (host)
     launch    runner.run: upload + graph replay or compiled call + sampling launch  (host)
     wait      reading the previous step's tokens: the host blocked on the device
-    process   handing tokens to requests                                           (host)
+    process   recording tokens in their requests (the scheduler's part)            (host)
+    output    the output path: text, stop strings, callbacks                       (host)
+    grammar   the grammars taking the tokens of constrained requests               (host)
+    mask      filling a constrained step's token mask                              (host)
     gpu       device time from the step's first to its last queued op              (CUDA events)
 
+With --structured json-schema every request is constrained to the serve workload's JSON schema
+(flexsgl/bench/serving.py): its steps launch up to their logits, and `launch` then includes the
+sampling launched once the mask is filled (the step loop's order: flexsgl/step_loop.py).
+
 It prints ms per step by mode and batch band. With `wait` near zero the host sets the pace (host =
-schedule + plan + launch + process); with a large `wait` the device does. Steps whose launch took longer
+schedule + plan + launch + process + output + grammar + mask); with a large `wait` the device does. Steps whose launch took longer
 than --slow seconds (compiles happen there) are listed with their shape; TORCH_LOGS=recompiles says
 why they compiled. With --profile-steps N, a third pass runs under torch.profiler from its K-th step
 of MODE (--profile-at MODE:K) for N steps of MODE, and its kernels are printed by device time and
@@ -22,6 +29,7 @@ kernel's share of the critical path (with PDL, kernels overlap and their duratio
     python tools/profile_step.py --model qwen3-0.6b --profile-steps 10     # throughput; decode near batch 228
     python tools/profile_step.py --model qwen3-0.6b --profile-steps 1 --profile-at prefill:3
     python tools/profile_step.py --model qwen3-8b --workload latency --profile-steps 20 --profile-at decode:8
+    python tools/profile_step.py --model qwen3-0.6b --structured json-schema --override flex   # constrained steps
 """
 
 from __future__ import annotations
@@ -37,11 +45,14 @@ import torch
 from flexsgl.config import EngineConfig
 from flexsgl.bench import (BenchArgs, build_llm, copy_bandwidth, decode_floor, freeze_heap, plan, random_prompts,
                            sync, throughput_requests)
+from flexsgl.bench.serving import JSON_SCHEMA
 from flexsgl.kernels.launch import pdl
+from flexsgl import step_loop
 from flexsgl.runner import StepOutput
 
 SIZE_BANDS = (1, 32, 64, 128, 192, 257, 10**9)
-PHASES = ("schedule", "plan", "launch", "wait", "process", "wall")
+PHASES = ("schedule", "plan", "launch", "wait", "process", "output", "grammar", "mask", "wall")
+HOST = ("schedule", "plan", "launch", "process", "output", "grammar", "mask")
 
 
 def band(n: int) -> str:
@@ -58,24 +69,47 @@ class Timers:
         self._time(llm.scheduler, "schedule")
         self._time(llm.runner, "plan")
         self._time(llm.scheduler, "process")
+        self._time(llm.outputs, "process", key="output")
+        self._time(step_loop, "follow_grammars", key="grammar")
+        self._time(llm.grammars, "fill_mask", key="mask")
         self._time(StepOutput, "tokens", key="wait")
-        run, cuda = llm.runner.run, llm.device.type == "cuda"
+        runner, cuda = llm.runner, llm.device.type == "cuda"
+        run, run_forward, sample = runner.run, runner.run_forward, runner.sample
+        deferred = {}  # a step launched up to its logits: its start event, until it is sampled
+
+        def event():
+            if not cuda:
+                return None
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+
+        def launched(batch, t: float) -> None:
+            self.cur["launch"] += time.perf_counter() - t
+            self.cur.update(mode=batch.mode, n=len(batch.requests), tokens=sum(batch.num_new))
 
         def timed_run(batch, plan=None):
-            start = end = None
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t = time.perf_counter()
+            start, t = event(), time.perf_counter()
             out = run(batch, plan)
-            self.cur["launch"] += time.perf_counter() - t
-            if cuda:
-                end.record()
-            self.cur.update(mode=batch.mode, n=len(batch.requests), tokens=sum(batch.num_new))
-            self.events.append((start, end))
+            launched(batch, t)
+            self.events.append((start, event()))
             return out
 
-        llm.runner.run = timed_run
+        def timed_run_forward(batch, plan=None):
+            start, t = event(), time.perf_counter()
+            out = run_forward(batch, plan)
+            launched(batch, t)
+            deferred[id(out)] = start
+            return out
+
+        def timed_sample(step, mask):
+            t = time.perf_counter()
+            out = sample(step, mask)
+            self.cur["launch"] += time.perf_counter() - t
+            self.events.append((deferred.pop(id(step)), event()))
+            return out
+
+        runner.run, runner.run_forward, runner.sample = timed_run, timed_run_forward, timed_sample
 
     def _time(self, owner, name: str, key: str | None = None) -> None:
         f = getattr(owner, name)
@@ -104,13 +138,16 @@ class Timers:
         return [s.elapsed_time(e) / 1e3 if s is not None else None for s, e in self.events]
 
 
-def run_pass(llm, timers, prompts, out_lens, label: str, slow: float, profile_steps=0, profile_at=("decode", 1)):
-    """Run the requests to completion, timing every step. With profile_steps, profile from just before
-    the profile_at[1]-th step of that mode until profile_steps steps of it ran; returns the profile."""
+def run_pass(llm, timers, prompts, out_lens, label: str, slow: float, profile_steps=0, profile_at=("decode", 1),
+             structured=None):
+    """Run the requests to completion (each constrained by `structured`, structured_outputs' fields,
+    where given), timing every step. With profile_steps, profile from just before the
+    profile_at[1]-th step of that mode until profile_steps steps of it ran; returns the profile."""
     from flexsgl import SamplingParams
 
     for prompt, n in zip(prompts, out_lens):
-        llm.add_request(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+        llm.add_request(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True,
+                                               structured_outputs=structured))
     timers.reset()
     prof, done, mode, k = None, None, *profile_at
     seen: dict = defaultdict(int)
@@ -153,7 +190,7 @@ def summarize(steps, gpu) -> None:
         g = [x for _, x in items if x is not None]
         gms = 1e3 * statistics.mean(g) if g else float("nan")
         print(f"{mode:<8} {b:>8} {len(items):>6} " + " ".join(f"{mean[k]:>8.3f}" for k in PHASES)
-              + f" {mean['schedule'] + mean['plan'] + mean['launch'] + mean['process']:>8.3f} {gms:>8.3f}"
+              + f" {sum(mean[k] for k in HOST):>8.3f} {gms:>8.3f}"
               + f" {sum(s['wall'] for s, _ in items):>8.2f}")
 
 
@@ -211,7 +248,9 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0)
     ap.add_argument("--profile-at", default="decode:200", help="MODE:K, the step of MODE the profile starts at")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--structured", choices=["json-schema"], help="constrain every output (module docstring)")
     a = ap.parse_args()
+    structured = {"json": JSON_SCHEMA} if a.structured else None
     mode, _, k = a.profile_at.partition(":")
     if mode not in ("decode", "prefill") or not k.isdigit() or int(k) < 1:
         ap.error(f"--profile-at takes decode:K or prefill:K with K >= 1, got {a.profile_at!r}")
@@ -238,8 +277,8 @@ def main() -> None:
         out_lens = [n_out] * b
         warm, prompts, third = (random_prompts(rng, [n_in] * b, vocab) for _ in range(3))
     timers = Timers(llm)
-    run_pass(llm, timers, warm, out_lens, "warm-up pass", a.slow)
-    wall, _ = run_pass(llm, timers, prompts, out_lens, "timed pass", a.slow)
+    run_pass(llm, timers, warm, out_lens, "warm-up pass", a.slow, structured=structured)
+    wall, _ = run_pass(llm, timers, prompts, out_lens, "timed pass", a.slow, structured=structured)
     gpu = timers.gpu_times()
     busy = sum(g for g in gpu if g is not None)
     print(f"{sum(out_lens) / wall:,.0f} output tok/s" + (f", device busy {busy:.2f} s ({100 * busy / wall:.0f}% of wall)"
@@ -249,7 +288,8 @@ def main() -> None:
         print(f"decode floor {1e3 * floor:.3f} ms per step (weights and KV read over the copy bandwidth)")
     summarize(timers.steps, gpu)
     if a.profile_steps:
-        _, done = run_pass(llm, timers, third, out_lens, "profiled pass", a.slow, a.profile_steps, (mode, int(k)))
+        _, done = run_pass(llm, timers, third, out_lens, "profiled pass", a.slow, a.profile_steps, (mode, int(k)),
+                           structured)
         if done is None:
             print(f"the pass ended before step {k} of {mode}: nothing profiled")
         else:
