@@ -21,7 +21,7 @@
 #                  (TORCHINDUCTOR_CACHE_DIR fresh), once more on the cache that run left; ready and first-token
 #                  times and the whole process's wall time
 #   first-token    the README's command, `python -m flexsgl generate "Return the"` on the embedded model, with
-#                  --override auto and flex, each on empty caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and
+#                  --override auto and flex, and flex with --no-compile, each on empty caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and
 #                  FLASHINFER_WORKSPACE_BASE in a fresh folder) and again on what that run left: time to first
 #                  token, ready time and the whole process's wall time in a table; logs in $OUT/first-token-*.log.
 #                  A run of each on throw-away caches writes Python's bytecode first (see PYTHONPYCACHEPREFIX)
@@ -183,13 +183,14 @@ for s in "${steps[@]}"; do
                  done
                  printf "%-8s %-5s %14s %8s %10s  %s\n" override cache "first token s" "ready s" "process s" \
                    "attention (exit code)" >"$table"
-                 for ov in auto flex; do
+                 for ov in auto flex flex-eager; do  # flex-eager: flex with --no-compile (eager FlexAttention)
                    caches=$(mktemp -d)
+                   args=(--override "${ov%-eager}"); [ "$ov" = flex-eager ] && args+=(--no-compile)
                    for run in cold warm; do
                      log="$OUT/first-token-$ov-$run.log"; t=$(date +%s.%N)
                      TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton \
                        FLASHINFER_WORKSPACE_BASE=$caches timeout 100 python -m flexsgl generate "Return the" \
-                       --override "$ov" >"$log" 2>&1
+                       "${args[@]}" >"$log" 2>&1
                      rc=$?; wall=$(python -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$t" "$(date +%s.%N)")
                      first=$(sed -n 's/.*first token \([0-9.]*\)s after start.*/\1/p' "$log")
                      ready=$(sed -n 's/.*ready in \([0-9.]*\)s .*/\1/p' "$log")
