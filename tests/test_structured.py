@@ -225,6 +225,30 @@ def test_the_step_after_a_constrained_one_is_launched_before_the_output_path(llm
     assert_no_page_leak(llm)
 
 
+@pytest.mark.gpu
+def test_constrained_steps_on_cuda_graphs_match_the_cpu():
+    """Constrained and plain requests (stop strings among them) on the GPU, compiled and replayed
+    from CUDA graphs with each constrained step's successor launched ahead, give the CPU's tokens
+    (float32 both)."""
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    schema = random_schema(rng)
+    prompts = [[rng.randrange(1, 4096) for _ in range(rng.randrange(3, 40))] for _ in range(6)] + ["Return the"] * 3
+    specs = [{"json": schema}, {"regex": r"[a-d]{2,5}-\d{1,3}"}, {"choice": rng.sample(WORDS, 3)}]
+    params = ([SamplingParams(max_tokens=20, temperature=0.8, seed=rng.randrange(2**31), stop=["e", "a "])
+               for _ in range(6)]
+              + [SamplingParams(max_tokens=40, temperature=0.7, seed=rng.randrange(2**31), n=2, structured_outputs=s)
+                 for s in specs])
+    outs = {}
+    for device in ("cpu", "cuda"):
+        engine = LLM(device=device, dtype="float32", page_size=16, max_total_tokens=8192, max_running_requests=16)
+        outs[device] = engine.generate(prompts, params)
+        del engine
+    assert [o.token_ids for o in outs["cuda"]] == [o.token_ids for o in outs["cpu"]], f"seed={seed}"
+    assert [o.finish_reason for o in outs["cuda"]] == [o.finish_reason for o in outs["cpu"]], f"seed={seed}"
+
+
 def test_without_a_stop_token_the_grammar_ends_the_output(llm):
     out = llm.generate("Return", SamplingParams(max_tokens=50, temperature=1.0, ignore_eos=True,
                                                 structured_outputs={"choice": ["yes", "no"]}))[0]
