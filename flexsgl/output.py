@@ -34,6 +34,11 @@ from flexsgl.errors import describe
 from flexsgl.log import logger
 from flexsgl.request import FinishReason, Request, RequestOutput, TokenEvent
 
+# Why a request with structured outputs ends where its grammar allows no token (Matcher.allows_nothing).
+NO_TOKEN = ("The request's structured-output grammar allows no token here: every token it could continue with "
+            "is one of the request's stop tokens (stop_token_ids, and EOS unless ignore_eos), which it takes "
+            "only once the output is complete.")
+
 
 class Ending(NamedTuple):
     """A request that the output path ends, why, and for reason "error" the error."""
@@ -123,8 +128,9 @@ class OutputProcessor:
             r.finish_reason, r.stop_reason = _stop_token(r, ev.token)
             if r.grammar is not None:
                 if not allowed[r.request_id]:
-                    endings.append(Ending(r, FinishReason.ERROR, f"The sampled token {ev.token} breaks the "
-                                                                 "request's structured-output grammar."))
+                    endings.append(Ending(r, FinishReason.ERROR, NO_TOKEN if r.grammar.allows_nothing() else
+                                          f"The sampled token {ev.token} breaks the request's structured-output "
+                                          "grammar."))
                     continue
                 if r.grammar.ended and r.finish_reason is None:  # complete, with no stop token to end it
                     r.finish_reason = FinishReason.STOP

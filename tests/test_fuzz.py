@@ -1,5 +1,6 @@
-"""Fuzz one engine with a small KV cache: random prompts, sampling parameters and callbacks (some
-raising, some interrupting), bad input, aborts and injected step faults, in random order.
+"""Fuzz one engine with a small KV cache: random prompts, sampling parameters (structured outputs
+among them) and callbacks (some raising, some interrupting), bad input, aborts and injected step
+faults, in random order.
 
 After every call the engine must be at rest with no page leaked and must still produce, for a
 fixed pair of requests, the tokens they get alone on a fresh engine. Every output must be what
@@ -11,6 +12,7 @@ FLEXSGL_FUZZ_SEED to rerun one (shrinking is off: it would replay on the engine 
 import dataclasses
 import os
 import random
+import re
 
 import hypothesis
 import hypothesis.strategies as st
@@ -23,6 +25,8 @@ from flexsgl.errors import InputError
 from tests.test_engine import assert_no_page_leak
 
 VOCAB = 512  # the tiny preset's (byte tokenizer)
+CHOICES = ("ab", "cd", "abc")
+CONSTRAINTS = ({"choice": list(CHOICES)}, {"regex": "[a-c]{1,4}"})
 FIXED = ([[3, 14, 15, 92, 65, 35], [2, 71, 82]],
          [SamplingParams(max_new_tokens=3, temperature=0), SamplingParams(max_new_tokens=3, temperature=0.9, seed=7)])
 
@@ -39,7 +43,7 @@ sampling_params = st.builds(
     seed=st.integers(0, 2**63 - 1),  # always given, so that a hypothesis seed replays a run exactly
     stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=3) | st.lists(st.integers(0, VOCAB - 1), min_size=40,
                                                                               max_size=120),
-    ignore_eos=st.booleans())
+    ignore_eos=st.booleans(), structured_outputs=st.sampled_from([None, None, *CONSTRAINTS]))
 prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=44) | st.text(min_size=1, max_size=12)
 # None, or (what the callback does, at which output token): "raise" an error, or "interrupt" (KeyboardInterrupt).
 callbacks = st.none() | st.tuples(st.sampled_from(["raise", "interrupt"]), st.integers(1, 6))
@@ -90,10 +94,13 @@ class EngineFuzz(RuleBasedStateMachine):
             assert n <= sp.max_new_tokens and all(0 <= t < VOCAB for t in out.token_ids), note
             assert not stops & set(out.token_ids[:-1]), note  # nothing after a stop token
             failed = EngineFuzz.fault is not None and out.request_id in EngineFuzz.fault["failed"]
+            if sp.structured_outputs is not None and out.finish_reason != "refused":
+                check_constrained(out, sp, stops, note)
             if out.finish_reason == "length":
                 assert n == sp.max_new_tokens and not out.error, note
-            elif out.finish_reason == "stop":
-                assert out.token_ids[-1] in stops and not out.error, note
+            elif out.finish_reason == "stop":  # a stop token, or (constrained) a grammar complete without one
+                assert out.token_ids[-1] in stops or sp.structured_outputs is not None, note
+                assert not out.error, note
             elif out.finish_reason == "refused":
                 assert n == 0 and "refused" in out.error, note
             elif out.finish_reason == "abort":
@@ -103,9 +110,12 @@ class EngineFuzz(RuleBasedStateMachine):
                 assert out.error.endswith(".") and "\n" not in out.error, note
                 if "CallbackFault" in out.error:
                     assert cb is not None and cb[0] == "raise" and n == cb[1], note
+                elif "allows no token" in out.error:  # its stop tokens took every token its grammar needed
+                    assert sp.structured_outputs is not None, note
                 else:
                     assert failed and "injected" in out.error, note
-            if (cb is not None and cb[0] == "raise" and n >= cb[1]) != ("CallbackFault" in (out.error or "")):
+            handed = n - ("allows no token" in (out.error or ""))  # a token its grammar refuses reaches no callback
+            if (cb is not None and cb[0] == "raise" and handed >= cb[1]) != ("CallbackFault" in (out.error or "")):
                 raise AssertionError(f"the callback raised at token {cb[1]}, the output disagrees: {note}")
 
     @rule(reqs=requests)
@@ -155,7 +165,9 @@ class EngineFuzz(RuleBasedStateMachine):
     def step_fault(self, where, at, reqs):
         """A step fails at `where`, `at` steps from now; then the same requests run again (the failed
         step's pages must not have reached the prefix cache)."""
-        reqs = [(p, sp, None) for p, sp, _ in reqs]
+        # Unconstrained: the injection counts steps at their plans, and the step after a constrained
+        # one is planned before the constrained one samples.
+        reqs = [(p, dataclasses.replace(sp, structured_outputs=None), None) for p, sp, _ in reqs]
         EngineFuzz.fault = {"where": where, "at": at, "failed": []}  # read by install_fault_injection's wrappers
         try:
             self.generate(reqs)
@@ -192,6 +204,20 @@ class EngineFuzz(RuleBasedStateMachine):
         assert_no_page_leak(self.llm)
         got = [o.token_ids for o in self.llm.generate(*FIXED)]
         assert got == self.reference, f"fixed requests: {got} != {self.reference} (alone on a fresh engine)"
+
+
+def check_constrained(out, sp, stops: set[int], note: str) -> None:
+    """A constrained output's text follows its constraint: whole where the grammar ended it ("stop"),
+    a prefix of what it allows otherwise."""
+    ends_on_its_last = out.token_ids and (out.token_ids[-1] in stops or "allows no token" in (out.error or ""))
+    ids = out.token_ids[:-1] if ends_on_its_last else out.token_ids
+    assert all(t < 256 for t in ids), note  # the byte tokenizer's grammar vocabulary
+    text = bytes(ids).decode("latin-1")
+    whole = out.finish_reason == "stop"
+    if sp.structured_outputs.choice is not None:
+        assert text in CHOICES if whole else any(c.startswith(text) for c in CHOICES), note
+    else:
+        assert re.fullmatch("[a-c]{1,4}" if whole else "[a-c]{0,4}", text), note
 
 
 def install_fault_injection(llm: LLM) -> None:

@@ -5,6 +5,7 @@ the outputs, and a float64 log-softmax of HF's logits over the prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -247,6 +248,20 @@ def test_constrained_steps_on_cuda_graphs_match_the_cpu():
         del engine
     assert [o.token_ids for o in outs["cuda"]] == [o.token_ids for o in outs["cpu"]], f"seed={seed}"
     assert [o.finish_reason for o in outs["cuda"]] == [o.finish_reason for o in outs["cpu"]], f"seed={seed}"
+
+
+def test_a_grammar_whose_every_next_token_is_a_stop_token_ends_its_request_saying_so():
+    """Stop tokens end a constrained output only once its grammar is complete; where every token
+    the grammar could continue with is a stop token (here the first letters of every choice, on
+    the byte tokenizer), no token is allowed, and the request ends with that reason."""
+    byte_llm = LLM("tiny", device="cpu", page_size=16, max_total_tokens=1024)
+    choices = ["ab", "cd"]
+    sp = SamplingParams(max_tokens=4, temperature=1.0, seed=random.randrange(2**31), ignore_eos=True,
+                        structured_outputs={"choice": choices})
+    fine, stuck = byte_llm.generate(["x", "x"], [sp, dataclasses.replace(sp, stop_token_ids=[ord("a"), ord("c")])])
+    assert fine.finish_reason == "stop" and fine.text in choices, fine
+    assert stuck.finish_reason == "error" and "allows no token" in stuck.error, stuck
+    assert stuck.error.endswith(".") and "\n" not in stuck.error
 
 
 def test_without_a_stop_token_the_grammar_ends_the_output(llm):

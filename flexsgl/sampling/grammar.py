@@ -209,7 +209,8 @@ class Matcher:
 
     def __init__(self, compiled, stop_ids: tuple[int, ...]):
         xgr = _xgr()
-        self.stops = frozenset(t for t in stop_ids if t < compiled.tokenizer_info.vocab_size)
+        self.vocab = compiled.tokenizer_info.vocab_size
+        self.stops = frozenset(t for t in stop_ids if t < self.vocab)
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(self.stops) or None,
                                           terminate_without_stop_token=not self.stops)
         self.ended = False
@@ -217,6 +218,14 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it."""
         return accept_tokens([self], [token])[0]
+
+    def allows_nothing(self) -> bool:
+        """Whether the grammar allows no token at all in its state: every token it could continue
+        with is one of the request's stop tokens, which it takes only once complete (so the mask
+        closed every token, and whatever was sampled breaks it)."""
+        mask = _xgr().allocate_token_bitmask(1, self.vocab)
+        self.matcher.fill_next_token_bitmask(mask)
+        return not bool(mask.any())
 
 
 def accept_tokens(matchers: list[Matcher], tokens: list[int]) -> list[bool]:
