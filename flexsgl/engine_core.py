@@ -19,6 +19,7 @@ from flexsgl.cache.pool import build_kv_pool
 from flexsgl.cache.sizing import kv_pool_size
 from flexsgl.config import EngineConfig, ResolvedConfig
 from flexsgl.cpu_threads import size_cpu_threads
+from flexsgl.distributed import allreduce
 from flexsgl.distributed.worker import agree
 from flexsgl.log import logger
 from flexsgl.model.loader import build_model
@@ -73,6 +74,8 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
     if device.type == "cuda":  # blocks freed while loading go back to the driver: sizing reads what is free
         torch.cuda.empty_cache()
     try:
+        if group is not None:  # before sizing the pool: FlashInfer's all-reduce workspace, if asked for, takes memory
+            allreduce.prepare(group, mcfg.hidden_size, rc.dtype)
         kv = kv_pool_size(rc, mcfg, functools.partial(rc.attention.prefill_scratch_bytes, mcfg))
         num_pages = kv.pages
     except Exception as e:

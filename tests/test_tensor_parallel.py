@@ -424,7 +424,24 @@ def test_gpu_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits, tp):
     _assert_tp_agrees(model, opts, tp, sampled_logits, vocab=150000, compiled=True)
 
 
-def _assert_tp_agrees(model, opts, tp, sampled_logits, vocab, compiled):
+@pytest.mark.gpu
+@needs_gpus[2]
+def test_gpu_flashinfer_all_reduce_matches_one_rank(tmp_path, sampled_logits, monkeypatch):
+    """FLEXSGL_ALLREDUCE=trtllm: FlashInfer's TensorRT-LLM all-reduce inside compiled steps and
+    captured decode graphs (prefill's larger messages through NCCL) agrees with TP=1 as above."""
+    pytest.importorskip("flashinfer.comm")
+    monkeypatch.setenv("FLEXSGL_ALLREDUCE", "trtllm")  # the spawned rank inherits it
+    model = _qwen3_8b_layers(tmp_path / "qwen3-8b-4layers")
+    opts = dict(load_format="dummy", max_total_tokens=1 << 15, max_running_requests=8, cuda_graph_bs=(1, 2, 4, 8))
+    from flexsgl.distributed import allreduce
+
+    def used():
+        assert allreduce._trt is not None and allreduce._trt.takes(torch.empty(8, 4096, dtype=torch.bfloat16))
+
+    _assert_tp_agrees(model, opts, 2, sampled_logits, vocab=150000, compiled=True, check=used)
+
+
+def _assert_tp_agrees(model, opts, tp, sampled_logits, vocab, compiled, check=None):
     """TP=tp's logits agree with TP=1's to bf16 rounding, on three prompts prefilled in one step and
     decoded 8 steps in CUDA graphs. Prompts of one token each decode the same tokens on both as
     long as their logits agree, so the decode steps are compared only while the tokens agree."""
@@ -438,6 +455,8 @@ def _assert_tp_agrees(model, opts, tp, sampled_logits, vocab, compiled):
     with LLM(model, tensor_parallel_size=tp, **opts) as many:
         assert many.runner.graphs is not None and many.compile == compiled
         out = many.generate(prompts, sp)
+        if check is not None:
+            check()
     b = list(sampled_logits)
     assert len(a) == len(b) == 8
     same = [x.token_ids[:1] == y.token_ids[:1] for x, y in zip(ref, out)]

@@ -11,13 +11,18 @@
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1. Messages above TWO_SHOT_MAX_BYTES, or of a dtype or size the
   kernels do not take, go to NCCL. A message's size is a shape, known on the host, so the choice
   costs no sync, and a CUDA graph captured at one batch size records one path.
+- With FLEXSGL_ALLREDUCE=trtllm, messages of the model's hidden rows, up to TRT_MAX_BYTES, go
+  through FlashInfer's TensorRT-LLM all-reduce (`flashinfer.comm.allreduce_fusion`, one-shot or
+  two-shot by its own choice, over IPC buffers made without multicast), on a workspace made once the
+  model's hidden size is known (`prepare`, after loading); larger ones go to NCCL. It is opt-in until
+  `tools/allreduce_bench.py` measures it faster than symmetric memory.
 - Everywhere else (the CPU's gloo ranks, ranks on several hosts, FLEXSGL_ALLREDUCE=nccl, or a
   setup that did not work on every rank), torch's functional collective: torch.compile traces it
   into the layer's graph and inductor lowers it to the in-place NCCL (or gloo) call.
 
-The symmetric-memory path is one custom op, `flexsgl::all_reduce` (a fake implementation for
-torch.compile), which the compiled layers call like any op and CUDA graphs capture with its
-kernels. The residual add rides in rank 0's partial sum before the all-reduce
+The symmetric-memory and FlashInfer paths are one custom op, `flexsgl::all_reduce` (a fake
+implementation for torch.compile), which the compiled layers call like any op and CUDA graphs
+capture with its kernels. The residual add rides in rank 0's partial sum before the all-reduce
 (flexsgl/distributed/layers.py), so the sum needs nothing after it.
 
 `setup` runs on every rank right after the group forms, and is collective: every rank tries to
@@ -37,17 +42,21 @@ from torch.distributed import _functional_collectives as funcol
 ONE_SHOT_MAX_BYTES = 256 << 10  # messages up to this go through the one-shot kernel
 TWO_SHOT_MAX_BYTES = 8 << 20  # up to this the two-shot one (the buffer's size); above, NCCL
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ENV = "FLEXSGL_ALLREDUCE"  # "nccl": never symmetric memory (e.g. to compare); default "auto"
+TRT_MAX_BYTES = 8 << 20  # FlashInfer's workspace: rows of the hidden size up to this many bytes
+ENV = "FLEXSGL_ALLREDUCE"  # "nccl": never symmetric memory (e.g. to compare); "trtllm": FlashInfer's; default "auto"
 
 _name: str | None = None  # the device group's name (a constant to torch.compile)
 _symm: "SymmetricAllReduce | None" = None  # set on every rank, or on none
+_trt: "TrtllmAllReduce | None" = None  # set on every rank, or on none (prepare)
 
 
 def setup(group) -> str:
     """Choose the all-reduce for `group` (a TPGroup; collective: every rank calls it, in step).
     Returns what was chosen, in words."""
-    global _name, _symm
-    _name, _symm = group.name, None
+    global _name, _symm, _trt
+    _name, _symm, _trt = group.name, None, None
+    if group.device.type == "cuda" and os.environ.get(ENV, "auto") == "trtllm":
+        return "FlashInfer's TensorRT-LLM all-reduce once the model is loaded (FLEXSGL_ALLREDUCE=trtllm), NCCL above"
     reason = _symm_unusable(group)
     votes = group.gather(reason)
     reason = next((r for r in votes if r is not None), None)
@@ -67,10 +76,30 @@ def setup(group) -> str:
             f"{TWO_SHOT_MAX_BYTES >> 20} MB), NCCL above")
 
 
+def prepare(group, hidden: int, dtype: torch.dtype) -> None:
+    """Once the model's hidden size is known (collective: every rank calls it, in step): with
+    FLEXSGL_ALLREDUCE=trtllm, make FlashInfer's workspace on every rank, or raise why not."""
+    global _trt
+    wanted = group.device.type == "cuda" and os.environ.get(ENV, "auto") == "trtllm"
+    if not any(group.gather(wanted)):
+        return
+    trt, error = None, None
+    try:
+        trt = TrtllmAllReduce(group, hidden, dtype)
+    except Exception as e:
+        error = f"rank {group.rank}: {type(e).__name__}: {e}"
+    errors = [e for e in group.gather(error) if e is not None]
+    if errors:
+        raise RuntimeError(f"FLEXSGL_ALLREDUCE=trtllm: FlashInfer's all-reduce workspace failed ({errors[0]})")
+    _trt = trt
+
+
 def teardown() -> None:
     """Forget the group (before it is left; the graphs that captured the kernels are gone by then)."""
-    global _name, _symm
-    _name, _symm = None, None
+    global _name, _symm, _trt
+    if _trt is not None:
+        _trt.workspace.destroy()
+    _name, _symm, _trt = None, None, None
 
 
 def _symm_unusable(group) -> str | None:
@@ -89,7 +118,7 @@ def _symm_unusable(group) -> str | None:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of `x` over the ranks (a new tensor)."""
-    if _symm is not None:
+    if _symm is not None or (_trt is not None and _trt.takes(x)):
         return torch.ops.flexsgl.all_reduce(x, _name)
     return funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", _name))
 
@@ -151,9 +180,33 @@ class SymmetricAllReduce:
         torch.cuda.synchronize(self.buffer.device)
 
 
+class TrtllmAllReduce:
+    """FlashInfer's TensorRT-LLM all-reduce (kAllReduce) on one workspace for rows of `hidden`
+    values, up to TRT_MAX_BYTES a message."""
+
+    def __init__(self, group, hidden: int, dtype: torch.dtype):
+        import flashinfer.comm as comm
+
+        self.comm, self.hidden, self.dtype = comm, hidden, dtype
+        self.max_rows = max(1, TRT_MAX_BYTES // (hidden * dtype.itemsize))
+        # backend "trtllm": IPC memory without multicast (its "mnnvl" backend needs NVLink multicast)
+        self.workspace = comm.create_allreduce_fusion_workspace(
+            backend="trtllm", world_size=group.size, rank=group.rank, max_token_num=self.max_rows,
+            hidden_dim=hidden, dtype=dtype, group=group.group)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[1] == self.hidden and x.shape[0] <= self.max_rows and x.dtype == self.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.comm.allreduce_fusion(input=x.contiguous(), workspace=self.workspace,
+                                   pattern=self.comm.AllReduceFusionPattern.kAllReduce, output=out)
+        return out
+
+
 @torch.library.custom_op("flexsgl::all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return _symm(x)
+    return _trt(x) if _trt is not None else _symm(x)
 
 
 @_all_reduce_op.register_fake
