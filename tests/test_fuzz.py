@@ -65,7 +65,7 @@ class EngineFuzz(RuleBasedStateMachine):
     reference: list[list[int]]
     alone: LLM  # runs each request by itself, for the tokens every output must be a prefix of
     alone_tokens: dict = {}
-    fault: dict | None = None  # an armed step fault: {"where", "at" (steps left), "failed" (request ids)}
+    fault: dict | None = None  # an armed step fault: {"where", "at" (steps left), "failed" (request ids), "batch"}
 
     def make_callback(self, spec):
         if spec is None:
@@ -165,10 +165,8 @@ class EngineFuzz(RuleBasedStateMachine):
     def step_fault(self, where, at, reqs):
         """A step fails at `where`, `at` steps from now; then the same requests run again (the failed
         step's pages must not have reached the prefix cache)."""
-        # Unconstrained: the injection counts steps at their plans, and the step after a constrained
-        # one is planned before the constrained one samples.
-        reqs = [(p, dataclasses.replace(sp, structured_outputs=None), None) for p, sp, _ in reqs]
-        EngineFuzz.fault = {"where": where, "at": at, "failed": []}  # read by install_fault_injection's wrappers
+        reqs = [(p, sp, None) for p, sp, _ in reqs]
+        EngineFuzz.fault = {"where": where, "at": at, "failed": [], "batch": None}  # read by install_fault_injection's wrappers
         try:
             self.generate(reqs)
         finally:
@@ -221,46 +219,62 @@ def check_constrained(out, sp, stops: set[int], note: str) -> None:
 
 
 def install_fault_injection(llm: LLM) -> None:
-    """Wrap the step's parts so that EngineFuzz.fault, when armed, raises in the step it names."""
-    def armed(where):
+    """Wrap the step's parts so that EngineFuzz.fault, when armed, raises in the step it names: the
+    step whose plan counts `at` down to 0 (every step is planned once, first; the step after a
+    constrained one is planned before the constrained one samples, so the fault follows its batch)."""
+    runner = llm.runner
+    current = [None]  # the batch whose forward pass or sampling runs now
+
+    def armed(where, batch=None):
         f = EngineFuzz.fault
-        return f is not None and f["where"] == where and f["at"] == 0
+        return (f is not None and f["where"] == where and f["at"] == 0
+                and (batch is None or batch is f["batch"]))
 
     def fire():
         EngineFuzz.fault["at"] = -1
         raise RuntimeError("injected step fault")
 
-    real_plan, real_run = llm.runner.plan, llm.runner.run
+    real_plan, real_run, real_run_forward, real_sample = runner.plan, runner.run, runner.run_forward, runner.sample
 
-    def plan(batch):  # every step is planned once, first (the step loop hands the plan to run)
+    def plan(batch):
         f = EngineFuzz.fault
         if f is not None and f["at"] > 0:
             f["at"] -= 1
             if f["at"] == 0:
-                f["failed"] = [r.request_id for r in batch.requests]
-        if armed("build"):  # building a step starts with its plan
+                f["failed"], f["batch"] = [r.request_id for r in batch.requests], batch
+        if armed("build", batch):  # building a step starts with its plan
             fire()
         return real_plan(batch)
 
-    def run(batch, plan=None):
-        out = real_run(batch, plan)
-        if armed("readback"):  # this step's tokens, when the next step reads them back
+    def read_back_fails(batch, out):
+        if armed("readback", batch):  # this step's tokens, when the next step reads them back
             EngineFuzz.fault["at"] = -1
             real_tokens = out.tokens
             out.tokens = lambda: (real_tokens(), fire())[1]
         return out
 
+    def run(batch, plan=None):
+        current[0] = batch
+        return read_back_fails(batch, real_run(batch, plan))
+
+    def run_forward(batch, plan=None):
+        current[0] = batch
+        return real_run_forward(batch, plan)
+
+    def sample(deferred, mask):
+        current[0] = deferred.batch
+        return read_back_fails(deferred.batch, real_sample(deferred, mask))
+
     def wrap(where, fn):
         def wrapped(*args, **kwargs):
-            if armed(where):
+            if armed(where, current[0]):
                 fire()
             return fn(*args, **kwargs)
         return wrapped
 
-    llm.runner.run = run
-    llm.runner.plan = plan
-    llm.runner._prefill = wrap("forward", llm.runner._prefill)
-    llm.runner._decode = wrap("forward", llm.runner._decode)
+    runner.plan, runner.run, runner.run_forward, runner.sample = plan, run, run_forward, sample
+    runner._prefill = wrap("forward", runner._prefill)
+    runner._decode = wrap("forward", runner._decode)
     flexsgl.runner.sample = wrap("sample", flexsgl.runner.sample)
 
 
