@@ -19,6 +19,7 @@ FlashInfer's workspace is made without multicast).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import statistics
@@ -65,9 +66,9 @@ def rank_main(rank: int, size: int, port: int) -> None:
 
     device = torch.device("cuda", rank)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
-    init_group(rank, size, device, store)
+    group = init_group(rank, size, device, store)
     symm = allreduce._symm
-    fi = FlashInferAllReduce.make(rank, size, device, dist.group.WORLD)
+    fi = FlashInferAllReduce.make(group)
     rows = []
     for kb in SIZES_KB:
         x = torch.randn(kb * 512, device=device, dtype=torch.bfloat16, generator=torch.Generator(device).manual_seed(rank))
@@ -108,29 +109,27 @@ def rank_main(rank: int, size: int, port: int) -> None:
 
 
 class FlashInferAllReduce:
-    """FlashInfer's TensorRT-LLM all-reduce on one workspace sized for the largest message; each
-    size timed one-shot and two-shot, alone and fused with a residual add and RMSNorm, and checked
-    against NCCL's sum (a column is None where FlashInfer refuses the case; why goes to `errors`)."""
+    """FlashInfer's TensorRT-LLM all-reduce on the engine's workspace (allreduce.TrtllmAllReduce, for
+    rows of HIDDEN); each size timed one-shot and two-shot, alone and fused with a residual add and
+    RMSNorm, and checked against NCCL's sum (a column is None where FlashInfer refuses the case;
+    why goes to `errors`)."""
 
     COLUMNS = ("trt-1shot", "trt-2shot", "trt1+norm")
 
-    def __init__(self, comm, workspace):
-        self.comm, self.workspace, self.errors = comm, workspace, set()
+    def __init__(self, trt):
+        self.comm, self.workspace, self.errors = trt.comm, trt.workspace, set()
 
     @classmethod
-    def make(cls, rank: int, size: int, device, group):
-        try:
-            import flashinfer.comm as comm
-        except ImportError:
+    def make(cls, group):
+        from flexsgl.distributed import allreduce
+
+        if importlib.util.find_spec("flashinfer") is None:
             return None
         try:
-            workspace = comm.create_allreduce_fusion_workspace(
-                backend="trtllm", world_size=size, rank=rank, max_token_num=max(SIZES_KB) * 512 // HIDDEN,
-                hidden_dim=HIDDEN, dtype=torch.bfloat16, group=group)
+            return cls(allreduce.TrtllmAllReduce(group, HIDDEN, torch.bfloat16))
         except Exception as e:
-            print(f"rank {rank}: FlashInfer's all-reduce workspace failed: {type(e).__name__}: {e}")
+            print(f"rank {group.rank}: FlashInfer's all-reduce workspace failed: {type(e).__name__}: {e}")
             return None
-        return cls(comm, workspace)
 
     def time_all(self, x: torch.Tensor, want: torch.Tensor) -> dict:
         x2 = x.view(-1, HIDDEN)
