@@ -21,9 +21,10 @@
 #                  (TORCHINDUCTOR_CACHE_DIR fresh), once more on the cache that run left; ready and first-token
 #                  times and the whole process's wall time
 #   first-token    the README's command, `python -m flexsgl generate "Return the"` on the embedded model, with
-#                  --override auto and flex, and flex with --no-compile, each on empty caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and
-#                  FLASHINFER_WORKSPACE_BASE in a fresh folder) and again on what that run left: time to first
-#                  token, ready time and the whole process's wall time in a table; logs in $OUT/first-token-*.log.
+#                  --override auto and flex, and flex with --no-compile ("flex-eager"), each on empty caches
+#                  (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and FLASHINFER_WORKSPACE_BASE in a fresh folder) and
+#                  again on what that run left: time to first token, ready time and the whole process's wall time
+#                  in a table; logs in $OUT/first-token-*.log.
 #                  A run of each on throw-away caches writes Python's bytecode first (see PYTHONPYCACHEPREFIX)
 #   prefill        flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts (--override flags in $OVERRIDES)
 #   flash-prefill  prefill on FlexAttention's FLASH backend (stage tools/stage_flash.sh first): the engine against HF
