@@ -55,7 +55,7 @@ def setup(group) -> str:
     Returns what was chosen, in words."""
     global _name, _symm, _trt
     _name, _symm, _trt = group.name, None, None
-    if group.device.type == "cuda" and os.environ.get(ENV, "auto") == "trtllm":
+    if _wants_trtllm(group):
         return "FlashInfer's TensorRT-LLM all-reduce once the model is loaded (FLEXSGL_ALLREDUCE=trtllm), NCCL above"
     reason = _symm_unusable(group)
     votes = group.gather(reason)
@@ -80,8 +80,7 @@ def prepare(group, hidden: int, dtype: torch.dtype) -> None:
     """Once the model's hidden size is known (collective: every rank calls it, in step): with
     FLEXSGL_ALLREDUCE=trtllm, make FlashInfer's workspace on every rank, or raise why not."""
     global _trt
-    wanted = group.device.type == "cuda" and os.environ.get(ENV, "auto") == "trtllm"
-    if not any(group.gather(wanted)):
+    if not any(group.gather(_wants_trtllm(group))):
         return
     trt, error = None, None
     try:
@@ -100,6 +99,11 @@ def teardown() -> None:
     if _trt is not None:
         _trt.workspace.destroy()
     _name, _symm, _trt = None, None, None
+
+
+def _wants_trtllm(group) -> bool:
+    """Whether this rank is asked for FlashInfer's all-reduce (FLEXSGL_ALLREDUCE=trtllm, on a GPU)."""
+    return group.device.type == "cuda" and os.environ.get(ENV, "auto") == "trtllm"
 
 
 def _symm_unusable(group) -> str | None:
