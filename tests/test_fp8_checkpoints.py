@@ -98,6 +98,34 @@ def test_newer_family_fp8_checkpoint_matches_hf(tmp_path, monkeypatch, family, f
     check_matches_hf(tmp_path / "fp8", tmp_path / "ref", monkeypatch, seed, steps=12)
 
 
+@pytest.mark.parametrize("fmt", ["channel", "tensor"])
+def test_projections_kept_in_fp8_load_the_checkpoints_bits_and_row_scales(tmp_path, monkeypatch, fmt):
+    """Where FP8 products run (forced here on the CPU, which runs no forward), each projection whose
+    dims suit them keeps the checkpoint's FP8 values as they are, fused parts in order, and one scale
+    per row, also in a projection whose weight loader splits columns (o_proj): weight x scale is the
+    float32 weight the checkpoint stands for, exactly."""
+    import flexsgl.model.loader as loader
+    from flexsgl.model.source import resolve
+    from flexsgl.quant.fp8_linear import Fp8Linear
+
+    seed = random.randrange(2**31)
+    make_source("qwen3", tmp_path / "src", seed)
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", fmt)
+    monkeypatch.setattr(loader, "keeps_fp8", lambda *a: True)
+    model = loader.build_model(resolve(str(tmp_path / "fp8")), torch.device("cpu"), torch.bfloat16)
+    ckpt, ref = load_file(tmp_path / "fp8" / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
+    parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    kept = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert {n.rsplit(".", 1)[-1] for n in kept} == {"qkv_proj", "o_proj", "gate_up_proj"}, f"seed={seed}"
+    for name, m in kept.items():
+        parent, leaf = name.rsplit(".", 1)
+        hf = [f"{parent}.{p}.weight" for p in parts.get(leaf, [leaf])]
+        assert torch.equal(m.weight.view(torch.uint8), torch.cat([ckpt[h] for h in hf]).view(torch.uint8)), \
+            f"{name}, seed={seed}"
+        torch.testing.assert_close(m.weight.float() * m.weight_scale, torch.cat([ref[h] for h in hf]),
+                                   rtol=0, atol=0, msg=lambda e: f"{name}, seed={seed}: {e}")
+
+
 @pytest.fixture(scope="module")
 def block_checkpoint(tmp_path_factory):
     seed = random.randrange(2**31)

@@ -34,7 +34,7 @@ def bits_per_byte(llm: LLM, ids: list[int], monkeypatch) -> float:
     with monkeypatch.context() as m:
         seen = capture_logits(llm, m)
         outs = llm.generate([ids[:i] for i in range(1, len(ids))], SamplingParams(max_new_tokens=1, temperature=0))
-        logits = torch.stack([seen[o.request_id][0] for o in outs]).double()
+        logits = torch.stack([seen[o.request_id][0] for o in outs]).double().cpu()
     nats = -torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
     return nats / math.log(2) / len(llm.tokenizer.decode(ids[1:]).encode())
 

@@ -20,7 +20,7 @@ from flexsgl.model.architectures import model_class
 from flexsgl.model.dummy_weights import init_dummy_weights
 from flexsgl.model.empty_init import no_init
 from flexsgl.model.source import ModelSource, weight_files
-from flexsgl.model.weight_loaders import weight_loader
+from flexsgl.model.weight_loaders import row_loader, weight_loader
 from flexsgl.quant.apply import keep_fp8, keeps_fp8, quantize_online
 from flexsgl.quant.fp8 import FP8, expand_scale
 from flexsgl.quant.scheme import QuantScheme
@@ -70,7 +70,8 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
     rank's part of it) and nothing is missing: a bad checkpoint raises CheckpointError and loads
     nothing. Each tensor goes through its parameter's weight loader, which reads only this rank's
     slices of it; an FP8 tensor is read whole with its scale, then goes into an FP8 parameter as it
-    is (its scale, one per row, into the parameter's `weight_scale`) or into any other dequantized."""
+    is (its scale, one per row, into the parameter's `weight_scale`, row for row with the weight) or into
+    any other dequantized."""
     plan = check_checkpoint(model if full is None else full, files)
     params = dict(model.named_parameters())
     scheme = model.cfg.quant
@@ -89,8 +90,8 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
                     if p.dtype == FP8:
                         weight_loader(p).load(p, _held(weight), part)
                         rows = target.removesuffix("weight") + "weight_scale"
-                        weight_loader(params[rows]).load(params[rows], _held(expanded.expand(weight.shape[0], 1)),
-                                                        part)
+                        row_loader(weight_loader(p)).load(params[rows], _held(expanded.expand(weight.shape[0], 1)),
+                                                          part)
                     else:
                         weight_loader(p).load(p, _held(weight.float() * expanded), part)
                 except SafetensorError as e:

@@ -94,6 +94,13 @@ class Parts(WeightLoader):
             param.narrow(s.dim, end, param.shape[s.dim] - end).zero_()
 
 
+def row_loader(loader: WeightLoader) -> WeightLoader:
+    """The loader of a parameter holding one entry per row of the parameter `loader` fills (an FP8
+    weight's scales, `[N, 1]`): the same loader where it splits rows, WHOLE where it splits columns
+    (a row-parallel projection's input features), which leaves every row whole."""
+    return WHOLE if isinstance(loader, Parts) and loader.split.dim != 0 else loader
+
+
 def fused_rows(sizes: list[int]) -> Parts:
     """The loader of a parameter that stacks `sizes` rows from one tensor each (no tensor parallelism)."""
     starts = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -4,9 +4,9 @@ scales, bfloat16 out), on GPUs with FP8 matrix products (SM89+). Elsewhere FP8 w
 dequantized to the model's dtype as they load and run as any other nn.Linear (flexsgl/quant/apply.py).
 
 It stands where an nn.Linear stood: same in and out features, a `weight` whose weight loader fills
-it (in FP8), and `weight_scale` `[N, 1]`, filled with the same loader: per-tensor and per-channel
-checkpoint scales both become one scale per row, so a fused projection (q, k and v in one) keeps
-each part's own."""
+it (in FP8), and `weight_scale` `[N, 1]`, filled row for row with the weight (flexsgl/model/loader.py):
+per-tensor and per-channel checkpoint scales both become one scale per row, so a fused projection
+(q, k and v in one) keeps each part's own."""
 
 from __future__ import annotations
 
@@ -42,12 +42,10 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def replacing(cls, linear: nn.Linear) -> "Fp8Linear":
-        """An Fp8Linear of `linear`'s shape, its parameters' weight loaders kept (the scale's is the weight's:
-        its rows are the weight's rows)."""
+        """An Fp8Linear of `linear`'s shape, its parameters' weight loaders kept."""
         new = cls(linear.in_features, linear.out_features, linear.bias is not None)
-        loader = getattr(linear.weight, "weight_loader", None)
-        if loader is not None:
-            new.weight.weight_loader = new.weight_scale.weight_loader = loader
+        if hasattr(linear.weight, "weight_loader"):
+            new.weight.weight_loader = linear.weight.weight_loader
         if linear.bias is not None and hasattr(linear.bias, "weight_loader"):
             new.bias.weight_loader = linear.bias.weight_loader
         return new
