@@ -140,6 +140,14 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(torch.where(mine.unsqueeze(-1), x, 0))
 
 
+def embedding(cfg) -> nn.Module:
+    """A model's token embedding: split by vocabulary over the ranks under tensor parallelism, else
+    whole (`cfg`: the rank's ModelConfig)."""
+    if cfg.tp_size > 1:
+        return VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.tp_rank, cfg.tp_size)
+    return nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+
+
 def gather_logits(local: torch.Tensor, vocab: int) -> torch.Tensor:
     """The ranks' vocabulary slices of the logits, `[T, vocab / tp]` each, as `[T, vocab]`."""
     return all_gather_last(local)[:, :vocab]

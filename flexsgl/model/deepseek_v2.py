@@ -147,10 +147,7 @@ class DeepseekV2Layer(nn.Module):
 class DeepseekV2Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.tp_size > 1:
-            self.embed_tokens = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.tp_rank, cfg.tp_size)
-        else:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = tp.embedding(cfg)
         self.layers = nn.ModuleList(DeepseekV2Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = InterleavedRotary(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
