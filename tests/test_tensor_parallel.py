@@ -621,8 +621,10 @@ def _check_exit(code, lines, workers, err, mode, signal_to_send):
 
 
 def _serve_and_stop(device: str, how: str, tp: int = 2) -> None:
-    """`flexsgl serve --tp` until healthy, then stopped `how` (ctrl-c: SIGINT to its process group;
+    """`flexsgl serve --tp` (float32) until healthy; one greedy completion gives one rank's text (the
+    LLM API in this process, float32 too); then stopped `how` (ctrl-c: SIGINT to its process group;
     sigterm: to the HTTP process); every process of it ends."""
+    import json
     import socket
     import sys
     import urllib.request
@@ -631,9 +633,15 @@ def _serve_and_stop(device: str, how: str, tp: int = 2) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     extra = ["--device", "cpu", "--no-compile"] if device == "cpu" else ["--cuda-graph-bs", "1,2"]
+    rng = random.Random(seed := random.randrange(1 << 30))
+    prompt = [rng.randrange(1, 512) for _ in range(rng.randrange(3, 40))]
+    one = LLM("tiny", load_format="dummy", device=device, dtype="float32", compile=False, max_total_tokens=4096,
+              max_running_requests=4)
+    want = one.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    one.shutdown()
     proc = _start([sys.executable, "-m", "flexsgl", "serve", "tiny", "--load-format", "dummy", "--tp",
                    str(tp), "--port", str(port), "--max-total-tokens", "4096", "--max-running-requests", "4",
-                   "--log-level", "warning", *extra])
+                   "--dtype", "float32", "--log-level", "warning", *extra])
     try:
         deadline = time.monotonic() + 600
         while True:
@@ -646,6 +654,14 @@ def _serve_and_stop(device: str, how: str, tp: int = 2) -> None:
                 pass
             assert time.monotonic() < deadline, "the server did not become healthy"
             time.sleep(0.5)
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        ask = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(ask, timeout=120) as r:
+            answer = json.load(r)
+        assert answer["usage"]["completion_tokens"] == 8, f"seed={seed}"
+        assert answer["choices"][0]["text"] == want.text, f"seed={seed}"
         assert len(_session(proc.pid)) >= 3  # the HTTP process, the engine process (rank 0), rank 1
         os.killpg(proc.pid, signal.SIGINT) if how == "ctrl-c" else proc.send_signal(signal.SIGTERM)
         _wait_for_exit(proc, f"serve stopped by {how} on {device}")
@@ -901,3 +917,36 @@ def test_gpu_symmetric_all_reduce_equals_nccl():
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     size = min(torch.cuda.device_count(), 4)
     mp.spawn(_symm_all_reduce_rank, args=(size, free_port(), random.randrange(1 << 20)), nprocs=size, join=True)
+
+
+def test_all_reduce_carrying_the_norms_gives_hfs_tokens_and_logits(tmp_path, monkeypatch):
+    """The decoder's path for an all-reduce that also adds the residual and RMSNorms the sum
+    (FlashInfer's kARResidualRMSNorm, GPU only; flexsgl/distributed/allreduce.py), with that
+    all-reduce stood in by its definition on one rank, and taken only for steps of up to 4 rows so
+    that longer prefill chunks mix in the plain path: tokens and logits HF's."""
+    from flexsgl.distributed import allreduce
+    from flexsgl.distributed import layers as tp_layers
+
+    calls = []
+
+    def add_norm(x, residual, weight, eps):  # the kernel's definition: one rank's sum is its input
+        calls.append(x.shape[0])
+        s = residual + x
+        return s, (s.double() * torch.rsqrt(s.double().pow(2).mean(-1, keepdim=True) + eps) * weight.double()).to(s.dtype)
+
+    monkeypatch.setattr(allreduce, "fusing", lambda: True)
+    monkeypatch.setattr(allreduce, "fuses_norm", lambda x: x.shape[0] <= 4)
+    monkeypatch.setattr(allreduce, "all_reduce_add_norm", add_norm)
+    monkeypatch.setattr(tp_layers, "all_reduce", lambda x: x)  # the plain path's all-reduce, on one rank
+    seed = random.randrange(1 << 30)
+    hf = make_checkpoint("qwen3", tmp_path, seed)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 320) for _ in range(n)] for n in (3, 23, 41)]
+    llm = LLM(str(tmp_path), **OPTIONS)
+    seen = capture_logits(llm, monkeypatch)
+    out = llm.generate(prompts, greedy(6))
+    assert any(n <= 4 for n in calls) and max(calls) <= 4, f"seed={seed}"  # decode steps took it, long chunks did not
+    for prompt, o in zip(prompts, out):
+        tokens, logits = hf_reference(hf, prompt, 6)
+        assert o.token_ids == tokens, f"seed={seed}"
+        torch.testing.assert_close(torch.stack(seen[o.request_id]), logits, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")

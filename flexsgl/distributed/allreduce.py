@@ -20,6 +20,11 @@
   setup that did not work on every rank), torch's functional collective: torch.compile traces it
   into the layer's graph and inductor lowers it to the in-place NCCL (or gloo) call.
 
+FlashInfer's kernel can also add the residual and RMSNorm the sum (kARResidualRMSNorm):
+`all_reduce_add_norm` returns both, and the decoder (flexsgl/model/decoder.py) takes that path
+wherever `fuses_norm` says the kernel takes the rows, so no add or norm kernel follows the
+all-reduce.
+
 The symmetric-memory and FlashInfer paths are one custom op, `flexsgl::all_reduce` (a fake
 implementation for torch.compile), which the compiled layers call like any op and CUDA graphs
 capture with its kernels. The residual add rides in rank 0's partial sum before the all-reduce
@@ -127,6 +132,23 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", _name))
 
 
+def fusing() -> bool:
+    """Whether all-reduces can carry the residual add and RMSNorm (FlashInfer's, FLEXSGL_ALLREDUCE=trtllm)."""
+    return _trt is not None
+
+
+def fuses_norm(x: torch.Tensor) -> bool:
+    """Whether `all_reduce_add_norm` takes `x` (rows FlashInfer's workspace holds)."""
+    return _trt is not None and _trt.takes(x)
+
+
+def all_reduce_add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, RMSNorm(s) * weight) for s = residual + the sum of `x` over the ranks, in one kernel
+    (only where fuses_norm(x))."""
+    return torch.ops.flexsgl.all_reduce_add_norm(x, residual, weight, eps, _name)
+
+
 class SymmetricAllReduce:
     """One symmetric buffer of TWO_SHOT_MAX_BYTES per rank, mapped on every rank, and the kernels over it."""
 
@@ -207,6 +229,15 @@ class TrtllmAllReduce:
                                    pattern=self.comm.AllReduceFusionPattern.kAllReduce, output=out)
         return out
 
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        summed, normed = torch.empty_like(x), torch.empty_like(x)
+        self.comm.allreduce_fusion(input=x.contiguous(), workspace=self.workspace,
+                                   pattern=self.comm.AllReduceFusionPattern.kARResidualRMSNorm,
+                                   residual_in=residual.contiguous(), residual_out=summed, norm_out=normed,
+                                   rms_gamma=weight, rms_eps=eps)
+        return summed, normed
+
 
 @torch.library.custom_op("flexsgl::all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -216,3 +247,14 @@ def _all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
 @_all_reduce_op.register_fake
 def _(x, group_name):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("flexsgl::all_reduce_add_norm", mutates_args=())
+def _all_reduce_add_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _trt.add_norm(x, residual, weight, eps)
+
+
+@_all_reduce_add_norm_op.register_fake
+def _(x, residual, weight, eps, group_name):
+    return torch.empty_like(x), torch.empty_like(x)

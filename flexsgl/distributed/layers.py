@@ -8,7 +8,9 @@
                             the ids in its range (zeros elsewhere), and an all-reduce adds them
     lm_head                 vocabulary-parallel: each rank computes its vocabulary slice of the
                             logits, an all-gather puts them side by side, padding rows dropped
-    norms                   replicated
+    norms                   replicated; where FlashInfer's all-reduce runs (flexsgl/distributed/
+                            allreduce.py), the norm after a row-parallel projection rides in its
+                            all-reduce with the residual add (`row_linear_norm`)
 
 KV heads are split like q heads when there are at least as many as ranks; with fewer, each is
 replicated: rank r uses KV head r * num_kv_heads // tp (its q heads are the ones that read it).
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flexsgl.distributed import allreduce
 from flexsgl.distributed.allreduce import all_reduce
 from flexsgl.distributed.group import all_gather_last, first_rank
 from flexsgl.kernels import gemv
@@ -162,3 +165,21 @@ def row_linear(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor) -> torc
 def row_silu_linear(gate_up: torch.Tensor, proj: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
     """residual + the ranks' partial proj(silu(gate) * up) summed, as row_linear."""
     return all_reduce(gemv.silu_linear(gate_up, proj, residual if first_rank() else None))
+
+
+def row_linear_norm(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(s, RMSNorm(s) * weight) for s = residual + the ranks' partial proj(x) summed, the add and
+    the norm inside FlashInfer's all-reduce where it takes the rows; elsewhere (row_linear(...), None),
+    the norm left to the next projection's kernel."""
+    if allreduce.fuses_norm(residual):
+        return allreduce.all_reduce_add_norm(gemv.linear(x, proj, None), residual, weight, eps)
+    return row_linear(x, proj, residual), None
+
+
+def row_silu_linear_norm(gate_up: torch.Tensor, proj: nn.Linear, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """row_linear_norm for proj(silu(gate) * up)."""
+    if allreduce.fuses_norm(residual):
+        return allreduce.all_reduce_add_norm(gemv.silu_linear(gate_up, proj, None), residual, weight, eps)
+    return row_silu_linear(gate_up, proj, residual), None

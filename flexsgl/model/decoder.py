@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flexsgl.distributed import allreduce
 from flexsgl.distributed import layers as tp
 from flexsgl.kernels import gemv
 from flexsgl.model.causal_lm import CausalLM
@@ -75,11 +76,13 @@ class DecoderLayer(nn.Module):
                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size))
         self.parallel = cfg.tp_size > 1
 
-    def forward(self, x, positions, rope, fb):
+    def forward(self, x, positions, rope, fb, normed=None, next_norm=None):
         # x + attn(norm(x)), then x + mlp(norm(x)), as four projections with the norms, the SiLU
         # gate and the residual adds folded in (one kernel each at decode batch 1; see gemv.py).
         # Under tensor parallelism o_proj and down_proj are row-parallel: the ranks' partial sums
         # are all-reduced before the residual is added (flexsgl/distributed/layers.py).
+        if next_norm is not None:
+            return self.forward_fused(x, normed, next_norm, positions, rope, fb)
         attn, mlp = self.self_attn, self.mlp
         qkv = gemv.norm_linear(x, self.input_layernorm, attn.qkv_proj)
         out = attn.attend(qkv, positions, rope, fb)
@@ -90,6 +93,20 @@ class DecoderLayer(nn.Module):
         if self.parallel:
             return tp.row_silu_linear(gate_up, mlp.down_proj, x)
         return gemv.silu_linear(gate_up, mlp.down_proj, residual=x)
+
+    def forward_fused(self, x, normed, next_norm, positions, rope, fb):
+        """forward of a dense layer where all-reduces add the residual and RMSNorm the sum in their
+        own kernel (tp.row_linear_norm): `normed` is input_layernorm(x) when the last all-reduce
+        made it (None: not made), and the result is (x', next_norm's RMSNorm of x' or None), for
+        `next_norm` the weight of the next layer's input_layernorm (the model's norm after the last)."""
+        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        qkv = (gemv.norm_linear(x, self.input_layernorm, attn.qkv_proj) if normed is None
+               else gemv.linear(normed, attn.qkv_proj, None))
+        out = attn.attend(qkv, positions, rope, fb)
+        x, h = tp.row_linear_norm(out, attn.o_proj, x, post.weight, post.eps)
+        gate_up = (gemv.norm_linear(x, post, mlp.gate_up_proj) if h is None
+                   else gemv.linear(h, mlp.gate_up_proj, None))
+        return tp.row_silu_linear_norm(gate_up, mlp.down_proj, x, next_norm, post.eps)
 
 
 class DecoderModel(nn.Module):
@@ -117,6 +134,22 @@ class DecoderForCausalLM(CausalLM):
             split = tp.split_of(name, whole, cfg.tp_rank, cfg.tp_size)
             if split is not None or not hasattr(p, "weight_loader"):
                 p.weight_loader = split_loader(split)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
+        """CausalLM's forward; where all-reduces carry the residual add and RMSNorm (FlashInfer's
+        under tensor parallelism, dense layers only), each layer hands the next its stream together
+        with the next input_layernorm's output, and the last the model's norm of it."""
+        m = self.model
+        if not allreduce.fusing() or any(isinstance(layer.mlp, MoE) for layer in m.layers):
+            return super().forward(input_ids, positions, fb)
+        x, h = m.embed_tokens(input_ids), None
+        nexts = [layer.input_layernorm.weight for layer in m.layers[1:]] + [m.norm.weight]
+        for layer, next_norm in zip(m.layers, nexts):
+            x, h = layer(x, positions, m.rotary, fb, h, next_norm)
+        rows = fb.logits_index
+        logits = (gemv.norm_linear(x[rows], m.norm, self.lm_head) if h is None
+                  else gemv.linear(h[rows], self.lm_head, None))
+        return tp.gather_logits(logits, self.cfg.vocab_size) if self.cfg.tp_size > 1 else logits
 
     def checkpoint_name(self, hf_name: str) -> tuple[str, int | None]:
         """The parameter an HF tensor fills and its part there (None: all of it): a fused part, or
