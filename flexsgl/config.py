@@ -54,7 +54,8 @@ class EngineConfig:
     prefill_first: bool = option(False, "Prefill every waiting prompt before the next decode step (the whole "
                                         "batch's first tokens soonest), rather than alternating prefill and "
                                         "decode steps while requests decode (steady inter-token latency).")
-    compile: bool | None = option(None, "torch.compile the model (default: on CUDA, off on the CPU).")
+    compile: bool | None = option(None, "torch.compile the model (default: on CUDA, off on the CPU "
+                                   "and for one request at a time of a model under 100M parameters).")
     disable_cuda_graph: bool = option(False, "Run decode steps without CUDA graphs.")
     cuda_graph_bs: tuple[int, ...] | None = option(None, "Decode batch sizes to capture as CUDA graphs, "
                                                          "e.g. 1,2,4,8 (default: the decode buckets up to "

@@ -97,6 +97,10 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
         if rc.compile and rank == 0:
             logger.info("torch.compile on: the first step of each new batch shape compiles kernels first "
                         "(tens of seconds for a large model)")
+        elif device.type == "cuda" and cfg.compile is None and rank == 0:
+            params = src.config.num_params() / 1e6
+            logger.info(f"torch.compile off: one request at a time of a {params:.1f}M-parameter model starts "
+                        "sooner uncompiled, its steps replayed from CUDA graphs (--compile compiles)")
         variants = VariantSet(list(rc.variants) or [None] * mcfg.num_layers, mcfg.num_heads,
                               mcfg.tp_rank * mcfg.num_heads, mcfg.num_heads * mcfg.tp_size,
                               cfg.max_running_requests + 1, device)

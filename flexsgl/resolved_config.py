@@ -35,7 +35,8 @@ class ResolvedConfig:
     # The backends of `override` ("auto": the fastest that run here, attention/registry.py, but none
     # that would compile a FlashInfer kernel first for a small model, attention/cold_start.py).
     attention: Choice
-    compile: bool  # compile None: on CUDA, off on the CPU
+    # compile None: on CUDA, off on the CPU and for one request at a time of a small model (lone_small_run)
+    compile: bool
     # Decode batch sizes captured as CUDA graphs: cuda_graph_bs, else the decode buckets up to
     # max_running_requests, or up to cuda_graph_max_bs where that is lower (flexsgl/step_shape.py);
     # () where graphs are off (not CUDA, or disable_cuda_graph).
@@ -106,9 +107,21 @@ def resolve_config(options: EngineConfig, model: ModelConfig,
     kv = pool_tokens(options, model.max_position, CPU_KV_TOKENS if cpu else None, "flexsgl's CPU default")
     if kv is not None:
         check_kv_tokens(kv.tokens, options.page_size)
-    compile = device.type == "cuda" if options.compile is None else options.compile
+    compile = options.compile
+    if compile is None:
+        compile = device.type == "cuda" and not lone_small_run(options, model)
     return ResolvedConfig(options, device, dtype, attention, compile, sizes, kv and kv.tokens,
                           kv.reason if kv else "", variants, kv_dtype or dtype)
+
+
+def lone_small_run(options: EngineConfig, model: ModelConfig) -> bool:
+    """Whether the engine runs one request at a time of a model under SMALL_MODEL_PARAMS parameters
+    (`flexsgl generate` of one prompt of the embedded model): its steps cost their launches, which
+    its CUDA graphs replay whether compiled or not, so compiling them (seconds) only delays the
+    first token; `compile` None is off there."""
+    from flexsgl.attention.cold_start import SMALL_MODEL_PARAMS
+
+    return options.max_running_requests == 1 and model.num_params() < SMALL_MODEL_PARAMS
 
 
 def resolve_variants(spec, model: ModelConfig) -> tuple:

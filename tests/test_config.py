@@ -121,6 +121,19 @@ def test_gpu_dtype_auto_is_the_checkpoints_half_type(checkpoint_dtype, dtype):
     assert rc.dtype == dtype and rc.compile and rc.max_total_tokens is None  # None: sized after the weights load
 
 
+@pytest.mark.parametrize("preset, requests, given, compiled", [
+    ("tiny", 1, None, False),  # generate's one prompt of a small model: uncompiled
+    ("tiny", 1, True, True),  # unless asked
+    ("tiny", 2, None, True),
+    ("qwen3-0.6b", 1, None, True),  # 596M parameters
+])
+def test_gpu_compile_default_is_off_only_for_one_request_at_a_time_of_a_small_model(preset, requests, given,
+                                                                                     compiled):
+    model = resolve_source(preset, "dummy").config
+    rc = EngineConfig(override="flex", max_running_requests=requests, compile=given).resolve(model, GPU)
+    assert rc.compile is compiled
+
+
 @pytest.mark.parametrize("decode, sizes", [
     ("flex", (1, 2, 4, 8, 16, 32, 40)),  # flex compiles per batch size: few buckets
     ("flex-fine", (1, 2, 4, 8, 16, 24, 32, 40)),  # one compile for all sizes: SGLang's spacing, 8 apart

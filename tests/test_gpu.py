@@ -129,9 +129,10 @@ def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, 
                     max_total_tokens=32768, cuda_graph_bs=[1, 2, 8], **llm_kw)
 
 
-def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, **llm_kw):
+def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, compiled=True, **llm_kw):
     """The bf16 engine on the HF checkpoint at `path` against transformers in float32 and bf16.
-    one_at_a_time: run the prompts one after another (decode at batch 1) instead of together."""
+    one_at_a_time: run the prompts one after another (decode at batch 1) instead of together;
+    compiled: whether the engine compiles where `compile` is not given."""
     hf32, hf16 = (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt, experts_implementation="eager")
                   .cuda().eval() for dt in (torch.float32, torch.bfloat16))
     for hf in (hf32, hf16):  # the modeling code's own attention and experts (not grouped_mm's on a GPU)
@@ -144,7 +145,7 @@ def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, **l
     llm.allocator.shuffle(seed)
     graphs = sorted(llm_kw["cuda_graph_bs"]) if llm_kw.get("cuda_graph_bs") else []
     assert sorted(llm.runner.graphs.graphs if llm.runner.graphs else []) == graphs
-    assert llm.compile == llm_kw.get("compile", True)
+    assert llm.compile == llm_kw.get("compile", compiled)
     seen = capture_logits(llm, monkeypatch)
     sp = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)  # a trained model stops early
     outs = [llm.generate(p, sp)[0] for p in prompts] if one_at_a_time else llm.generate(prompts, sp)
@@ -205,3 +206,13 @@ def test_small_models_through_flex_track_hf(tmp_path, monkeypatch, model, mode):
         hf.save_pretrained(tmp_path)
         path = str(tmp_path)
     check_tracks_hf(path, monkeypatch, seed, 64, override="flex", **SMALL_MODES[mode])
+
+
+@pytest.mark.parametrize("override", ["flex", "auto"])
+def test_one_request_at_a_time_of_the_embedded_model_runs_uncompiled_in_graphs(tmp_path, monkeypatch, override):
+    """`flexsgl generate`'s one prompt of the embedded model: compile left to its default is off
+    (resolved_config.lone_small_run), decode replayed from CUDA graphs, through flex and through
+    auto's kernels (fa3-prefill; triton-decode, or fi-decode where its kernel is compiled)."""
+    seed = random.randrange(1 << 30)
+    check_tracks_hf(str(EMBEDDED[DEFAULT_MODEL]), monkeypatch, seed, 64, compiled=False, override=override,
+                    max_running_requests=1, cuda_graph_bs=[1])

@@ -21,7 +21,8 @@
 #                  (TORCHINDUCTOR_CACHE_DIR fresh), once more on the cache that run left; ready and first-token
 #                  times and the whole process's wall time
 #   first-token    the README's command, `python -m flexsgl generate "Return the"` on the embedded model, with
-#                  --override auto and flex, and flex with --no-compile ("flex-eager"), each on empty caches
+#                  --override auto and flex (uncompiled by default for one prompt of a small model), and flex
+#                  with --compile ("flex-compiled"), each on empty caches
 #                  (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and FLASHINFER_WORKSPACE_BASE in a fresh folder) and
 #                  again on what that run left: time to first token, ready time and the whole process's wall time
 #                  in a table; logs in $OUT/first-token-*.log.
@@ -184,9 +185,9 @@ for s in "${steps[@]}"; do
                  done
                  printf "%-8s %-5s %14s %8s %10s  %s\n" override cache "first token s" "ready s" "process s" \
                    "attention (exit code)" >"$table"
-                 for ov in auto flex flex-eager; do  # flex-eager: flex with --no-compile (eager FlexAttention)
+                 for ov in auto flex flex-compiled; do  # flex-compiled: flex with --compile
                    caches=$(mktemp -d)
-                   args=(--override "${ov%-eager}"); [ "$ov" = flex-eager ] && args+=(--no-compile)
+                   args=(--override "${ov%-compiled}"); [ "$ov" = flex-compiled ] && args+=(--compile)
                    for run in cold warm; do
                      log="$OUT/first-token-$ov-$run.log"; t=$(date +%s.%N)
                      TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton \
