@@ -75,7 +75,9 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
         torch.cuda.empty_cache()
     try:
         if group is not None:  # before sizing the pool: FlashInfer's all-reduce workspace, if asked for, takes memory
-            allreduce.prepare(group, mcfg.hidden_size, rc.dtype)
+            choice = allreduce.prepare(group, mcfg.hidden_size, rc.dtype)
+            if choice is not None and rank == 0:
+                logger.info(f"all-reduce: {choice}")
         kv = kv_pool_size(rc, mcfg, functools.partial(rc.attention.prefill_scratch_bytes, mcfg))
         num_pages = kv.pages
     except Exception as e:

@@ -415,10 +415,11 @@ needs_gpus = {n: pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"need
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [pytest.param(2, marks=needs_gpus[2]), pytest.param(4, marks=needs_gpus[4])])
-def test_gpu_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits, tp):
-    """All-reduces (symmetric memory for decode's small messages, NCCL for prefill's) inside
-    compiled steps and captured decode graphs: TP=2's and TP=4's logits agree with TP=1's to bf16
-    rounding (the reduce order differs), at prefill and in the captured decode steps."""
+def test_gpu_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits, tp, monkeypatch):
+    """All-reduces over symmetric memory (FLEXSGL_ALLREDUCE=symm: decode's small messages; NCCL for
+    prefill's) inside compiled steps and captured decode graphs: TP=2's and TP=4's logits agree with
+    TP=1's to bf16 rounding (the reduce order differs), at prefill and in the captured decode steps."""
+    monkeypatch.setenv("FLEXSGL_ALLREDUCE", "symm")  # the spawned ranks inherit it
     model = _qwen3_8b_layers(tmp_path / "qwen3-8b-4layers")
     opts = dict(load_format="dummy", max_total_tokens=1 << 15, max_running_requests=8, cuda_graph_bs=(1, 2, 4, 8))
     _assert_tp_agrees(model, opts, tp, sampled_logits, vocab=150000, compiled=True)
@@ -427,7 +428,8 @@ def test_gpu_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits, tp):
 @pytest.mark.gpu
 @needs_gpus[2]
 def test_gpu_flashinfer_all_reduce_matches_one_rank(tmp_path, sampled_logits, monkeypatch):
-    """FLEXSGL_ALLREDUCE=trtllm: FlashInfer's TensorRT-LLM all-reduce inside compiled steps and
+    """FLEXSGL_ALLREDUCE=trtllm (what auto picks where FlashInfer is installed): FlashInfer's
+    TensorRT-LLM all-reduce, with the residual add and RMSNorm fused, inside compiled steps and
     captured decode graphs (prefill's larger messages through NCCL) agrees with TP=1 as above."""
     pytest.importorskip("flashinfer.comm")
     monkeypatch.setenv("FLEXSGL_ALLREDUCE", "trtllm")  # the spawned rank inherits it
@@ -950,3 +952,24 @@ def test_all_reduce_carrying_the_norms_gives_hfs_tokens_and_logits(tmp_path, mon
         tokens, logits = hf_reference(hf, prompt, 6)
         assert o.token_ids == tokens, f"seed={seed}"
         torch.testing.assert_close(torch.stack(seen[o.request_id]), logits, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+
+
+def test_second_group_of_a_name_does_without_symmetric_memory(monkeypatch):
+    """Torch sets symmetric memory up once per group name and process, and a later engine's group
+    has the first one's name: that group is told to use another all-reduce, in one sentence (it
+    would otherwise wait forever at the rendezvous); an unknown FLEXSGL_ALLREDUCE is refused."""
+    from types import SimpleNamespace
+
+    from flexsgl.distributed import allreduce
+
+    group = SimpleNamespace(device=torch.device("cuda", 0), one_host=True, name=str(random.randrange(1000)))
+    monkeypatch.delenv("FLEXSGL_ALLREDUCE", raising=False)
+    monkeypatch.setattr(allreduce, "_symm_names", set())
+    first = allreduce._symm_unusable(group)
+    allreduce._symm_names.add(group.name)
+    second = allreduce._symm_unusable(group)
+    assert first is None or "lacks" in first  # a torch without the kernels says so instead
+    assert second is not None and f"earlier group named {group.name!r}" in second
+    monkeypatch.setenv("FLEXSGL_ALLREDUCE", "fast")
+    with pytest.raises(ValueError, match="FLEXSGL_ALLREDUCE='fast' is not one of auto, trtllm, symm, nccl"):
+        allreduce._symm_unusable(group)
