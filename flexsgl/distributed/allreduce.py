@@ -98,23 +98,25 @@ def prepare(group, hidden: int, dtype: torch.dtype) -> str | None:
     wanted = group.device.type == "cuda" and mode in ("auto", "trtllm")
     if not any(group.gather(wanted)):
         return None
-    trt, error = None, _trtllm_unusable(group)
-    if error is None:
+    behind = "symmetric memory" if _symm is not None else "NCCL"
+    # Every rank says whether it can before any makes the workspace, itself a collective.
+    reason = next((r for r in group.gather(_trtllm_unusable(group)) if r is not None), None)
+    trt, error = None, None
+    if reason is None:
         try:
             trt = TrtllmAllReduce(group, hidden, dtype)
         except Exception as e:
             error = f"rank {group.rank}: {type(e).__name__}: {e}"
-    errors = [e for e in group.gather(error) if e is not None]
-    if errors:
+        reason = next((e for e in group.gather(error) if e is not None), None)
+    if reason is not None:
         if mode == "trtllm":
-            raise RuntimeError(f"{ENV}=trtllm: FlashInfer's all-reduce cannot run ({errors[0]})")
+            raise RuntimeError(f"{ENV}=trtllm: FlashInfer's all-reduce cannot run ({reason})")
         if trt is not None:
             trt.workspace.destroy()
-        return None if _symm is not None else f"NCCL (FlashInfer's all-reduce: {errors[0]})"
+        return f"{behind} (FlashInfer's all-reduce: {reason})"
     _trt = trt
     return (f"FlashInfer's TensorRT-LLM all-reduce for up to {trt.max_rows} rows, with the residual "
-            f"add and RMSNorm fused where a dense layer has them; "
-            f"{'symmetric memory' if _symm is not None else 'NCCL'} above")
+            f"add and RMSNorm fused where a dense layer has them; {behind} above")
 
 
 def teardown() -> None:
