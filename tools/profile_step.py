@@ -30,6 +30,7 @@ kernel's share of the critical path (with PDL, kernels overlap and their duratio
     python tools/profile_step.py --model qwen3-0.6b --profile-steps 1 --profile-at prefill:3
     python tools/profile_step.py --model qwen3-8b --workload latency --profile-steps 20 --profile-at decode:8
     python tools/profile_step.py --model qwen3-0.6b --structured json-schema --override flex   # constrained steps
+    python tools/profile_step.py --model qwen3-8b --tp 2                  # rank 0 of two tensor-parallel ranks
 """
 
 from __future__ import annotations
@@ -243,6 +244,8 @@ def main() -> None:
     ap.add_argument("--input-len", help="as flexsgl bench's")
     ap.add_argument("--output-len", help="as flexsgl bench's")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (rank 0's phases; `launch` "
+                    "includes sending the step's plan to the other ranks)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slow", type=float, default=0.3, help="list steps whose launch took longer (seconds)")
     ap.add_argument("--profile-steps", type=int, default=0)
@@ -254,7 +257,7 @@ def main() -> None:
     mode, _, k = a.profile_at.partition(":")
     if mode not in ("decode", "prefill") or not k.isdigit() or int(k) < 1:
         ap.error(f"--profile-at takes decode:K or prefill:K with K >= 1, got {a.profile_at!r}")
-    engine = {"model": a.model, "max_running_requests": a.max_running_requests,
+    engine = {"model": a.model, "tensor_parallel_size": a.tp, "max_running_requests": a.max_running_requests,
               "max_num_batched_tokens": a.max_num_batched_tokens, "max_total_tokens": a.max_total_tokens}
     try:
         engine = EngineConfig(disable_cuda_graph=a.disable_cuda_graph,
@@ -294,6 +297,7 @@ def main() -> None:
             print(f"the pass ended before step {k} of {mode}: nothing profiled")
         else:
             print_profile(llm, done, a.rows)
+    llm.shutdown()
 
 
 if __name__ == "__main__":
