@@ -861,7 +861,7 @@ def _symm_all_reduce_rank(rank: int, size: int, port: int, seed: int) -> None:
     """One rank of test_gpu_symmetric_all_reduce_equals_nccl (spawned)."""
     import torch.distributed as dist
 
-    from flexsgl.distributed import allreduce
+    from flexsgl.distributed import allreduce, nvlink_allreduce
     from flexsgl.distributed.group import destroy_group, init_group
 
     device = torch.device("cuda", rank)
@@ -882,7 +882,7 @@ def _symm_all_reduce_rank(rank: int, size: int, port: int, seed: int) -> None:
     for kb in (8, 16, 32, 64, 1024, 4096):
         n = kb * 1024 // 2
         for kind in ("one-shot", "two-shot"):
-            if kind == "one-shot" and kb * 1024 > allreduce.ONE_SHOT_MAX_BYTES:
+            if kind == "one-shot" and kb * 1024 > nvlink_allreduce.ONE_SHOT_MAX_BYTES:
                 continue
             x = torch.randn(n, generator=gen, device=device, dtype=torch.bfloat16)
             close(symm(x, kind), nccl(x), f"{kind} of {kb} KB")

@@ -1,9 +1,10 @@
 """Microseconds per all-reduce across the GPUs of this host: NCCL against flexsgl's all-reduces over
-symmetric memory (flexsgl/distributed/allreduce.py: one-shot, two-shot, and the one it picks for
-the size), and, where FlashInfer is installed, its TensorRT-LLM all-reduce (`flashinfer.comm`,
-one-shot and two-shot, over IPC memory without multicast) alone and fused with the residual add
-and RMSNorm that follow it in a layer ("trt1+norm", one-shot); bfloat16 messages from 8 KB to
-4 MB, as rows of HIDDEN values (a Qwen3-8B hidden state per row).
+symmetric memory (flexsgl/distributed/nvlink_allreduce.py: one-shot, two-shot), the one the engine
+picks for the size ("flexsgl", "picks": flexsgl/distributed/allreduce.py, FLEXSGL_ALLREDUCE as
+the engine reads it), and, where FlashInfer is installed, its TensorRT-LLM all-reduce
+(`flashinfer.comm`, one-shot and two-shot, over IPC memory without multicast) alone and fused with
+the residual add and RMSNorm that follow it in a layer ("trt1+norm", one-shot); bfloat16 messages
+from 8 KB to 4 MB, as rows of HIDDEN values (a Qwen3-8B hidden state per row).
 
 Each figure is one all-reduce's share of a CUDA graph of 50 in a row on the same buffer, replayed
 20 times (the way decode steps run them: captured, so launch costs are the graph's), the median of
@@ -61,12 +62,13 @@ def time_graph(fn, device) -> float:
 def rank_main(rank: int, size: int, port: int) -> None:
     import torch.distributed as dist
 
-    from flexsgl.distributed import allreduce
+    from flexsgl.distributed import allreduce, nvlink_allreduce
     from flexsgl.distributed.group import destroy_group, init_group
 
     device = torch.device("cuda", rank)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
     group = init_group(rank, size, device, store)
+    allreduce.prepare(group, HIDDEN, torch.bfloat16)  # the engine's choice ("flexsgl"): FlashInfer's where auto takes it
     symm = allreduce._symm
     fi = FlashInferAllReduce.make(group)
     rows = []
@@ -78,14 +80,17 @@ def rank_main(rank: int, size: int, port: int) -> None:
         x.copy_(torch.randn(x.shape, device=device, dtype=x.dtype, generator=torch.Generator(device).manual_seed(rank)))
         if symm is not None:
             for kind in ("one-shot", "two-shot"):
-                if kind == "one-shot" and kb * 1024 > 4 * allreduce.ONE_SHOT_MAX_BYTES:
+                if kind == "one-shot" and kb * 1024 > 4 * nvlink_allreduce.ONE_SHOT_MAX_BYTES:
                     row[kind] = None
                     continue
                 got = symm(x, kind)
                 torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.06)
                 row[kind] = time_graph(lambda: symm(x, kind), device)
-            row["flexsgl"] = time_graph(lambda: allreduce.all_reduce(x), device)
-            row["picks"] = symm.kind(x)
+        rows2d, trt = x.view(-1, HIDDEN), allreduce._trt
+        torch.testing.assert_close(allreduce.all_reduce(rows2d).float().view(-1), want.float(), rtol=0.02, atol=0.06)
+        row["flexsgl"] = time_graph(lambda: allreduce.all_reduce(rows2d), device)
+        row["picks"] = ("trt" if trt is not None and trt.takes(rows2d) else
+                        symm.kind(x) if symm is not None else "nccl")
         if fi is not None:
             row.update(fi.time_all(x, want))
         rows.append(row)
@@ -109,7 +114,7 @@ def rank_main(rank: int, size: int, port: int) -> None:
 
 
 class FlashInferAllReduce:
-    """FlashInfer's TensorRT-LLM all-reduce on the engine's workspace (allreduce.TrtllmAllReduce, for
+    """FlashInfer's TensorRT-LLM all-reduce on the engine's workspace (nvlink_allreduce.TrtllmAllReduce, for
     rows of HIDDEN); each size timed one-shot and two-shot, alone and fused with a residual add and
     RMSNorm, and checked against NCCL's sum (a column is None where FlashInfer refuses the case;
     why goes to `errors`)."""
@@ -121,12 +126,12 @@ class FlashInferAllReduce:
 
     @classmethod
     def make(cls, group):
-        from flexsgl.distributed import allreduce
+        from flexsgl.distributed import nvlink_allreduce
 
         if importlib.util.find_spec("flashinfer") is None:
             return None
         try:
-            return cls(allreduce.TrtllmAllReduce(group, HIDDEN, torch.bfloat16))
+            return cls(nvlink_allreduce.TrtllmAllReduce(group, HIDDEN, torch.bfloat16))
         except Exception as e:
             print(f"rank {group.rank}: FlashInfer's all-reduce workspace failed: {type(e).__name__}: {e}")
             return None

@@ -43,24 +43,20 @@ from __future__ import annotations
 
 import importlib
 import os
-import warnings
 
 import torch
-import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
+from flexsgl.distributed.nvlink_allreduce import (ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, SymmetricAllReduce,
+                                                  TrtllmAllReduce, flashinfer_comm_built)
 from flexsgl.log import logger
 
-ONE_SHOT_MAX_BYTES = 256 << 10  # messages up to this go through the one-shot kernel
-TWO_SHOT_MAX_BYTES = 8 << 20  # up to this the two-shot one (the buffer's size); above, NCCL
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TRT_MAX_BYTES = 8 << 20  # FlashInfer's workspace: rows of the hidden size up to this many bytes
 ENV = "FLEXSGL_ALLREDUCE"  # "auto" (default), "trtllm", "symm" or "nccl" (module docstring)
 MODES = ("auto", "trtllm", "symm", "nccl")
 
 _name: str | None = None  # the device group's name (a constant to torch.compile)
-_symm: "SymmetricAllReduce | None" = None  # set on every rank, or on none
-_trt: "TrtllmAllReduce | None" = None  # set on every rank, or on none (prepare)
+_symm: SymmetricAllReduce | None = None  # set on every rank, or on none
+_trt: TrtllmAllReduce | None = None  # set on every rank, or on none (prepare)
 _symm_names: set[str] = set()  # groups this process set symmetric memory up for (torch allows it once a name)
 
 
@@ -103,6 +99,9 @@ def prepare(group, hidden: int, dtype: torch.dtype) -> str | None:
     reason = next((r for r in group.gather(_trtllm_unusable(group)) if r is not None), None)
     trt, error = None, None
     if reason is None:
+        if group.rank == 0 and not flashinfer_comm_built():
+            logger.info("building FlashInfer's all-reduce kernels (first use: a few minutes, once; FlashInfer "
+                        f"caches them; {ENV}=symm goes without them)")
         try:
             trt = TrtllmAllReduce(group, hidden, dtype)
         except Exception as e:
@@ -143,17 +142,6 @@ def _trtllm_unusable(group) -> str | None:
     except Exception as e:  # not installed, or it failed to import
         return f"flashinfer.comm does not import ({type(e).__name__}: {e})"
     return None
-
-
-def _flashinfer_comm_built() -> bool:
-    """Whether FlashInfer's all-reduce kernels are built (ahead of time or in its JIT cache)."""
-    try:
-        from flashinfer.jit.comm import gen_trtllm_comm_module
-
-        spec = gen_trtllm_comm_module()
-        return bool(spec.is_aot or spec.is_compiled)
-    except Exception:  # another FlashInfer version: nothing to say
-        return True
 
 
 def _symm_unusable(group) -> str | None:
@@ -199,105 +187,6 @@ def all_reduce_add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     """(s, RMSNorm(s) * weight) for s = residual + the sum of `x` over the ranks, in one kernel
     (only where fuses_norm(x))."""
     return torch.ops.flexsgl.all_reduce_add_norm(x, residual, weight, eps, _name)
-
-
-class SymmetricAllReduce:
-    """One symmetric buffer of TWO_SHOT_MAX_BYTES per rank, mapped on every rank, and the kernels over it."""
-
-    def __init__(self, group):
-        from torch.distributed import _symmetric_memory as symm
-
-        self.name, self.size, self.rank = group.name, group.size, group.rank
-        self.pg = group.group
-        with warnings.catch_warnings():  # older torch needs it; newer ones call it deprecated
-            warnings.simplefilter("ignore")
-            if hasattr(symm, "enable_symm_mem_for_group"):
-                symm.enable_symm_mem_for_group(self.name)
-        self.buffer = symm.empty(TWO_SHOT_MAX_BYTES, dtype=torch.uint8, device=group.device)
-        self.handle = symm.rendezvous(self.buffer, self.name)
-        self.copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
-
-    def kind(self, x: torch.Tensor) -> str:
-        """Which all-reduce takes `x`: "one-shot", "two-shot" or "nccl"."""
-        nbytes = x.numel() * x.element_size()
-        if x.dtype not in DTYPES or nbytes % 16 or nbytes > TWO_SHOT_MAX_BYTES:
-            return "nccl"
-        return "one-shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two-shot"
-
-    def __call__(self, x: torch.Tensor, kind: str | None = None) -> torch.Tensor:
-        kind = kind or self.kind(x)
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        if kind == "nccl":
-            out.copy_(x)
-            dist.all_reduce(out, group=self.pg)
-            return out
-        flat, n = out.view(-1), x.numel()
-        buf = self.buffer.view(x.dtype)[:n]
-        ops = torch.ops.symm_mem
-        if kind == "one-shot" and self.copy_out is not None:
-            self.copy_out(buf, x.view(-1), "sum", self.name, flat)
-        else:
-            buf.copy_(x.view(-1))
-            if kind == "one-shot":
-                ops.one_shot_all_reduce_out(buf, "sum", self.name, flat)
-            else:
-                ops.two_shot_all_reduce_out(buf, "sum", self.name, flat)
-        return out
-
-    def check(self) -> None:
-        """Each kind once on a known input: rank r gives r + 1 (+ the element's index), so the sum
-        is known; raises if a result is off."""
-        for kind, n in (("one-shot", 4096), ("two-shot", ONE_SHOT_MAX_BYTES // 2 + 4096)):
-            idx = torch.arange(n, device=self.buffer.device, dtype=torch.float32) % 16  # sums exact in bf16
-            got = self(((self.rank + 1) + idx).to(torch.bfloat16), kind).float()
-            want = self.size * (self.size + 1) / 2 + self.size * idx
-            if not torch.equal(got, want):
-                raise RuntimeError(f"the {kind} all-reduce gave a wrong sum (off by up to "
-                                   f"{(got - want).abs().max().item():g})")
-        torch.cuda.synchronize(self.buffer.device)
-
-
-class TrtllmAllReduce:
-    """FlashInfer's TensorRT-LLM all-reduce (kAllReduce, and kARResidualRMSNorm for `add_norm`) on
-    one workspace for rows of `hidden` values, up to TRT_MAX_BYTES a message. Making it builds
-    FlashInfer's kernels where its cache lacks them (said on the terminal), then checks one sum."""
-
-    def __init__(self, group, hidden: int, dtype: torch.dtype):
-        import flashinfer.comm as comm
-
-        self.comm, self.hidden, self.dtype = comm, hidden, dtype
-        self.max_rows = max(1, TRT_MAX_BYTES // (hidden * dtype.itemsize))
-        if group.rank == 0 and not _flashinfer_comm_built():
-            logger.info("building FlashInfer's all-reduce kernels (first use: a few minutes, once; FlashInfer "
-                        f"caches them; {ENV}=symm skips them)")
-        # backend "trtllm": IPC memory without multicast (its "mnnvl" backend needs NVLink multicast)
-        self.workspace = comm.create_allreduce_fusion_workspace(
-            backend="trtllm", world_size=group.size, rank=group.rank, max_token_num=self.max_rows,
-            hidden_dim=hidden, dtype=dtype, group=group.group)
-        idx = torch.arange(2 * hidden, device=group.device, dtype=torch.float32).view(2, hidden) % 16
-        got = self(((group.rank + 1) + idx).to(dtype)).float()  # sums exact in bf16
-        want = group.size * (group.size + 1) / 2 + group.size * idx
-        if not torch.equal(got, want):
-            raise RuntimeError(f"FlashInfer's all-reduce gave a wrong sum (off by up to {(got - want).abs().max().item():g})")
-
-    def takes(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and x.shape[1] == self.hidden and x.shape[0] <= self.max_rows and x.dtype == self.dtype
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        self.comm.allreduce_fusion(input=x.contiguous(), workspace=self.workspace,
-                                   pattern=self.comm.AllReduceFusionPattern.kAllReduce, output=out)
-        return out
-
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        summed, normed = torch.empty_like(x), torch.empty_like(x)
-        self.comm.allreduce_fusion(input=x.contiguous(), workspace=self.workspace,
-                                   pattern=self.comm.AllReduceFusionPattern.kARResidualRMSNorm,
-                                   residual_in=residual.contiguous(), residual_out=summed, norm_out=normed,
-                                   rms_gamma=weight, rms_eps=eps)
-        return summed, normed
 
 
 @torch.library.custom_op("flexsgl::all_reduce", mutates_args=())

@@ -1,0 +1,131 @@
+"""The all-reduces over NVLink peers on one host that flexsgl/distributed/allreduce.py chooses
+between (it holds the choice and the custom ops the model calls):
+
+- `SymmetricAllReduce`: torch's symmetric memory, one buffer per rank mapped into every other
+  rank's address space; one-shot (each rank reads and adds every peer's buffer) up to
+  ONE_SHOT_MAX_BYTES, two-shot (a reduce-scatter and an all-gather over the same buffers) up to
+  TWO_SHOT_MAX_BYTES, NCCL above.
+- `TrtllmAllReduce`: FlashInfer's TensorRT-LLM all-reduce on one IPC workspace, plain
+  (kAllReduce) or adding the residual and RMSNorm-ing the sum (kARResidualRMSNorm, `add_norm`).
+
+Neither uses NVLink multicast. Each checks one sum against a known answer when made.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+ONE_SHOT_MAX_BYTES = 256 << 10  # messages up to this go through the one-shot kernel
+TWO_SHOT_MAX_BYTES = 8 << 20  # up to this the two-shot one (the buffer's size); above, NCCL
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TRT_MAX_BYTES = 8 << 20  # FlashInfer's workspace: rows of the hidden size up to this many bytes
+
+
+class SymmetricAllReduce:
+    """One symmetric buffer of TWO_SHOT_MAX_BYTES per rank, mapped on every rank, and the kernels over it."""
+
+    def __init__(self, group):
+        from torch.distributed import _symmetric_memory as symm
+
+        self.name, self.size, self.rank = group.name, group.size, group.rank
+        self.pg = group.group
+        with warnings.catch_warnings():  # older torch needs it; newer ones call it deprecated
+            warnings.simplefilter("ignore")
+            if hasattr(symm, "enable_symm_mem_for_group"):
+                symm.enable_symm_mem_for_group(self.name)
+        self.buffer = symm.empty(TWO_SHOT_MAX_BYTES, dtype=torch.uint8, device=group.device)
+        self.handle = symm.rendezvous(self.buffer, self.name)
+        self.copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
+
+    def kind(self, x: torch.Tensor) -> str:
+        """Which all-reduce takes `x`: "one-shot", "two-shot" or "nccl"."""
+        nbytes = x.numel() * x.element_size()
+        if x.dtype not in DTYPES or nbytes % 16 or nbytes > TWO_SHOT_MAX_BYTES:
+            return "nccl"
+        return "one-shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two-shot"
+
+    def __call__(self, x: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        kind = kind or self.kind(x)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        if kind == "nccl":
+            out.copy_(x)
+            dist.all_reduce(out, group=self.pg)
+            return out
+        flat, n = out.view(-1), x.numel()
+        buf = self.buffer.view(x.dtype)[:n]
+        ops = torch.ops.symm_mem
+        if kind == "one-shot" and self.copy_out is not None:
+            self.copy_out(buf, x.view(-1), "sum", self.name, flat)
+        else:
+            buf.copy_(x.view(-1))
+            if kind == "one-shot":
+                ops.one_shot_all_reduce_out(buf, "sum", self.name, flat)
+            else:
+                ops.two_shot_all_reduce_out(buf, "sum", self.name, flat)
+        return out
+
+    def check(self) -> None:
+        """Each kind once on a known input: rank r gives r + 1 (+ the element's index), so the sum
+        is known; raises if a result is off."""
+        for kind, n in (("one-shot", 4096), ("two-shot", ONE_SHOT_MAX_BYTES // 2 + 4096)):
+            idx = torch.arange(n, device=self.buffer.device, dtype=torch.float32) % 16  # sums exact in bf16
+            got = self(((self.rank + 1) + idx).to(torch.bfloat16), kind).float()
+            want = self.size * (self.size + 1) / 2 + self.size * idx
+            if not torch.equal(got, want):
+                raise RuntimeError(f"the {kind} all-reduce gave a wrong sum (off by up to "
+                                   f"{(got - want).abs().max().item():g})")
+        torch.cuda.synchronize(self.buffer.device)
+
+
+class TrtllmAllReduce:
+    """FlashInfer's TensorRT-LLM all-reduce (kAllReduce, and kARResidualRMSNorm for `add_norm`) on
+    one workspace for rows of `hidden` values, up to TRT_MAX_BYTES a message. Making it builds
+    FlashInfer's kernels where its cache lacks them (flashinfer_comm_built), then checks one sum."""
+
+    def __init__(self, group, hidden: int, dtype: torch.dtype):
+        import flashinfer.comm as comm
+
+        self.comm, self.hidden, self.dtype = comm, hidden, dtype
+        self.max_rows = max(1, TRT_MAX_BYTES // (hidden * dtype.itemsize))
+        # backend "trtllm": IPC memory without multicast (its "mnnvl" backend needs NVLink multicast)
+        self.workspace = comm.create_allreduce_fusion_workspace(
+            backend="trtllm", world_size=group.size, rank=group.rank, max_token_num=self.max_rows,
+            hidden_dim=hidden, dtype=dtype, group=group.group)
+        idx = torch.arange(2 * hidden, device=group.device, dtype=torch.float32).view(2, hidden) % 16
+        got = self(((group.rank + 1) + idx).to(dtype)).float()  # sums exact in bf16
+        want = group.size * (group.size + 1) / 2 + group.size * idx
+        if not torch.equal(got, want):
+            raise RuntimeError(f"FlashInfer's all-reduce gave a wrong sum (off by up to {(got - want).abs().max().item():g})")
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[1] == self.hidden and x.shape[0] <= self.max_rows and x.dtype == self.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.comm.allreduce_fusion(input=x.contiguous(), workspace=self.workspace,
+                                   pattern=self.comm.AllReduceFusionPattern.kAllReduce, output=out)
+        return out
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        summed, normed = torch.empty_like(x), torch.empty_like(x)
+        self.comm.allreduce_fusion(input=x.contiguous(), workspace=self.workspace,
+                                   pattern=self.comm.AllReduceFusionPattern.kARResidualRMSNorm,
+                                   residual_in=residual.contiguous(), residual_out=summed, norm_out=normed,
+                                   rms_gamma=weight, rms_eps=eps)
+        return summed, normed
+
+
+def flashinfer_comm_built() -> bool:
+    """Whether FlashInfer's all-reduce kernels are built (ahead of time or in its JIT cache)."""
+    try:
+        from flashinfer.jit.comm import gen_trtllm_comm_module
+
+        spec = gen_trtllm_comm_module()
+        return bool(spec.is_aot or spec.is_compiled)
+    except Exception:  # another FlashInfer version: nothing to say
+        return True
