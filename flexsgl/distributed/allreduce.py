@@ -48,7 +48,7 @@ import torch
 from torch.distributed import _functional_collectives as funcol
 
 from flexsgl.distributed.nvlink_allreduce import (ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, SymmetricAllReduce,
-                                                  TrtllmAllReduce, flashinfer_comm_built)
+                                                  TrtllmAllReduce, build_flashinfer_comm, flashinfer_comm_built)
 from flexsgl.log import logger
 
 ENV = "FLEXSGL_ALLREDUCE"  # "auto" (default), "trtllm", "symm" or "nccl" (module docstring)
@@ -95,13 +95,14 @@ def prepare(group, hidden: int, dtype: torch.dtype) -> str | None:
     if not any(group.gather(wanted)):
         return None
     behind = "symmetric memory" if _symm is not None else "NCCL"
-    # Every rank says whether it can before any makes the workspace, itself a collective.
+    # Every rank imports and builds the kernels, then says whether it can, before any makes the
+    # workspace, itself a collective (over the control group, which waits as long as a build takes).
+    if group.rank == 0 and not flashinfer_comm_built():
+        logger.info("building FlashInfer's all-reduce kernels (first use: a few minutes, once; FlashInfer "
+                    f"caches them; {ENV}=symm goes without them)")
     reason = next((r for r in group.gather(_trtllm_unusable(group)) if r is not None), None)
     trt, error = None, None
     if reason is None:
-        if group.rank == 0 and not flashinfer_comm_built():
-            logger.info("building FlashInfer's all-reduce kernels (first use: a few minutes, once; FlashInfer "
-                        f"caches them; {ENV}=symm goes without them)")
         try:
             trt = TrtllmAllReduce(group, hidden, dtype)
         except Exception as e:
@@ -141,6 +142,10 @@ def _trtllm_unusable(group) -> str | None:
         importlib.import_module("flashinfer.comm")
     except Exception as e:  # not installed, or it failed to import
         return f"flashinfer.comm does not import ({type(e).__name__}: {e})"
+    try:
+        build_flashinfer_comm()
+    except Exception as e:  # no compiler, or a build that failed
+        return f"its kernels did not build ({type(e).__name__}: {str(e)[:200]})"
     return None
 
 

@@ -129,3 +129,11 @@ def flashinfer_comm_built() -> bool:
         return bool(spec.is_aot or spec.is_compiled)
     except Exception:  # another FlashInfer version: nothing to say
         return True
+
+
+def build_flashinfer_comm() -> None:
+    """Build FlashInfer's all-reduce kernels now (or load them from its cache), before any collective
+    waits on them: a first build takes minutes."""
+    from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+
+    get_trtllm_comm_module()
