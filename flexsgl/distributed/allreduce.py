@@ -175,7 +175,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def fusing() -> bool:
-    """Whether all-reduces can carry the residual add and RMSNorm (FlashInfer's, FLEXSGL_ALLREDUCE=trtllm)."""
+    """Whether all-reduces can carry the residual add and RMSNorm (FlashInfer's all-reduce is in use)."""
     return _trt is not None
 
 
