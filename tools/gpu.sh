@@ -141,8 +141,8 @@ TP_SIZES="1 2"; [ "$GPUS" -ge 4 ] && TP_SIZES="1 2 4"
 # PYTHONFAULTHANDLER=1), SIGKILL 20 s later.
 guard() { local limit=$1; shift; PYTHONFAULTHANDLER=1 setsid -w timeout -s ABRT -k 20 "$limit" "$@"; }
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
-# FlashInfer compiles its all-reduce kernels on first use (~5 min on 64 cores), inside whichever TP
-# step comes first: build them once, ahead of the steps' limits, where FlashInfer is staged.
+# FlashInfer compiles its all-reduce kernels on first use (~5 min on 64 cores), and `auto` takes its
+# all-reduce only once they are built: build them once, ahead of the TP steps, where FlashInfer is staged.
 if printf '%s\n' "${steps[@]}" | grep -q '^tp-'; then
   python -c "import flashinfer.comm" 2>/dev/null && { echo "== FlashInfer all-reduce kernels (built once)"
     timeout 600 python -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" 2>&1 | tail -2; }

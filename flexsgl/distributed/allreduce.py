@@ -7,8 +7,10 @@
   (`tools/allreduce_bench.py`, docs/BENCHMARKS.md). Its kernel can also add the residual and
   RMSNorm the sum (kARResidualRMSNorm): `all_reduce_add_norm` returns both, and the dense decoder
   (flexsgl/model/decoder.py) takes that path wherever `fuses_norm` says so (steps of 2 rows or more:
-  at one row the gemv kernels fold the norm in), so no add or norm kernel follows the all-reduce. FlashInfer compiles these kernels on first use
-  (minutes, once; its cache keeps them).
+  at one row the gemv kernels fold the norm in), so no add or norm kernel follows the all-reduce.
+  FlashInfer compiles these kernels on first use (minutes, once; its cache keeps them): `auto`
+  takes them once they are built (ahead of time, or by one run with FLEXSGL_ALLREDUCE=trtllm) and
+  meanwhile goes without rather than wait.
 - Otherwise on GPUs of one host, and for what FlashInfer's workspace does not hold, torch's
   symmetric memory (`torch.distributed._symmetric_memory`): each rank's buffer is mapped into
   every other rank's address space over NVLink, and one kernel copies the rank's input into its
@@ -95,12 +97,13 @@ def prepare(group, hidden: int, dtype: torch.dtype) -> str | None:
     if not any(group.gather(wanted)):
         return None
     behind = "symmetric memory" if _symm is not None else "NCCL"
-    # Every rank imports and builds the kernels, then says whether it can, before any makes the
-    # workspace, itself a collective (over the control group, which waits as long as a build takes).
-    if group.rank == 0 and not flashinfer_comm_built():
+    # Every rank imports (and with trtllm builds) the kernels, then says whether it can, before any
+    # makes the workspace, itself a collective (over the control group, which waits out a build).
+    if mode == "trtllm" and group.rank == 0 and not flashinfer_comm_built():
         logger.info("building FlashInfer's all-reduce kernels (first use: a few minutes, once; FlashInfer "
-                    f"caches them; {ENV}=symm goes without them)")
-    reason = next((r for r in group.gather(_trtllm_unusable(group)) if r is not None), None)
+                    "caches them)")
+    reason = next((r for r in group.gather(_trtllm_unusable(group, build=mode == "trtllm")) if r is not None),
+                  None)
     trt, error = None, None
     if reason is None:
         try:
@@ -134,14 +137,18 @@ def _mode() -> str:
     return mode
 
 
-def _trtllm_unusable(group) -> str | None:
-    """Why this rank cannot use FlashInfer's all-reduce (None: it can)."""
+def _trtllm_unusable(group, build: bool) -> str | None:
+    """Why this rank cannot use FlashInfer's all-reduce (None: it can). Its kernels are built first
+    where `build` (FLEXSGL_ALLREDUCE=trtllm); `auto` does not wait minutes for a first build."""
     if not group.one_host:
         return "ranks on several hosts"
     try:
         importlib.import_module("flashinfer.comm")
     except Exception as e:  # not installed, or it failed to import
         return f"flashinfer.comm does not import ({type(e).__name__}: {e})"
+    if not build and not flashinfer_comm_built():
+        return (f"its kernels are not built yet; one run with {ENV}=trtllm builds them, in a few minutes, "
+                "and later runs pick it")
     try:
         build_flashinfer_comm()
     except Exception as e:  # no compiler, or a build that failed
