@@ -973,3 +973,28 @@ def test_second_group_of_a_name_does_without_symmetric_memory(monkeypatch):
     monkeypatch.setenv("FLEXSGL_ALLREDUCE", "fast")
     with pytest.raises(ValueError, match="FLEXSGL_ALLREDUCE='fast' is not one of auto, trtllm, symm, nccl"):
         allreduce._symm_unusable(group)
+
+
+def test_auto_goes_without_flashinfers_all_reduce_until_it_is_built(monkeypatch):
+    """auto does not wait minutes for FlashInfer's first build: unbuilt kernels are a reason to go
+    without, which names how to build them; FLEXSGL_ALLREDUCE=trtllm builds them, and a failed build
+    is its reason (FlashInfer stood in: the CPU has none)."""
+    from types import SimpleNamespace
+
+    from flexsgl.distributed import allreduce
+
+    group = SimpleNamespace(one_host=True)
+    monkeypatch.setattr(allreduce.importlib, "import_module", lambda name: SimpleNamespace())
+    monkeypatch.setattr(allreduce, "flashinfer_comm_built", lambda: False)
+    built = []
+    monkeypatch.setattr(allreduce, "build_flashinfer_comm", lambda: built.append(1))
+    why = allreduce._trtllm_unusable(group, build=False)
+    assert why is not None and "FLEXSGL_ALLREDUCE=trtllm builds them" in why and not built
+    assert allreduce._trtllm_unusable(group, build=True) is None and built == [1]
+
+    def fails():
+        raise RuntimeError("nvcc not found")
+
+    monkeypatch.setattr(allreduce, "build_flashinfer_comm", fails)
+    assert "did not build (RuntimeError: nvcc not found)" in allreduce._trtllm_unusable(group, build=True)
+    assert "several hosts" in allreduce._trtllm_unusable(SimpleNamespace(one_host=False), build=True)
