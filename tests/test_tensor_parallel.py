@@ -998,3 +998,16 @@ def test_auto_goes_without_flashinfers_all_reduce_until_it_is_built(monkeypatch)
     monkeypatch.setattr(allreduce, "build_flashinfer_comm", fails)
     assert "did not build (RuntimeError: nvcc not found)" in allreduce._trtllm_unusable(group, build=True)
     assert "several hosts" in allreduce._trtllm_unusable(SimpleNamespace(one_host=False), build=True)
+
+
+def test_the_start_up_sum_check_accepts_a_right_all_reduce_and_names_a_wrong_one():
+    """nvlink_allreduce.check_sum, with two ranks simulated in one process: the right sum passes,
+    a sum missing one rank's part is refused with the check's name."""
+    from flexsgl.distributed.nvlink_allreduce import check_sum
+
+    shape, cpu = (3, 40), torch.device("cpu")
+    idx = torch.arange(120, dtype=torch.float32).view(shape) % 16
+    other = (2 + idx).to(torch.bfloat16)  # rank 1's input
+    check_sum(lambda x: x + other, shape, 0, 2, torch.bfloat16, "a simulated all-reduce", cpu)
+    with pytest.raises(RuntimeError, match="a lossy all-reduce gave a wrong sum"):
+        check_sum(lambda x: x, shape, 0, 2, torch.bfloat16, "a lossy all-reduce", cpu)

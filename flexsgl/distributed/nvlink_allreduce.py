@@ -13,6 +13,7 @@ Neither uses NVLink multicast. Each checks one sum against a known answer when m
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -69,15 +70,10 @@ class SymmetricAllReduce:
         return out
 
     def check(self) -> None:
-        """Each kind once on a known input: rank r gives r + 1 (+ the element's index), so the sum
-        is known; raises if a result is off."""
+        """Each kind once on a known input (check_sum)."""
         for kind, n in (("one-shot", 4096), ("two-shot", ONE_SHOT_MAX_BYTES // 2 + 4096)):
-            idx = torch.arange(n, device=self.buffer.device, dtype=torch.float32) % 16  # sums exact in bf16
-            got = self(((self.rank + 1) + idx).to(torch.bfloat16), kind).float()
-            want = self.size * (self.size + 1) / 2 + self.size * idx
-            if not torch.equal(got, want):
-                raise RuntimeError(f"the {kind} all-reduce gave a wrong sum (off by up to "
-                                   f"{(got - want).abs().max().item():g})")
+            check_sum(lambda x: self(x, kind), (n,), self.rank, self.size, torch.bfloat16, f"the {kind} all-reduce",
+                      self.buffer.device)
         torch.cuda.synchronize(self.buffer.device)
 
 
@@ -95,11 +91,7 @@ class TrtllmAllReduce:
         self.workspace = comm.create_allreduce_fusion_workspace(
             backend="trtllm", world_size=group.size, rank=group.rank, max_token_num=self.max_rows,
             hidden_dim=hidden, dtype=dtype, group=group.group)
-        idx = torch.arange(2 * hidden, device=group.device, dtype=torch.float32).view(2, hidden) % 16
-        got = self(((group.rank + 1) + idx).to(dtype)).float()  # sums exact in bf16
-        want = group.size * (group.size + 1) / 2 + group.size * idx
-        if not torch.equal(got, want):
-            raise RuntimeError(f"FlashInfer's all-reduce gave a wrong sum (off by up to {(got - want).abs().max().item():g})")
+        check_sum(self, (2, hidden), group.rank, group.size, dtype, "FlashInfer's all-reduce", group.device)
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[1] == self.hidden and x.shape[0] <= self.max_rows and x.dtype == self.dtype
@@ -118,6 +110,17 @@ class TrtllmAllReduce:
                                    residual_in=residual.contiguous(), residual_out=summed, norm_out=normed,
                                    rms_gamma=weight, rms_eps=eps)
         return summed, normed
+
+
+def check_sum(reduce, shape: tuple[int, ...], rank: int, size: int, dtype: torch.dtype, what: str,
+              device: torch.device) -> None:
+    """Raise if `reduce` (one all-reduce, collective) gets a known sum wrong: rank r gives r + 1 plus
+    each element's index mod 16, so every sum is a small integer, exact in bf16."""
+    idx = torch.arange(math.prod(shape), device=device, dtype=torch.float32).view(shape) % 16
+    got = reduce(((rank + 1) + idx).to(dtype)).float()
+    want = size * (size + 1) / 2 + size * idx
+    if not torch.equal(got, want):
+        raise RuntimeError(f"{what} gave a wrong sum (off by up to {(got - want).abs().max().item():g})")
 
 
 def flashinfer_comm_built() -> bool:
