@@ -126,6 +126,7 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 class DecoderForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, DecoderModel(cfg))
+        self.dense = not any(isinstance(layer.mlp, MoE) for layer in self.model.layers)  # forward's fused path
         # Each parameter's weight loader: the fused parts (q, k, v; gate, up), and under tensor
         # parallelism this rank's slices of them (flexsgl/distributed/layers.py split_of); the stacked
         # experts keep their own.
@@ -140,7 +141,7 @@ class DecoderForCausalLM(CausalLM):
         under tensor parallelism, dense layers only), each layer hands the next its stream together
         with the next input_layernorm's output, and the last the model's norm of it."""
         m = self.model
-        if not allreduce.fusing() or any(isinstance(layer.mlp, MoE) for layer in m.layers):
+        if not (allreduce.fusing() and self.dense):
             return super().forward(input_ids, positions, fb)
         x, h = m.embed_tokens(input_ids), None
         nexts = [layer.input_layernorm.weight for layer in m.layers[1:]] + [m.norm.weight]
