@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import flexsgl.runner
+from flexsgl.bench.sampled_logits import logit_recorder
 
 
 def make_checkpoint(arch: str, path, seed: int, tie: bool = False, vocab: int = 320, head_dim: int = 16):
@@ -33,20 +34,8 @@ def make_checkpoint(arch: str, path, seed: int, tie: bool = False, vocab: int = 
 
 
 def capture_logits(llm, monkeypatch) -> dict[int, list[torch.Tensor]]:
-    """Record, per request id, the logits the sampler saw for it, in step order."""
-    per_req: dict[int, list[torch.Tensor]] = {}
-    step_reqs = []
-    real_sample, real_run = flexsgl.runner.sample, llm.runner.run
-
-    def run(batch, plan=None):
-        step_reqs.append([r.request_id for r, s in zip(batch.requests, batch.samples) if s])
-        return real_run(batch, plan)
-
-    def sample(logits, st, argmax=None):
-        for row, rid in enumerate(step_reqs[-1]):
-            per_req.setdefault(rid, []).append(logits[row].detach().clone())
-        return real_sample(logits, st, argmax)
-
+    """Record, per request id, the logits the sampler saw for it, in step order, until the test ends."""
+    per_req, run, sample = logit_recorder(llm)
     monkeypatch.setattr(llm.runner, "run", run)
     monkeypatch.setattr(flexsgl.runner, "sample", sample)
     return per_req

@@ -33,20 +33,10 @@ def prompt_logits(llm, prompts: list[list[int]]) -> torch.Tensor:
     """`[len(prompts), vocab]` float32 on the host: the logits each prompt's first token was sampled from."""
     import flexsgl.runner
     from flexsgl import SamplingParams
+    from flexsgl.bench.sampled_logits import logit_recorder
 
-    rows: dict[int, torch.Tensor] = {}
-    step_ids: list[list[int]] = []
+    per_req, run, sample = logit_recorder(llm)
     real_run, real_sample = llm.runner.run, flexsgl.runner.sample
-
-    def run(batch, plan=None):
-        step_ids.append([r.request_id for r, s in zip(batch.requests, batch.samples) if s])
-        return real_run(batch, plan)
-
-    def sample(logits, st, argmax=None):
-        for row, rid in enumerate(step_ids[-1]):
-            rows.setdefault(rid, logits[row].detach().float().cpu())
-        return real_sample(logits, st, argmax)
-
     llm.runner.run, flexsgl.runner.sample = run, sample
     try:
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
@@ -55,7 +45,7 @@ def prompt_logits(llm, prompts: list[list[int]]) -> torch.Tensor:
     for o in outs:
         if o.error is not None:
             raise RuntimeError(f"a prompt failed: {o.error}")
-    return torch.stack([rows[o.request_id] for o in outs])
+    return torch.stack([per_req[o.request_id][0].float().cpu() for o in outs])
 
 
 def agreement(ref: torch.Tensor, other: torch.Tensor) -> dict:
