@@ -7,6 +7,9 @@ between (it holds the choice and the custom ops the model calls):
   TWO_SHOT_MAX_BYTES, NCCL above.
 - `TrtllmAllReduce`: FlashInfer's TensorRT-LLM all-reduce on one IPC workspace, plain
   (kAllReduce) or adding the residual and RMSNorm-ing the sum (kARResidualRMSNorm, `add_norm`).
+  It launches with PDL where flexsgl's own kernels do (kernels/launch.py): it starts while the
+  projection before it drains and waits for it in-kernel, and the next projection starts loading
+  its weights as soon as the reduction has written its sum.
 
 Neither uses NVLink multicast. Each checks one sum against a known answer when made.
 """
@@ -18,6 +21,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+from flexsgl.kernels.launch import pdl
 
 ONE_SHOT_MAX_BYTES = 256 << 10  # messages up to this go through the one-shot kernel
 TWO_SHOT_MAX_BYTES = 8 << 20  # up to this the two-shot one (the buffer's size); above, NCCL
@@ -87,6 +92,7 @@ class TrtllmAllReduce:
 
         self.comm, self.hidden, self.dtype = comm, hidden, dtype
         self.max_rows = max(1, TRT_MAX_BYTES // (hidden * dtype.itemsize))
+        self.pdl = pdl(group.device)
         # backend "trtllm": IPC memory without multicast (its "mnnvl" backend needs NVLink multicast)
         self.workspace = comm.create_allreduce_fusion_workspace(
             backend="trtllm", world_size=group.size, rank=group.rank, max_token_num=self.max_rows,
@@ -99,7 +105,8 @@ class TrtllmAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         self.comm.allreduce_fusion(input=x.contiguous(), workspace=self.workspace,
-                                   pattern=self.comm.AllReduceFusionPattern.kAllReduce, output=out)
+                                   pattern=self.comm.AllReduceFusionPattern.kAllReduce, output=out,
+                                   launch_with_pdl=self.pdl)
         return out
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -108,7 +115,7 @@ class TrtllmAllReduce:
         self.comm.allreduce_fusion(input=x.contiguous(), workspace=self.workspace,
                                    pattern=self.comm.AllReduceFusionPattern.kARResidualRMSNorm,
                                    residual_in=residual.contiguous(), residual_out=summed, norm_out=normed,
-                                   rms_gamma=weight, rms_eps=eps)
+                                   rms_gamma=weight, rms_eps=eps, launch_with_pdl=self.pdl)
         return summed, normed
 
 
