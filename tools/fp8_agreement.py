@@ -13,7 +13,8 @@ in float64 from their log-softmax.
     python tools/fp8_agreement.py --model deepseek-v2-lite --load-format dummy --quantization fp8
 
 With dummy weights (seeded random values) the figures measure FP8's rounding on those weights, not
-on a trained checkpoint's.
+on a trained checkpoint's: such a model's next-token distributions are nearly flat, so the top-1
+agreement is low whatever FP8 does. Run it on a trained checkpoint to judge FP8.
 """
 
 from __future__ import annotations
