@@ -31,6 +31,7 @@ kernel's share of the critical path (with PDL, kernels overlap and their duratio
     python tools/profile_step.py --model qwen3-8b --workload latency --profile-steps 20 --profile-at decode:8
     python tools/profile_step.py --model qwen3-0.6b --structured json-schema --override flex   # constrained steps
     python tools/profile_step.py --model qwen3-8b --tp 2                  # rank 0 of two tensor-parallel ranks
+    python tools/profile_step.py --model qwen3-8b --workload latency --quantization fp8 --profile-steps 20 --profile-at decode:8
 """
 
 from __future__ import annotations
@@ -244,6 +245,8 @@ def main() -> None:
     ap.add_argument("--input-len", help="as flexsgl bench's")
     ap.add_argument("--output-len", help="as flexsgl bench's")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--quantization", help="as flexsgl bench's (fp8)")
+    ap.add_argument("--kv-cache-dtype", help="as flexsgl bench's (fp8_e4m3)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (rank 0's phases; `launch` "
                     "includes sending the step's plan to the other ranks)")
     ap.add_argument("--seed", type=int, default=0)
@@ -258,7 +261,8 @@ def main() -> None:
     if mode not in ("decode", "prefill") or not k.isdigit() or int(k) < 1:
         ap.error(f"--profile-at takes decode:K or prefill:K with K >= 1, got {a.profile_at!r}")
     engine = {"model": a.model, "tensor_parallel_size": a.tp, "max_running_requests": a.max_running_requests,
-              "max_num_batched_tokens": a.max_num_batched_tokens, "max_total_tokens": a.max_total_tokens}
+              "max_num_batched_tokens": a.max_num_batched_tokens, "max_total_tokens": a.max_total_tokens,
+              "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype}
     try:
         engine = EngineConfig(disable_cuda_graph=a.disable_cuda_graph,
                               **{k: v for k, v in engine.items() if v is not None})
