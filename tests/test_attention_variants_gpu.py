@@ -139,7 +139,7 @@ def test_fa3_runs_the_variants_it_declares(name, page_size, case):
     variant, ref_visible, ref_score, sink = REFERENCE[name]
     dev, specs = torch.device("cuda"), CASES[case]
     pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
-    pool = KVPool(1, pages, page_size, HKV, head_dim, torch.bfloat16, dev)
+    pool = KVPool(1, pages, page_size, HKV, D, torch.bfloat16, dev)
     fb, q, k, v, dense = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, HQ, dev,
                                             torch.bfloat16, rng)
     bound = VariantSet([variant], HQ, 0, HQ, slots=2 * len(specs), device=dev).layers[0]
