@@ -18,6 +18,7 @@ from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.variant import AttentionVariant, PerHead, PerRequest, VariantError, check
 from flexsgl.attention import variants as V
 from flexsgl.cache.pool import KVPool, PageAllocator
+from flexsgl.compile import settings
 from tests.attention_reference import dense_variant_attention, random_paged_batch
 
 HQ, HKV, D = 4, 2, 16
@@ -168,6 +169,67 @@ def test_windowed_decode_lists_only_pages_in_the_window(page_size):
         plain = meta.block_mask
         n_plain = (plain.kv_num_blocks + (plain.full_kv_num_blocks if full else 0))[:, 0, 0].tolist()
         assert n_plain == [-(-(p + 1) // page_size) for p, _ in specs], f"seed={seed}"
+
+
+def _mod_scalar_symbols(gm: torch.fx.GraphModule, shape_env) -> list[str]:
+    """The symbols among the captured values of each flex_attention call's score_mod and mask_mod in
+    `gm` that stand for no tensor's size or stride: what FlexAttention's FLASH lowering refuses in a
+    mod (has_unsupported_captured_scalars, torch/_inductor/kernel/flex/flex_flash_attention.py)."""
+    from torch._dynamo.source import TensorPropertySource
+
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "flex_attention" in str(n.target)]
+    assert calls, "no flex_attention call in the compiled graph"
+    out = []
+    for node in calls:
+        for captured in node.args[7] + node.args[8]:  # score_mod's, then mask_mod's other buffers
+            value = captured.meta.get("example_value") if isinstance(captured, torch.fx.Node) else captured
+            if isinstance(value, torch.SymInt | torch.SymFloat):
+                out += [f"{sym} ({[s.name for s in shape_env.var_to_sources.get(sym, [])]})"
+                        for sym in value.node.expr.free_symbols
+                        if not any(isinstance(s, TensorPropertySource) for s in shape_env.var_to_sources.get(sym, []))]
+    return out
+
+
+# The shipped variants with Python integers in them (a window, a chunk size), and a float beside one.
+INT_VARIANTS = {"sliding_window": V.sliding_window(20), "chunked_local": V.chunked_local(16),
+                "window_and_softcap": V.sliding_window(24) & V.softcap(10.0), "user_local_window": user_local_window()}
+
+
+@pytest.mark.parametrize("name", list(INT_VARIANTS))
+@pytest.mark.parametrize("packed", [True, False])
+def test_variant_constants_stay_static_in_the_dynamic_prefill_compile(name, packed):
+    """Prefill compiled with dynamic shapes, as the engine compiles it on CUDA, with the variant handed
+    to the compiled function as an argument (where dynamo makes a Python int symbolic unless it is
+    reached through an nn.Module): the variant's mods capture no symbol but tensor sizes, so the
+    FLASH lowering can take them, and a second prefill of other lengths runs the same graph."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    variant = INT_VARIANTS[name]
+    batches = [[(0 if packed else rng.randrange(1, 100), rng.randrange(20, 200)) for _ in range(rng.randrange(2, 5))]
+               for _ in range(2)]
+    pages = sum(KVPool.num_pages_for(p + n, 16) for specs in batches for p, n in specs) + 5
+    pool = KVPool(1, pages, 16, HKV, D, torch.float32, "cpu")
+    alloc = PageAllocator(pages, shuffle_seed=seed)
+    variants = VariantSet([variant], HQ, 0, HQ, slots=8, device=torch.device("cpu"))
+    bound = variants.layers[0]
+    backend = FlexAttentionBackend(pool, num_heads=HQ, compiled=True, variants=variants)
+    backend.packs_prefill = packed
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, torch._guards.TracingContext.get().fake_mode.shape_env))
+        return gm.forward
+
+    torch._dynamo.reset()
+    forward = torch.compile(FlexAttentionBackend.forward, dynamic=True, backend=capture)
+    for specs in batches:
+        fb, q, *_ = random_paged_batch(pool, alloc, specs, HQ, "cpu", torch.float32, rng)
+        backend.prepare(fb)
+        assert (fb.attn.variants[bound.id].kv_rows is not None) == packed, f"seed={seed}"
+        with settings():
+            forward(backend, q.float(), pool.layer_cache(0), fb, bound, bound.layer_sink(None))
+    assert len(graphs) == 1, f"seed={seed}: {len(graphs)} compiles for two prefills of other lengths"
+    assert _mod_scalar_symbols(*graphs[0]) == [], f"seed={seed}"
 
 
 def test_bad_variants_are_refused_in_one_sentence():

@@ -7,6 +7,12 @@ slot (the runner's token_buf slot, stable while a request runs), written when a 
 step is planned; per-head ones hold this rank's heads. A `BoundVariant` gives the logical
 visibility and score of its variant in those tensors; the FlexAttention masks (flex_masks.py) map
 pool slots, packed rows and query blocks onto the logical coordinates it takes.
+
+A variant's Python constants (its window, and whatever its mods close over: a chunk size, a softcap)
+reach a compiled step as constants of the graph, not as symbols, however the step reaches the
+variant (`VariantMods`): the engine compiles its prefill with dynamic shapes, which makes every
+other Python integer the step reads symbolic, and FlexAttention's FLASH lowering refuses a mod that
+captures a symbolic integer.
 """
 
 from __future__ import annotations
@@ -14,11 +20,41 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch import nn
 
 from flexsgl.attention.variant import AttentionVariant, Params, PerHead, PerRequest, PromptLength, with_params
 
 _ids = itertools.count()
 BOUND: dict[int, "BoundVariant"] = {}  # by id: flex_ops' decode op finds a layer's variant by its id
+
+
+class VariantMods(nn.Module):
+    """A variant's visibility and score rules with the constants they read: its window, causality
+    and mods (as functions of their coordinates and `p`, whichever form they were written in).
+    An nn.Module for what Dynamo does with one: an integer it reaches through a module's
+    attributes, a mod's closure included, is a constant of the graph, guarded by value
+    (`torch._dynamo.config.allow_unspec_int_on_nn_module`, off by default); an integer reached
+    through a step's arguments is symbolic under dynamic shapes. A model whose variants differ in
+    a constant compiles once per value; requests never recompile, as their parameters are tensors.
+    Held by a BoundVariant, not registered with any model."""
+
+    def __init__(self, variant: AttentionVariant):
+        super().__init__()
+        self.window, self.causal = variant.window, variant.causal
+        self.mask_mod, self.score_mod = with_params(variant.mask_mod, 4), with_params(variant.score_mod, 5)
+
+    def visible(self, base, slot, h, q_pos, kv_pos, p):
+        vis = base
+        if self.causal:
+            vis = vis & (kv_pos <= q_pos)
+        if self.window is not None:
+            vis = vis & (q_pos - kv_pos < self.window)
+        if self.mask_mod is not None:
+            vis = vis & self.mask_mod(slot, h, q_pos, kv_pos, p)
+        return vis
+
+    def score(self, s, slot, h, q_pos, kv_pos, p):
+        return s if self.score_mod is None else self.score_mod(s, slot, h, q_pos, kv_pos, p)
 
 
 class BoundVariant:
@@ -30,8 +66,8 @@ class BoundVariant:
         BOUND[self.id] = self
         self.p = Params(params)
         self.window, self.causal, self.scale = variant.window, variant.causal, variant.scale
-        # the mods as functions of their coordinates and p, whichever form they were written in
-        self.mask_mod, self.score_mod = with_params(variant.mask_mod, 4), with_params(variant.score_mod, 5)
+        self.mods = VariantMods(variant)
+        self.mask_mod, self.score_mod = self.mods.mask_mod, self.mods.score_mod
         self.sink_name = variant.sink if isinstance(variant.sink, str) else None
         self.sink = sink  # a PerHead sink's values (this rank's heads); a named one comes from the layer
         self.plain = variant.plain
@@ -48,17 +84,10 @@ class BoundVariant:
     def visible(self, base, slot, h, q_pos, kv_pos):
         """`base` (which keys exist and belong to the query's request) narrowed by the variant: causality,
         the window and the mask_mod, at request slot `slot`, head h and positions q_pos, kv_pos."""
-        vis = base
-        if self.causal:
-            vis = vis & (kv_pos <= q_pos)
-        if self.window is not None:
-            vis = vis & (q_pos - kv_pos < self.window)
-        if self.mask_mod is not None:
-            vis = vis & self.mask_mod(slot, h, q_pos, kv_pos, self.p)
-        return vis
+        return self.mods.visible(base, slot, h, q_pos, kv_pos, self.p)
 
     def score(self, s, slot, h, q_pos, kv_pos):
-        return s if self.score_mod is None else self.score_mod(s, slot, h, q_pos, kv_pos, self.p)
+        return self.mods.score(s, slot, h, q_pos, kv_pos, self.p)
 
     def layer_sink(self, attn) -> torch.Tensor | None:
         """The sink logits `[heads]` an attention layer attends with (None: no sink)."""

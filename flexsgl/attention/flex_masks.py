@@ -74,7 +74,8 @@ def packed_causal(block_kv_start: torch.Tensor, block_first_pos: torch.Tensor, r
 
 
 # ---- attention variants (bound_variant.py): the same layouts, mapped onto logical coordinates. Each
-# returns (mask_mod, score_mod) over flex's coordinates; a key is visible iff it exists in the query's
+# returns (mask_mod, score_mod) over flex's coordinates, score_mod None where the variant changes no
+# score (the kernel then has no score_mod to run, nor its tensors to load); a key is visible iff it exists in the query's
 # request (it belongs to the request and lies at most at its last position so far) and the variant's
 # `visible` says so at (request slot, head, query position, key position). `slots[row]` is a batch
 # row's request slot, which indexes per-request parameters.
@@ -94,7 +95,7 @@ def paged_decode_variant(bound, page_table, last_pos, page_pos, slots, page_size
     def score(s, b, h, q_idx, kv_idx):
         return bound.score(s, slots[b], h, last_pos[b], coords(b, kv_idx)[2])
 
-    return mask, score
+    return mask, None if bound.score_mod is None else score
 
 
 def listed_decode_variant(bound, last_pos, page_pos, slots, page_size: int, first_slot=0):
@@ -111,7 +112,7 @@ def listed_decode_variant(bound, last_pos, page_pos, slots, page_size: int, firs
     def score(s, b, h, q_idx, kv_idx):
         return bound.score(s, slots[b], h, last_pos[b], kv_position(kv_idx))
 
-    return mask, score
+    return mask, None if bound.score_mod is None else score
 
 
 def packed_paged_variant(bound, page_table, block_req, block_first_pos, seq_last, page_pos, slots,
@@ -134,7 +135,7 @@ def packed_paged_variant(bound, page_table, block_req, block_first_pos, seq_last
         row, q_pos, _, _, kv_pos = coords(q_idx, kv_idx)
         return bound.score(s, slots[row], h, q_pos, kv_pos)
 
-    return mask, score
+    return mask, None if bound.score_mod is None else score
 
 
 def packed_rows_variant(bound, block_req, block_kv_start, block_first_pos, seq_last, slots, rows_per_block: int):
@@ -154,4 +155,4 @@ def packed_rows_variant(bound, block_req, block_kv_start, block_first_pos, seq_l
         row, q_pos, _, kv_pos = coords(q_idx, kv_idx)
         return bound.score(s, slots[row], h, q_pos, kv_pos)
 
-    return mask, score
+    return mask, None if bound.score_mod is None else score
