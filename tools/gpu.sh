@@ -70,14 +70,9 @@
 #   base-compare   the throughput and latency steps' runs for a baseline tree in $BASE (a checkout of an earlier
 #                  commit carried beside this one, e.g. .gpu/base) and for this tree, alternately, in one call
 #   variants       the attention-variant GPU tests: every variant in bf16 with pages of 16 and 64 (decode in a CUDA
-#                  graph), FA3's window/softcap/sinks, engines with per-layer variants graphed against eager (not
-#                  their FLASH prefill: window-flash)
+#                  graph), FA3's window/softcap/sinks, engines with per-layer variants graphed against eager
 #   mistral        bench latency of the mistral-7b dummy (a 4,096-key window on every layer), flex, batch 1 and 32
 #                  at 4k and 32k tokens of context: decode TPOT at 32k against 4k
-#   window-flash   with flash-attn-4 staged (tools/stage_flash.sh): every attention variant's prefill on FlexAttention's
-#                  FLASH backend against float64 (tests/test_attention_variants_gpu.py -k flash_backend), then
-#                  benchmarks/attention_matrix.py --window 4096 --phases prefill, pages of 64, GQA 4: flex (FLASH over
-#                  packed rows, as the engine picks) beside FA3's window_size
 #   window-kernels benchmarks/attention_matrix.py --window 4096: flex's windowed decode and prefill beside FA3's
 #                  window_size, pages of 64, GQA 4, decode at batch 1 and 32 with 4k and 32k contexts
 #   variant-cost   a user's variant (alibi, a score_mod; and a mask_mod with a window) against plain causal
@@ -135,7 +130,7 @@ suite() {  # NAME, then pytest's arguments
 declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
                    [tp-tests]=580 [tp-exit]=580 [tp-allreduce]=200 [tp-memory]=500 [tp-bench]=590
-                   [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [window-flash]=560 [variant-cost]=420 [families]=480
+                   [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480
                    [serve-structured]=560 [fp8]=590)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
@@ -273,12 +268,7 @@ for s in "${steps[@]}"; do
                         | grep -E "output tok/s|TPOT|^  *auto" | sed "s|^|$run ${tree}: |"
                     done
                   done ;;
-    variants) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_attention_variants_gpu.py \
-                -k "not flash_backend" ;;
-    window-flash) timeout 330 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_attention_variants_gpu.py \
-                    -k flash_backend
-                  timeout 220 python benchmarks/attention_matrix.py --window 4096 --phases prefill --pages 64 --gqa 4 \
-                    --backends flex,fa3 --json "$OUT/window-flash.json" ;;
+    variants) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_attention_variants_gpu.py ;;
     mistral) for b in 1 32; do
                for ctx in 4096 32000; do
                  timeout $((ctx > 4096 ? 120 : 80)) "${BENCH[@]}" --workload latency --model mistral-7b --batch-size "$b" \

@@ -11,8 +11,8 @@ pool slots, packed rows and query blocks onto the logical coordinates it takes.
 A variant's Python constants (its window, and whatever its mods close over: a chunk size, a softcap)
 reach a compiled step as constants of the graph, not as symbols, however the step reaches the
 variant (`VariantMods`): the engine compiles its prefill with dynamic shapes, which makes every
-other Python integer the step reads symbolic, and FlexAttention's FLASH lowering refuses a mod that
-captures a symbolic integer.
+other Python integer the step reads symbolic. The kernels then specialize on them, and a mod
+captures no symbolic integer (which FlexAttention's FLASH lowering refuses).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.attention.flex_meta import FlexMeta, FlexMetaBuilder
 from flexsgl.attention.flex_ops import flex_decode, with_sink
-from flexsgl.attention.flex_options import packed_prefill_options, prefill_options
+from flexsgl.attention.flex_options import packed_prefill_options, prefill_options, triton_prefill_options
 from flexsgl.cache.pool import KVPool
 
 
@@ -32,12 +32,17 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
     compiles_per_shape = True  # its kernels are compiled per batch size and page-table width
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False, variants=None):
-        """As FlexMetaBuilder's; on CUDA, also the kernel options of each compiled prefill regime, the
-        same for plain causal attention and for every attention variant (flex_options.flash_prefill_runs)."""
+        """As FlexMetaBuilder's; on CUDA, also the kernel options of each compiled prefill regime."""
         super().__init__(pool, num_heads, compiled, variants)
         cuda = pool.device.type == "cuda"
         self.kernel_options = self.cuda_kernel_options() if cuda else None
         self.packed_kernel_options = self.packed_cuda_kernel_options() if cuda and self.packs_prefill else None
+        # A variant's mods run on the Triton kernels (flex_options.triton_prefill_options says why)
+        self.variant_kernel_options = self.variant_packed_options = None
+        if cuda and self.variants:
+            dim, dtype = self.kv_shape()[1], self.pool.k[0].dtype
+            self.variant_kernel_options = triton_prefill_options(dim, self.pool.page_size, dtype)
+            self.variant_packed_options = triton_prefill_options(dim, 64, dtype)
 
     def cuda_kernel_options(self) -> dict:
         """Options of flex's main kernel on CUDA (compiled prefill; the CPU takes none)."""
@@ -93,6 +98,8 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
             scale = variant.scale
         if not plain:
             meta = meta.variants[variant.id]
+            if options is None and self.compiled:
+                options = self.variant_kernel_options if meta.kv_rows is None else self.variant_packed_options
         if fb.mode == "decode" and self.decode_op:
             bm = meta.block_mask
             return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,

@@ -10,8 +10,7 @@ the splits small_tile_splits picks. Prefill (run inside the compiled decoder lay
 128: 64x64 tiles, 4 warps, 3 stages, with TMA loads at head_dim 128, pages of 64, bf16/fp16 on
 SM90. With flash-attn-4 installed, prefill over KV blocks of 128 (the step's K/V packed into rows,
 flex_meta.py, or pages of 128) runs on FlexAttention's FLASH backend instead, which takes less time
-than the Triton kernel there; an attention variant's prefill too (its mods' Python constants reach
-the lowering as constants: bound_variant.VariantMods). MLA's latent decode (one KV head of 576 dims): latent_decode_options.
+than the Triton kernel there (not an attention variant's: triton_prefill_options says why). MLA's latent decode (one KV head of 576 dims): latent_decode_options.
 The KV tile must divide a page.
 """
 
@@ -87,7 +86,12 @@ def prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
 
 
 def triton_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
-    """Options of flex's Triton main kernel for prefill on CUDA."""
+    """Options of flex's Triton main kernel for prefill on CUDA. Attention variants always run on it:
+    their mods reach the FLASH lowering with the ints they close over as constants
+    (bound_variant.VariantMods), but over flexsgl's layouts, which index int64 tensors of the step
+    inside the mods, flash-attn-4's kernels (4.0.0b19, torch 2.11) fail to compile most of them
+    ("Type mismatch, store Int64 to Tensor with element type Int32") and give wrong outputs for
+    others; plain causal masks, whose indices it takes, run there (docs/BENCHMARKS.md)."""
     options = {"BLOCK_N": math.gcd(page_size, 64)}
     if head_dim <= 128:
         options.update(BLOCK_M=64, num_warps=4, num_stages=3)
@@ -115,11 +119,7 @@ def flash_prefill_runs(head_dim: int, page_size: int, dtype: torch.dtype) -> boo
     """Whether prefill runs on the FLASH backend (flash-attn-4's CuTe DSL kernel): where flash-attn-4 is
     installed, on SM90 and SM100, in bf16 and fp16, at head_dim 128 (the dim measured), and with
     pages of FLASH_KV_TILE tokens, as its block sparsity needs a BlockMask KV block (a page) equal
-    to its KV tile. The same for an attention variant's prefill: of a mod, the FLASH lowering
-    refuses only a captured symbolic scalar (a Python int made symbolic by the dynamic-shape
-    compile, a float made a 0-d CPU tensor) and captured tensors that need gradients; a variant's
-    ints are constants of the compiled graph (bound_variant.VariantMods), compile.settings()
-    specializes floats, its parameters are device tensors, and inference takes no gradients."""
+    to its KV tile. Plain causal prefill only: attention variants take triton_prefill_options."""
     return (page_size == FLASH_KV_TILE and head_dim == 128 and dtype in (torch.bfloat16, torch.float16)
             and torch.cuda.get_device_capability()[0] in (9, 10) and _flash_installed())
 
