@@ -89,9 +89,10 @@ def triton_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) ->
     """Options of flex's Triton main kernel for prefill on CUDA. Attention variants always run on it:
     their mods reach the FLASH lowering with the ints they close over as constants
     (bound_variant.VariantMods), but over flexsgl's layouts, which index int64 tensors of the step
-    inside the mods, flash-attn-4's kernels (4.0.0b19, torch 2.11) fail to compile most of them
-    ("Type mismatch, store Int64 to Tensor with element type Int32") and give wrong outputs for
-    others; plain causal masks, whose indices it takes, run there (docs/BENCHMARKS.md)."""
+    inside the mods and list blocks without full ones, flash-attn-4's kernels (4.0.0b19, torch 2.11)
+    fail to compile most of them ("Type mismatch, store Int64 to Tensor with element type Int32";
+    "block mask but without full blocks is not supported") and give wrong outputs for others
+    (docs/BENCHMARKS.md)."""
     options = {"BLOCK_N": math.gcd(page_size, 64)}
     if head_dim <= 128:
         options.update(BLOCK_M=64, num_warps=4, num_stages=3)
