@@ -26,18 +26,13 @@ pytest.importorskip("uvicorn")
 
 from flexsgl import LLM, SamplingParams  # noqa: E402
 from flexsgl.model.presets import EMBEDDED  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 OPTIONS = {"max_total_tokens": 8192, "max_running_requests": 64, "page_size": 16}
 TIMEOUT = 60  # seconds for any one client call
 STARTUP_TIMEOUT = 300  # seconds for a server to load the model and answer /health (a busy CPU is slow at it)
 WORDS = ("Return the value of the given key in a new list of items from the file object with a default "
          "string that names each path").split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

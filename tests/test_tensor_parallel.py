@@ -823,7 +823,7 @@ def test_torchrun_ranks_give_one_ranks_tokens(hosts):
     import sys
     from pathlib import Path
 
-    from tests.test_serve import free_port
+    from tests.ports import free_port
 
     rng = random.Random(seed := random.randrange(1 << 30))
     prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (4, 37)]
@@ -913,7 +913,7 @@ def test_gpu_symmetric_all_reduce_equals_nccl():
     rounding, alone at 8 KB to 4 MB and captured in CUDA graphs at decode batch sizes."""
     import torch.multiprocessing as mp
 
-    from tests.test_serve import free_port
+    from tests.ports import free_port
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
