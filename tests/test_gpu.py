@@ -149,7 +149,7 @@ def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, com
     seen = capture_logits(llm, monkeypatch)
     sp = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)  # a trained model stops early
     outs = [llm.generate(p, sp)[0] for p in prompts] if one_at_a_time else llm.generate(prompts, sp)
-    decisive_steps, errs, their_errs, scale = 0, [], [], 0.0
+    decisive_steps, errs, their_errs, ulps, scale = 0, [], [], [], 0.0
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         assert len(out.token_ids) == steps
         ids = torch.tensor([prompt + out.token_ids], device="cuda")
@@ -161,17 +161,24 @@ def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, com
         err = (ours - ref).abs().max(-1).values  # per step
         their_err = (theirs - ref).abs().max(-1).values
         ulp = torch.exp2(torch.floor(torch.log2(ref.abs().amax(-1))) - 7)  # bf16's at each step's largest logit
-        assert err.mean() <= max(1.5 * their_err.mean(), 2 * ulp.mean()), (
-            f"prompt {i}: mean error {err.mean():.3g} > 1.5 x transformers' bf16 {their_err.mean():.3g} and > 2 ulp "
+        # One prompt's 32 steps: within 2x transformers' own bf16 error (two roundings of the same sums in
+        # other orders differ by more than 1.5x on some prompts: 1.62x and 1.72x seen); all prompts: 1.5x.
+        assert err.mean() <= max(2 * their_err.mean(), 2 * ulp.mean()), (
+            f"prompt {i}: mean error {err.mean():.3g} > 2 x transformers' bf16 {their_err.mean():.3g} and > 2 ulp "
             f"{2 * ulp.mean():.3g} (seed={seed})")
         errs.append(err)
         their_errs.append(their_err)
+        ulps.append(ulp)
         top2 = ref.topk(2, dim=-1).values
         decisive = (top2[:, 0] - top2[:, 1]) > 2 * err
         chosen = torch.tensor(out.token_ids, device="cuda")
         agree = chosen == ref.argmax(-1)
         assert agree[decisive].all(), f"prompt {i}: greedy token differs where the margin is decisive (seed={seed})"
         decisive_steps += int(decisive.sum())
+    mean, their_mean, ulp_mean = (torch.cat(t).mean() for t in (errs, their_errs, ulps))
+    assert mean <= max(1.5 * their_mean, 2 * ulp_mean), (
+        f"mean error over every prompt {mean:.3g} > 1.5 x transformers' bf16 {their_mean:.3g} and > 2 ulp "
+        f"{2 * ulp_mean:.3g} (seed={seed})")
     bound = max(2 * max(e.max().item() for e in their_errs), 0.02 * scale)
     for i, err in enumerate(errs):
         assert err.max().item() <= bound, (
