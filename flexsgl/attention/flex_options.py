@@ -10,8 +10,8 @@ the splits small_tile_splits picks. Prefill (run inside the compiled decoder lay
 128: 64x64 tiles, 4 warps, 3 stages, with TMA loads at head_dim 128, pages of 64, bf16/fp16 on
 SM90. With flash-attn-4 installed, prefill over KV blocks of 128 (the step's K/V packed into rows,
 flex_meta.py, or pages of 128) runs on FlexAttention's FLASH backend instead, which takes less time
-than the Triton kernel there (not an attention variant's: triton_prefill_options says why). MLA's latent decode (one KV head of 576 dims): latent_decode_options.
-The KV tile must divide a page.
+than the Triton kernel there (not an attention variant's: triton_prefill_options says why). MLA's
+latent decode (one KV head of 576 dims): latent_decode_options. The KV tile must divide a page.
 """
 
 from __future__ import annotations
