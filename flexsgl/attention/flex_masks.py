@@ -75,10 +75,10 @@ def packed_causal(block_kv_start: torch.Tensor, block_first_pos: torch.Tensor, r
 
 # ---- attention variants (bound_variant.py): the same layouts, mapped onto logical coordinates. Each
 # returns (mask_mod, score_mod) over flex's coordinates, score_mod None where the variant changes no
-# score (the kernel then has no score_mod to run, nor its tensors to load); a key is visible iff it exists in the query's
-# request (it belongs to the request and lies at most at its last position so far) and the variant's
-# `visible` says so at (request slot, head, query position, key position). `slots[row]` is a batch
-# row's request slot, which indexes per-request parameters.
+# score (the kernel then has no score_mod to run, nor its tensors to load); a key is visible iff it
+# exists in the query's request (it belongs to the request and lies at most at its last position so
+# far) and the variant's `visible` says so at (request slot, head, query position, key position).
+# `slots[row]` is a batch row's request slot, which indexes per-request parameters.
 
 def paged_decode_variant(bound, page_table, last_pos, page_pos, slots, page_size: int):
     """Decode over the pool (as paged_causal): request b's query at position last_pos[b]."""
