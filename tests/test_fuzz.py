@@ -88,8 +88,11 @@ class EngineFuzz(RuleBasedStateMachine):
         for out, (prompt, sp, cb) in zip(outs, specs):
             note = f"request {out.request_id}: {out}"
             n = len(out.token_ids)
+            # a grammar that allows no token leaves its row's logits all masked: the token sampled there, which
+            # the output reports and the grammar refuses, depends on the batch, and is left out of the comparison
+            same = n - ("allows no token" in (out.error or ""))
             if out.finish_reason != "refused":  # what it produced is what it produces alone, so far
-                assert out.token_ids == self.solo(prompt, sp)[:n], f"{note}, alone: {self.solo(prompt, sp)}"
+                assert out.token_ids[:same] == self.solo(prompt, sp)[:same], f"{note}, alone: {self.solo(prompt, sp)}"
             stops = set(sp.stop_token_ids)
             assert n <= sp.max_new_tokens and all(0 <= t < VOCAB for t in out.token_ids), note
             assert not stops & set(out.token_ids[:-1]), note  # nothing after a stop token
