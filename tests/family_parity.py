@@ -3,7 +3,11 @@ CPU), through the engine paths attention variants change: prompts longer than th
 batch, pages of 16, chunked prefill whose chunks cross the window, a prefix-cache hit, and
 preemption with recompute. Every step's logits (each prompt's last token, then each decode step)
 within 1e-4 relative error of HF's over the same sequence, and 32 greedy tokens equal to HF's
-generate."""
+generate.
+
+A draw whose HF run holds a near-tie (two experts a router ranks within ROUNDING_MARGIN of each
+other at the top-k boundary, or two tokens as close at the top of the logits) is drawn again: which
+side of such a tie wins is decided by float32 rounding, so neither engine's answer is wrong there."""
 
 from __future__ import annotations
 
@@ -18,12 +22,38 @@ STEPS = 32
 PAGE = 16
 # Fewer KV pages than the batch needs at once, so that the scheduler preempts (and recomputes)
 KV_PAGES_UNDER_PRESSURE = 9
+# Logit gaps below this can be decided by summation order: float32 logits here differ by up to ~5e-6
+ROUNDING_MARGIN = 3e-5
+DRAWS = 6
 
 
 def prompts_for(rng: random.Random, vocab: int, window: int) -> list[list[int]]:
     """A ragged batch: shorter than a page, about one window, beyond two windows, and in between."""
     lengths = [3, window + 5, 2 * window + 17, 70]
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def rounding_margin(hf, sequences: list[list[int]]) -> float:
+    """The smallest gap HF's forward over these sequences leaves at a decision flexsgl must make the
+    same way: each MoE router's k-th against (k+1)-th expert logit (routers are the modules with a
+    top_k that return their logits first), and each next-token logit's first against second."""
+    gaps = []
+
+    def router_gap(module, inputs, output):
+        top = output[0].reshape(-1, output[0].shape[-1]).topk(module.top_k + 1, dim=-1).values
+        gaps.append((top[:, -2] - top[:, -1]).min().item())
+
+    routers = [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
+    handles = [m.register_forward_hook(router_gap) for m in routers]
+    try:
+        with torch.no_grad():
+            for seq in sequences:
+                top = hf(torch.tensor([seq])).logits[0].topk(2, dim=-1).values
+                gaps.append((top[:, 0] - top[:, 1]).min().item())
+    finally:
+        for h in handles:
+            h.remove()
+    return min(gaps)
 
 
 def check_outputs(hf, llm, seen, prompts, outs, seed, what: str) -> None:
@@ -41,12 +71,21 @@ def check_family(tmp_path, monkeypatch, make_hf, window: int, compile: bool = Fa
     """make_hf(path, seed) saves a tiny random HF model at path and returns it (eval, float32).
     Runs the batch, then a prompt sharing the first pages of one of them (a prefix-cache hit), then
     the batch again in a KV cache too small for it (preemption); returns the first engine."""
-    seed = random.randrange(1 << 30)
-    hf = make_hf(tmp_path, seed)
-    hf.config._attn_implementation = "eager"
-    rng = random.Random(seed)
-    vocab = hf.config.vocab_size
-    prompts = prompts_for(rng, vocab, window)
+    for _ in range(DRAWS):
+        seed = random.randrange(1 << 30)
+        hf = make_hf(tmp_path, seed)
+        hf.config._attn_implementation = "eager"
+        rng = random.Random(seed)
+        vocab = hf.config.vocab_size
+        prompts = prompts_for(rng, vocab, window)
+        shared = prompts[1][:2 * PAGE]  # two whole pages of a prompt the cache holds
+        again = [shared + [rng.randrange(vocab) for _ in range(window // 2 + 3)]]
+        margin = rounding_margin(hf, [p + hf_reference(hf, p, STEPS)[0] for p in prompts + again])
+        if margin >= ROUNDING_MARGIN:
+            break
+        print(f"check_family: seed={seed} holds a near-tie ({margin:.1e}); drawing again")
+    else:
+        raise AssertionError(f"{DRAWS} draws in a row held a near-tie; the last seed={seed}")
     sampling = SamplingParams(max_new_tokens=STEPS, temperature=0.0)
 
     llm = LLM(str(tmp_path), device="cpu", page_size=PAGE, max_num_batched_tokens=40, compile=compile, **options)
@@ -54,8 +93,6 @@ def check_family(tmp_path, monkeypatch, make_hf, window: int, compile: bool = Fa
     seen = capture_logits(llm, monkeypatch)
     check_outputs(hf, llm, seen, prompts, llm.generate(prompts, sampling), seed, "ragged batch, chunked prefill")
 
-    shared = prompts[1][:2 * PAGE]  # two whole pages of a prompt the cache holds
-    again = [shared + [rng.randrange(vocab) for _ in range(window // 2 + 3)]]
     outs = llm.generate(again, sampling)
     assert outs[0].cached_tokens >= PAGE, f"no prefix-cache hit: seed={seed}"
     check_outputs(hf, llm, seen, again, outs, seed, "prefix-cache hit")
