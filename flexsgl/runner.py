@@ -4,7 +4,9 @@ the device.
 - plan (step/plan.py): the step's host lists, shaped by the StepShape (step_shape.py);
 - upload (step/inputs.py): a few packed host -> device copies, into a CUDA graph's buffers for a
   decode step that replays one;
-- forward: the graph's replay, or the backend's metadata and the (compiled) model;
+- forward: the graph's replay, or the backend's metadata and the (compiled) model; under tensor
+  parallelism each rank's logits cover its vocabulary slice, and a step whose rows take only
+  their argmax exchanges three numbers a row (CausalLM.argmax) instead of gathering them;
 - sample: on the device; the tokens go into the token buffer (step/token_buffer.py), which decode
   feeds back as each request's next input;
 - read-back: the tokens copied to the host asynchronously, NONFINITE for a row whose logits are
@@ -93,6 +95,8 @@ class ModelRunner:
         self.model, self.pool, self.backends, self.device = model, pool, backends, device
         self.variants = variants  # the attention variants' VariantSet (bound_variant.py), or None
         self.tp = None  # the tensor-parallel group's channel on rank 0 (flexsgl/distributed/worker.py)
+        self.vocab_parallel = model.cfg.tp_size > 1  # each rank's logits cover its vocabulary slice
+        self._pages_to_clear: list[int] = []  # zeroed on every rank before the next step (clear_pages)
         self.wait = None  # how rank 0 waits for a step's tokens (under tensor parallelism: watching the ranks)
         self.tokens = TokenBuffer(max_running, device)  # last token per slot
         self.token_counts = TokenCounts(max_running, model.cfg.vocab_size, device)  # for penalties
@@ -122,7 +126,7 @@ class ModelRunner:
         if sizes[-1] > self.shape.buckets[-1]:
             raise ValueError(f"CUDA graph batch sizes go up to max_running_requests ({self.shape.buckets[-1]}), "
                              f"got {sizes[-1]}.")
-        self.graphs = GraphManager(self._decode, backend, self.device, sizes, self.shape.max_pages,
+        self.graphs = GraphManager(self._decode, self.model.argmax, backend, self.device, sizes, self.shape.max_pages,
                                    self.pool.num_pages, self.tokens, emulate=emulate)
         self.shape.use_graphs(sizes)
         compiled_before, t0 = self.compile_s, time.perf_counter()
@@ -153,7 +157,7 @@ class ModelRunner:
         """Launch `batch`: plan it on the host (unless `plan`, made for it, is given), upload, run the
         model and sample (nothing waits for the device). Under tensor parallelism the plan goes to
         every other rank first, which executes it."""
-        plan = self.plan(batch) if plan is None else plan
+        plan = self._with_clears(self.plan(batch) if plan is None else plan)
         if self.tp is None:
             return self._launch(batch, self.upload(plan), plan)
         self.tp.send_step(plan)
@@ -168,6 +172,17 @@ class ModelRunner:
         sampled tokens land in the token buffer and the token counts); nothing is read back."""
         self._launch(None, self.upload(plan))
 
+    def clear_pages(self, pages: list[int]) -> None:
+        """Have every rank zero `pages` in its KV pool before the next step (their K/V may hold NaN).
+        The next step is the first that can reuse them, and under tensor parallelism each rank's
+        pool holds its own heads, so the pages travel in that step's plan."""
+        self._pages_to_clear += pages
+
+    def _with_clears(self, plan: StepPlan) -> StepPlan:
+        if self._pages_to_clear:
+            plan.clear_pages, self._pages_to_clear = list(plan.clear_pages) + self._pages_to_clear, []
+        return plan
+
     def build(self, batch: ScheduledBatch) -> StepInputs:
         """`batch` planned and uploaded: its inputs on the device."""
         plan = self.plan(batch)
@@ -178,24 +193,28 @@ class ModelRunner:
         return plan_step(batch, self.shape, self.pool.page_size, self.tokens.pad_slot, variants=self.variants)
 
     def upload(self, plan: StepPlan) -> StepInputs:
-        """The device side of a plan: into a CUDA graph's buffers where the step replays one."""
+        """The device side of a plan: into a CUDA graph's buffers where the step replays one (the
+        plan's pages to clear zeroed first)."""
+        if plan.clear_pages:
+            self.pool.clear_pages(list(plan.clear_pages))
         return upload(plan, self.device, self.tokens, self.token_counts, self.graphs, self.variants)
 
     @torch.inference_mode()
     def run_forward(self, batch: ScheduledBatch, plan: StepPlan | None = None) -> DeferredStep:
         """Launch `batch` up to its logits (one rank only; `plan` as in run); `sample` finishes it."""
         assert self.tp is None, "a step sampled under a token mask runs on one rank"
-        plan = self.plan(batch) if plan is None else plan
+        plan = self._with_clears(self.plan(batch) if plan is None else plan)
         step = self.upload(plan)
-        return DeferredStep(batch, plan, step, *self._forward(step))
+        logits, greedy, _ = self._forward(step)
+        return DeferredStep(batch, plan, step, logits, greedy)
 
     def _launch(self, batch: ScheduledBatch | None, step: StepInputs, plan: StepPlan | None = None) -> StepOutput | None:
         """Forward, sample and (on rank 0) start the read-back of an uploaded step."""
-        logits, greedy = self._forward(step)
+        logits, greedy, finite = self._forward(step)
         tokens = self._sample(logits, step, greedy)
         if batch is None:  # a tensor-parallel worker: rank 0 alone reads tokens back
             return None
-        return self._read_back(batch, step, logits, tokens, plan)
+        return self._read_back(batch, step, logits, tokens, plan, finite)
 
     @torch.inference_mode()
     def sample(self, launched: DeferredStep, mask: TokenMask) -> StepOutput:
@@ -206,30 +225,42 @@ class ModelRunner:
         tokens = self._sample(launched.logits, step, launched.greedy)
         return self._read_back(launched.batch, step, launched.logits, tokens, launched.plan)
 
-    def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits, each sampled row's argmax where a CUDA graph took it, and wrote it into the token buffer)."""
+    def _forward(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(the logits over the whole vocabulary, None under tensor parallelism where the step reads
+        only their argmax; each sampled row's argmax where a CUDA graph took it, and wrote it into the
+        token buffer, or the ranks did; each sampled row's finiteness where the ranks took it)."""
         fb = step.fb
         if step.graphed:
-            logits, greedy = self.graphs.replay(fb)
-            return logits, greedy[:step.rows]
-        fb.backend = self.backends.for_batch(fb)
-        fb.backend.prepare(fb)
-        return (self._decode if fb.mode == "decode" else self._prefill)(fb), None
+            logits, greedy, finite = self.graphs.replay(fb)
+            greedy, finite = greedy[:step.rows], None if finite is None else finite[:step.rows]
+        else:
+            fb.backend = self.backends.for_batch(fb)
+            fb.backend.prepare(fb)
+            logits, greedy, finite = (self._decode if fb.mode == "decode" else self._prefill)(fb), None, None
+        if not self.vocab_parallel:
+            return logits, greedy, None
+        if step.whole_logits:  # every rank decides this alike from the same plan, and gathers
+            return self.model.whole_logits(logits), greedy, None
+        if greedy is None:
+            greedy, finite = self.model.argmax(logits[:step.rows])
+        return None, greedy, finite
 
-    def _sample(self, logits: torch.Tensor, step: StepInputs, greedy: torch.Tensor | None) -> torch.Tensor:
-        """The sampled rows' tokens, kept in the token buffer and the penalties' counts."""
-        tokens = sample(logits[:step.rows], step.sampling, argmax=greedy)
-        if tokens is not greedy:  # sampled here: the graph's argmax in the token buffer is not the token
+    def _sample(self, logits: torch.Tensor | None, step: StepInputs, greedy: torch.Tensor | None) -> torch.Tensor:
+        """The sampled rows' tokens (`greedy` itself where `logits` is None), kept in the token
+        buffer and the penalties' counts."""
+        tokens = greedy if logits is None else sample(logits[:step.rows], step.sampling, argmax=greedy)
+        if not (step.graphed and tokens is greedy):  # else the graph wrote them into the token buffer
             self.tokens.write(step.write_slots, tokens)
         self.token_counts.record(step.write_slots, tokens)
         return tokens
 
-    def _read_back(self, batch: ScheduledBatch, step: StepInputs, logits: torch.Tensor,
-                   tokens: torch.Tensor, plan: StepPlan | None) -> StepOutput:
+    def _read_back(self, batch: ScheduledBatch, step: StepInputs, logits: torch.Tensor | None,
+                   tokens: torch.Tensor, plan: StepPlan | None, finite: torch.Tensor | None = None) -> StepOutput:
         """The step's tokens, with their log-probabilities where asked (and the prompt tokens'), on
-        their way to the host (asynchronously on CUDA). A row whose logits are not all finite reads
-        back token NONFINITE."""
-        finite = torch.isfinite(logits[:step.rows].sum(-1, dtype=torch.float32))  # NaN and infinities carry into it
+        their way to the host (asynchronously on CUDA). A row whose logits are not all finite
+        (`finite`, else checked on `logits`) reads back token NONFINITE."""
+        if finite is None:
+            finite = torch.isfinite(logits[:step.rows].sum(-1, dtype=torch.float32))  # NaN and infinities carry into it
         if step.sampling.logprobs >= 0:
             tokens = token_logprobs(logits[:step.rows], tokens, step.sampling.logprobs)
             tokens[:, 0] = torch.where(finite, tokens[:, 0], NONFINITE)

@@ -173,7 +173,7 @@ class StepLoop:
             return None
         for r, token in zip(_sampled(pending.batch), tokens):
             if token == NONFINITE and not r.finished:  # its pages may hold NaN: not cached, and zeroed
-                self.runner.pool.clear_pages(self.scheduler.finish(r, FinishReason.ERROR, NONFINITE_ERROR, cache=False))
+                self.runner.clear_pages(self.scheduler.finish(r, FinishReason.ERROR, NONFINITE_ERROR, cache=False))
                 self.done.append(r)
         return tokens
 

@@ -16,7 +16,7 @@ import torch
 
 from flexsgl import LLM, SamplingParams
 from flexsgl.distributed import launcher
-from flexsgl.distributed.layers import kv_heads, vocab_rows
+from flexsgl.distributed.layers import kv_heads, pick_argmax, slice_summary, vocab_rows
 from flexsgl.distributed.worker import agree
 from flexsgl.errors import EngineDeadError, RankFailedError, TensorParallelError
 from flexsgl.model.source import resolve
@@ -36,9 +36,15 @@ def greedy(n):
 @pytest.fixture
 def sampled_logits(monkeypatch):
     """The logits each step sampled from, `[rows, vocab]` float32 on the CPU, in step order (rank
-    0's, the one in this process), for whichever engine runs."""
+    0's, the one in this process), for whichever engine runs. Every step keeps its whole logits:
+    a greedy step under tensor parallelism would otherwise gather only each row's argmax."""
     steps = []
-    real = flexsgl.runner.sample
+    real, real_plan = flexsgl.runner.sample, flexsgl.runner.ModelRunner.plan
+
+    def plan(runner, batch):
+        made = real_plan(runner, batch)
+        made.keep_logits = True
+        return made
 
     def sample(logits, st, argmax=None):
         if logits.shape[0]:  # a prefill chunk that samples no request has no rows
@@ -46,6 +52,7 @@ def sampled_logits(monkeypatch):
         return real(logits, st, argmax)
 
     monkeypatch.setattr(flexsgl.runner, "sample", sample)
+    monkeypatch.setattr(flexsgl.runner.ModelRunner, "plan", plan)
     return steps
 
 
@@ -68,6 +75,31 @@ def test_rank_zero_holds_its_share():
     the KV pool holds only its KV heads."""
     assert kv_heads(8, 3, 4) == (6, 2) and kv_heads(2, 3, 4) == (1, 1) and kv_heads(2, 1, 4) == (0, 1)
     assert vocab_rows(321, 2) == 161 and vocab_rows(512, 4) == 128
+
+
+@pytest.mark.parametrize("ranks,vocab", [(2, 321), (4, 512), (3, 50)])
+def test_argmax_over_vocabulary_slices_is_row_argmax(ranks, vocab):
+    """What the ranks of a greedy step exchange (each slice's maximum, its id, its sum) gives the
+    whole row's first argmax and finiteness: rows with ties within and across slices (bf16 logits
+    rounded to a few values), a row whose maximum sits in the last rank's padded slice, and rows
+    holding NaN or infinity; the padding columns hold values that must not win."""
+    seed = random.randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    rows = vocab_rows(vocab, ranks)
+    logits = torch.randn(9, vocab, generator=g).mul(2).round().to(torch.bfloat16)  # few values: ties
+    logits[1, -1] = 100.0  # the last id, in the last rank's slice
+    logits[2, 0] = logits[2, -1] = 50.0  # a tie across ranks: the first id wins
+    logits[3, vocab // 2] = float("nan")
+    logits[4, 1] = float("inf")
+    logits[5, 2] = float("-inf")
+    padded = torch.full((9, rows * ranks), 1e4, dtype=torch.bfloat16)  # padding columns past the vocabulary
+    padded[:, :vocab] = logits
+    every = torch.stack([slice_summary(padded[:, r * rows:(r + 1) * rows], vocab, r) for r in range(ranks)], dim=1)
+    tokens, finite = pick_argmax(every)
+    want = logits.float().isfinite().all(-1)
+    assert torch.equal(finite, want), f"seed={seed}"
+    assert torch.equal(tokens[want], logits.float().argmax(-1)[want]), f"seed={seed}"
+    assert tokens[1] == vocab - 1 and tokens[2] == 0, f"seed={seed}"
 
 
 class TestTwoRanksOfTiny:
@@ -115,6 +147,26 @@ class TestTwoRanksOfTiny:
             assert x.shape == y.shape == (2, 512)
             assert x.abs().max() > 0.01  # not a degenerate model
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+
+
+    def test_non_finite_logits_end_the_request_with_an_error(self, tiny):
+        """A NaN in rank 0's slice of the LM head: a greedy step exchanges each slice's sum beside its
+        argmax, so the request ends with an error; with the weight restored it decodes as before."""
+        one, two = tiny
+        seed = random.randrange(1 << 30)
+        rng = random.Random(seed)
+        prompt = [rng.randrange(1, 512) for _ in range(20)]
+        expected = two.generate([prompt], greedy(4))[0]
+        weight = two.runner.model.lm_head.weight
+        row = rng.randrange(weight.shape[0])
+        saved = weight[row, 0].clone()
+        weight[row, 0] = float("nan")
+        try:
+            got = two.generate([prompt], greedy(4))[0]
+        finally:
+            weight[row, 0] = saved
+        assert got.finish_reason == "error" and "not finite" in got.error, (got, f"seed={seed}")
+        assert two.generate([prompt], greedy(4))[0].token_ids == expected.token_ids, f"seed={seed}"
 
 
     def test_pool_and_weights_per_rank(self, tiny):

@@ -21,6 +21,8 @@ def logit_recorder(llm) -> tuple[dict[int, list[torch.Tensor]], Callable, Callab
 
     def run(batch, plan=None):
         step_reqs.append([r.request_id for r, s in zip(batch.requests, batch.samples) if s])
+        plan = llm.runner.plan(batch) if plan is None else plan
+        plan.keep_logits = True  # under tensor parallelism a greedy step would gather none
         return real_run(batch, plan)
 
     def sample(logits, st, argmax=None):

@@ -7,7 +7,9 @@
     embed_tokens            vocabulary-parallel: each rank holds ceil(vocab / tp) rows, looks up
                             the ids in its range (zeros elsewhere), and an all-reduce adds them
     lm_head                 vocabulary-parallel: each rank computes its vocabulary slice of the
-                            logits, an all-gather puts them side by side, padding rows dropped
+                            logits; a step whose rows only take their argmax gathers three numbers
+                            a row (`vocab_parallel_argmax`), any other gathers the slices side by
+                            side, padding rows dropped (`gather_logits`)
     norms                   replicated; where FlashInfer's all-reduce runs (flexsgl/distributed/
                             allreduce.py), the norm after a row-parallel projection rides in its
                             all-reduce with the residual add (`row_linear_norm`)
@@ -41,6 +43,7 @@ from flexsgl.distributed import allreduce
 from flexsgl.distributed.allreduce import all_reduce
 from flexsgl.distributed.group import all_gather_last, first_rank
 from flexsgl.kernels import gemv
+from flexsgl.sampling.sampler import row_argmax
 
 
 def kv_heads(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
@@ -154,6 +157,37 @@ def embedding(cfg) -> nn.Module:
 def gather_logits(local: torch.Tensor, vocab: int) -> torch.Tensor:
     """The ranks' vocabulary slices of the logits, `[T, vocab / tp]` each, as `[T, vocab]`."""
     return all_gather_last(local)[:, :vocab]
+
+
+def vocab_parallel_argmax(local: torch.Tensor, vocab: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's argmax over the whole vocabulary [T] int64, whether each row's logits are all
+    finite [T] bool) from this rank's slice `[T, vocab_rows]` of the logits: one all-gather of
+    three numbers a row (`slice_summary`), then `pick_argmax`."""
+    every = all_gather_last(slice_summary(local, vocab, rank))  # [T, ranks * 3]
+    return pick_argmax(every.view(every.shape[0], every.shape[1] // 3, 3))
+
+
+def slice_summary(local: torch.Tensor, vocab: int, rank: int) -> torch.Tensor:
+    """`[T, 3]` float32: per row of this rank's logits slice, its maximum, that maximum's token id
+    (the first, as row_argmax) and the slice's sum (NaN and infinities carry into it). The ids
+    ride in float32, exact below 2^24."""
+    rows = local.shape[1]
+    start = rank * rows
+    valid = min(rows, vocab - start)  # the last rank's slice runs past the vocabulary
+    assert valid > 0 and vocab < 1 << 24, f"a vocabulary of {vocab} over ranks of {rows} rows"
+    mine = local[:, :valid]
+    where = row_argmax(mine)
+    best = mine.gather(1, where[:, None]).squeeze(1)
+    return torch.stack([best.float(), (where + start).float(), mine.sum(-1, dtype=torch.float32)], dim=-1)
+
+
+def pick_argmax(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [T] int64, finite [T] bool) from every rank's slice_summary `[T, ranks, 3]`, rank 0
+    first: the token of the rank with the largest maximum, the first such rank on a tie (so the
+    first index of the row's maximum, as row_argmax over the whole row)."""
+    winner = every[:, :, 0].argmax(dim=-1, keepdim=True)
+    tokens = every[:, :, 1].gather(1, winner).squeeze(1).long()
+    return tokens, torch.isfinite(every[:, :, 2].sum(-1))
 
 
 def row_linear(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor) -> torch.Tensor:

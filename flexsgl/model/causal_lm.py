@@ -18,6 +18,7 @@ from flexsgl.distributed import layers as tp
 from flexsgl.kernels import gemv
 from flexsgl.model.moe import MoE
 from flexsgl.model.weight_loaders import allocate
+from flexsgl.sampling.sampler import row_argmax
 
 
 class CausalLM(nn.Module):
@@ -73,11 +74,25 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """Returns the logits (in the model's dtype) of the tokens at `fb.logits_index` (each request's
-        last token). The sampler upcasts them only where it needs to: a greedy step takes the argmax
+        last token), over this rank's vocabulary slice under tensor parallelism (`whole_logits`
+        gathers them). The sampler upcasts them only where it needs to: a greedy step takes the argmax
         as they are, which saves writing and re-reading a float32 copy of [batch, vocab]."""
         m = self.model
         x = m.embed_tokens(input_ids)
         for layer in m.layers:
             x = layer(x, positions, m.rotary, fb)
-        logits = gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
+        return gemv.norm_linear(x[fb.logits_index], m.norm, self.lm_head)
+
+    def argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(each row's argmax over the vocabulary, whether each row's logits are all finite) of
+        `logits` as forward returns them: under tensor parallelism this rank's vocabulary slice, the
+        ranks exchanging three numbers a row; with one rank the whole row, and None for the
+        finiteness, which the caller checks on the logits it holds."""
+        if self.cfg.tp_size > 1:
+            return tp.vocab_parallel_argmax(logits, self.cfg.vocab_size, self.cfg.tp_rank)
+        return row_argmax(logits), None
+
+    def whole_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` as forward returns them, over the whole vocabulary `[T, vocab]`: under tensor
+        parallelism gathered from every rank (each rank calls this at the same point of a step)."""
         return tp.gather_logits(logits, self.cfg.vocab_size) if self.cfg.tp_size > 1 else logits

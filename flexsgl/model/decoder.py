@@ -148,9 +148,8 @@ class DecoderForCausalLM(CausalLM):
         for layer, next_norm in zip(m.layers, nexts):
             x, h = layer(x, positions, m.rotary, fb, h, next_norm)
         rows = fb.logits_index
-        logits = (gemv.norm_linear(x[rows], m.norm, self.lm_head) if h is None
-                  else gemv.linear(h[rows], self.lm_head, None))
-        return tp.gather_logits(logits, self.cfg.vocab_size) if self.cfg.tp_size > 1 else logits
+        return (gemv.norm_linear(x[rows], m.norm, self.lm_head) if h is None
+                else gemv.linear(h[rows], self.lm_head, None))
 
     def checkpoint_name(self, hf_name: str) -> tuple[str, int | None]:
         """The parameter an HF tensor fills and its part there (None: all of it): a fused part, or

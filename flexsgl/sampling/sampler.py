@@ -89,6 +89,18 @@ class SamplingTensors:
     logit_bias: LogitBias | None = None  # some row has a logit bias
     token_mask: TokenMask | None = None  # some row has structured outputs
 
+    @property
+    def changes_logits(self) -> bool:
+        """Whether some row's logits change before sampling (bias, penalties, min_tokens, a token mask)."""
+        return not (self.penalties is None and self.min_tokens is None and self.logit_bias is None
+                    and self.token_mask is None)
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the logits give nothing but each row's argmax: every row greedy, no change to
+        them, no log-probabilities."""
+        return self.all_greedy and not self.changes_logits and self.logprobs < 0
+
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash with full avalanche, computed in int64 so every product fits."""
@@ -169,7 +181,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, argmax: torch.Tensor | Non
     """logits [S, V] (any float dtype; sampled in float32) -> token ids [S] int64. argmax: the
     logits' row_argmax if already taken (a CUDA graph takes it); where every row is greedy and
     nothing changes the logits, it is the result itself."""
-    if st.penalties is not None or st.min_tokens is not None or st.logit_bias is not None or st.token_mask is not None:
+    if st.changes_logits:
         argmax = None  # of other logits
         logits = logits.float()
         if st.logit_bias is not None:

@@ -13,7 +13,8 @@ it replays. Capture goes largest size first into one memory pool:
 `fill_graph` is the backend's one host routine that writes a step's metadata for its graph, at
 capture and replay alike. What is recorded is a whole greedy decode step: the backend's
 `graph_step` (metadata it derives on the device from the static inputs), the token ids read from
-the token buffer, the model, the rows' argmax, and that argmax written back into the token buffer.
+the token buffer, the model, the rows' argmax (`argmax`: under tensor parallelism over the ranks'
+vocabulary slices, with each row's finiteness), and that argmax written back into the token buffer.
 A step whose rows all decode greedily (no penalties, no min_tokens) needs nothing more than reading
 its tokens back; any other step samples from the graph's logits and overwrites its rows' tokens.
 Padding rows (step/plan.py) read and write the token buffer's pad slot, which no request holds.
@@ -30,14 +31,15 @@ import torch
 
 from flexsgl.attention.base import ForwardBatch
 from flexsgl.cache.pool import DUMMY_PAGE
-from flexsgl.sampling import row_argmax
 from flexsgl.step.token_buffer import TokenBuffer
 
 
 class GraphManager:
-    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], backend, device: torch.device,
-                 sizes, table_width: int, num_kv_pages: int, tokens: TokenBuffer, emulate: bool = False):
-        self.forward, self.backend, self.device = forward, backend, device
+    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], argmax: Callable, backend,
+                 device: torch.device, sizes, table_width: int, num_kv_pages: int, tokens: TokenBuffer,
+                 emulate: bool = False):
+        """`forward`: the decode step's model call; `argmax`: the model's (CausalLM.argmax)."""
+        self.forward, self.argmax, self.backend, self.device = forward, argmax, backend, device
         self.sizes = sorted(set(sizes), reverse=True)
         self.tokens, self.emulate = tokens, emulate
         n = self.sizes[0]
@@ -71,15 +73,16 @@ class GraphManager:
         i64, i32 = block[:24 * bs].view(int64), block[24 * bs:].view(int32)
         return i64[:bs], i64[bs:2 * bs], i64[2 * bs:], i32
 
-    def step(self, bs: int, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a graph records: (logits, each row's argmax), that argmax also written into the token buffer."""
+    def step(self, bs: int, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What a graph records: (logits, each row's argmax, each row's finiteness or None), as the
+        model's `argmax` gives them; that argmax also written into the token buffer."""
         self.backend.graph_step(bs, fb)
         slots = self.token_slots[bs]
         fb.input_ids = self.tokens.read(slots)
         logits = self.forward(fb)
-        greedy = row_argmax(logits)
+        greedy, finite = self.argmax(logits)
         self.tokens.write(slots, greedy)
-        return logits, greedy
+        return logits, greedy, finite
 
     def capture(self, bs: int) -> None:
         """Record size bs over the step its buffers hold (sizes largest first, into one memory pool)."""
@@ -114,8 +117,8 @@ class GraphManager:
         if sync and not self.emulate:
             torch.cuda.synchronize(self.device)
 
-    def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, argmax per row) of a written step; its argmax is already in the token buffer."""
+    def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """step's outputs for a written step; its argmax is already in the token buffer."""
         bs = fb.batch_size
         self.backend.fill_graph(bs, fb)
         if self.emulate:

@@ -39,6 +39,13 @@ class StepInputs:
     graphed: bool  # replays a CUDA graph: fb is the graph's static batch
     prompt_targets: torch.Tensor | None = None  # [P] int64: the prompt token each next logits row predicts
     prompt_k: int = 0  # top log-probabilities of prompt tokens
+    keep_logits: bool = False  # StepPlan.keep_logits
+
+    @property
+    def whole_logits(self) -> bool:
+        """Whether the step reads its logits over the whole vocabulary (under tensor parallelism,
+        gathered from the ranks), not only each row's argmax."""
+        return self.keep_logits or self.prompt_targets is not None or not self.sampling.argmax_only
 
 
 def upload(plan: StepPlan, device: torch.device, tokens: TokenBuffer, counts: TokenCounts,
@@ -72,7 +79,8 @@ def upload(plan: StepPlan, device: torch.device, tokens: TokenBuffer, counts: To
         values = {name.removeprefix("variant_"): t for name, t in {**i64, **f32}.items() if name.startswith("variant_")}
         variants.write(fb.req_slots[:n], values)
     st = sampling_batch.make_tensors(plan.flags, i64, f32, counts, write_slots)
-    return StepInputs(fb, st, write_slots, plan.flags.rows, plan.graphed, i64.get("prompt_targets"), plan.prompt_k)
+    return StepInputs(fb, st, write_slots, plan.flags.rows, plan.graphed, i64.get("prompt_targets"), plan.prompt_k,
+                      plan.keep_logits)
 
 
 def _into_graph(plan: StepPlan, graphs: GraphManager, device: torch.device) -> ForwardBatch:

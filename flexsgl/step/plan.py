@@ -51,6 +51,12 @@ class StepPlan:
     prompt_targets: list[int] = ()
     prompt_k: int = 0
     prompt_spans: list[tuple[int, int, int]] = ()
+    # Gather the whole logits under tensor parallelism even where the rows take only their argmax
+    # (flexsgl/bench/sampled_logits.py asks, to record them)
+    keep_logits: bool = False
+    # Pages to zero on every rank before the step: a finished request's whose logits were not
+    # finite (its K/V may hold NaN, and masked slots still enter attention as 0 * v)
+    clear_pages: list[int] = ()
 
 
 def plan_step(batch: ScheduledBatch, shape: StepShape, page_size: int, pad_slot: int,
