@@ -67,25 +67,51 @@ def check_outputs(hf, llm, seen, prompts, outs, seed, what: str) -> None:
         assert rel < 1e-4, f"{what}: prompt {i}: logits relative error {rel:.2e}, seed={seed}"
 
 
+def well_drawn(path, make_hf, prompts_of, steps: int = STEPS):
+    """(hf, seed, prompts): a checkpoint make_hf(path, seed) saves and returns, and the prompts
+    prompts_of(rng, vocab) draws, drawn again while HF's run over them holds a near-tie."""
+    for _ in range(DRAWS):
+        seed = random.randrange(1 << 30)
+        hf = make_hf(path, seed)
+        hf.config._attn_implementation = "eager"
+        prompts = prompts_of(random.Random(seed), hf.config.vocab_size)
+        margin = rounding_margin(hf, [p + hf_reference(hf, p, steps)[0] for p in prompts])
+        if margin >= ROUNDING_MARGIN:
+            return hf, seed, prompts
+        print(f"seed={seed} holds a near-tie ({margin:.1e}); drawing again")
+    raise AssertionError(f"{DRAWS} draws in a row held a near-tie; the last seed={seed}")
+
+
+def check_two_ranks(path, monkeypatch, make_hf, window: int, steps: int = 8) -> None:
+    """make_hf's checkpoint under tensor parallelism (gloo, two ranks) against one rank and HF:
+    greedy tokens equal both, logits (rank 0's, gathered) within 1e-4 of HF's, for a ragged batch
+    with prompts beyond two windows, prefilled in chunks."""
+    hf, seed, prompts = well_drawn(path, make_hf, lambda rng, vocab: [
+        [rng.randrange(vocab) for _ in range(n)] for n in (3, window + 5, 2 * window + 17)], steps)
+    options = dict(device="cpu", compile=False, page_size=PAGE, max_num_batched_tokens=40)
+    sampling = SamplingParams(max_new_tokens=steps, temperature=0.0)
+    ref = LLM(str(path), **options).generate(prompts, sampling)
+    with LLM(str(path), tensor_parallel_size=2, **options) as two:
+        seen = capture_logits(two, monkeypatch)
+        out = two.generate(prompts, sampling)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
+    for prompt, o in zip(prompts, out):
+        tokens, logits = hf_reference(hf, prompt, steps)
+        assert o.token_ids == tokens, f"seed={seed}"
+        torch.testing.assert_close(torch.stack(seen[o.request_id]), logits, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+
+
 def check_family(tmp_path, monkeypatch, make_hf, window: int, compile: bool = False, **options) -> LLM:
     """make_hf(path, seed) saves a tiny random HF model at path and returns it (eval, float32).
     Runs the batch, then a prompt sharing the first pages of one of them (a prefix-cache hit), then
     the batch again in a KV cache too small for it (preemption); returns the first engine."""
-    for _ in range(DRAWS):
-        seed = random.randrange(1 << 30)
-        hf = make_hf(tmp_path, seed)
-        hf.config._attn_implementation = "eager"
-        rng = random.Random(seed)
-        vocab = hf.config.vocab_size
+    def batch_then_cache_hit(rng, vocab):
         prompts = prompts_for(rng, vocab, window)
         shared = prompts[1][:2 * PAGE]  # two whole pages of a prompt the cache holds
-        again = [shared + [rng.randrange(vocab) for _ in range(window // 2 + 3)]]
-        margin = rounding_margin(hf, [p + hf_reference(hf, p, STEPS)[0] for p in prompts + again])
-        if margin >= ROUNDING_MARGIN:
-            break
-        print(f"check_family: seed={seed} holds a near-tie ({margin:.1e}); drawing again")
-    else:
-        raise AssertionError(f"{DRAWS} draws in a row held a near-tie; the last seed={seed}")
+        return prompts + [shared + [rng.randrange(vocab) for _ in range(window // 2 + 3)]]
+
+    hf, seed, drawn = well_drawn(tmp_path, make_hf, batch_then_cache_hit)
+    prompts, again = drawn[:-1], drawn[-1:]
     sampling = SamplingParams(max_new_tokens=STEPS, temperature=0.0)
 
     llm = LLM(str(tmp_path), device="cpu", page_size=PAGE, max_num_batched_tokens=40, compile=compile, **options)

@@ -11,11 +11,10 @@ import torch
 
 from flexsgl import LLM, SamplingParams
 from flexsgl.attention.registry import resolve_override
-from flexsgl.distributed.launcher import TensorParallelError
 from flexsgl.errors import CheckpointError
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.presets import PRESETS
-from tests.family_parity import PAGE, check_family, check_outputs
+from tests.family_parity import PAGE, check_family, check_outputs, check_two_ranks
 from tests.hf_models import capture_logits
 from tests.test_registry import GPU, fake_gpu  # noqa: F401  (a fixture)
 
@@ -188,17 +187,11 @@ def test_hidden_act_is_read_only_where_transformers_reads_it():
         ModelConfig.from_hf({**PRESETS["qwen3-8b"]["config"], "hidden_act": "gelu"})
 
 
-@pytest.mark.parametrize("model", ["tiny-gemma2", "tiny-gemma3"])
-def test_tensor_parallelism_is_refused_before_loading(model, monkeypatch):
-    import flexsgl.engine_core
-    from flexsgl.distributed import launcher
-
-    monkeypatch.setattr(flexsgl.engine_core, "build_model", lambda *a, **k: pytest.fail("the model loaded"))
-    monkeypatch.setattr(launcher, "spawn", lambda *a, **k: pytest.fail("ranks started"))
-    with pytest.raises(TensorParallelError) as e:
-        LLM(model, load_format="dummy", tensor_parallel_size=2, device="cpu", compile=False)
-    arch = PRESETS[model]["config"]["architectures"][0]
-    assert str(e.value) == f"Tensor parallelism is not supported yet for {arch}; use tensor_parallel_size 1."
+@pytest.mark.parametrize("make", [make_gemma2, make_gemma3], ids=["gemma2", "gemma3"])
+def test_two_ranks_match_hf(tmp_path, monkeypatch, make):
+    """Under tensor parallelism: the embedding and LM head split by vocabulary, heads and the MLP
+    by rank, each row-parallel output all-reduced before its post-norm."""
+    check_two_ranks(tmp_path, monkeypatch, make, WINDOW)
 
 
 @pytest.mark.parametrize("preset", ["gemma-2-9b", "tiny-gemma2", "gemma-3-1b"])

@@ -16,7 +16,7 @@ from flexsgl.errors import CheckpointError
 from flexsgl.kernels import gemv, moe_layer
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.presets import PRESETS
-from tests.family_parity import check_family
+from tests.family_parity import check_family, check_two_ranks
 from tests.hf_models import capture_logits, hf_reference
 
 PROMPT_WINDOW = 40  # sizes check_family's prompts (Qwen3-MoE has no window)
@@ -68,6 +68,12 @@ def test_qwen3_moe_matches_hf(tmp_path, monkeypatch, top_k, norm_topk_prob, stac
     llm = check_family(tmp_path, monkeypatch, make, PROMPT_WINDOW)
     kinds = [type(layer.mlp).__name__ for layer in llm.model.model.layers]
     assert kinds == ["MoE", "GatedMLP", "MoE"]
+
+
+def test_two_ranks_match_hf(tmp_path, monkeypatch):
+    """Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
+    (and its slice of the dense layer's MLP) and routes alike; one all-reduce after each MLP."""
+    check_two_ranks(tmp_path, monkeypatch, make_qwen3_moe, PROMPT_WINDOW)
 
 
 @pytest.mark.usefixtures("triton_interpreter")

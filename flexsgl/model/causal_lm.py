@@ -17,7 +17,7 @@ from flexsgl.cache.store import store_path
 from flexsgl.distributed import layers as tp
 from flexsgl.kernels import gemv
 from flexsgl.model.moe import MoE
-from flexsgl.model.weight_loaders import allocate
+from flexsgl.model.weight_loaders import StackedExperts, allocate, split_loader
 from flexsgl.sampling.sampler import row_argmax
 
 
@@ -33,6 +33,21 @@ class CausalLM(nn.Module):
         # Per layer, the checkpoint's [k_scale, v_scale] for an FP8 KV cache (the loader sets them;
         # 1.0 where a checkpoint has none)
         self.kv_cache_scales: dict[int, list[float]] = {}
+
+    def assign_split_loaders(self) -> None:
+        """Each parameter's weight loader: the fused parts (q, k, v; gate, up), and under tensor
+        parallelism this rank's slices of them (flexsgl/distributed/layers.py split_of), and each
+        stacked expert's slice of its intermediate dimension; a parameter held whole that has a loader
+        of its own (Gemma's 1 + w norms) keeps it."""
+        whole, rank, size = self.cfg.unsharded or self.cfg, self.cfg.tp_rank, self.cfg.tp_size
+        for name, p in self.named_parameters():
+            loader = getattr(p, "weight_loader", None)
+            if isinstance(loader, StackedExperts):
+                p.weight_loader = loader.sharded(rank, size)
+                continue
+            split = tp.split_of(name, whole, rank, size)
+            if split is not None or not hasattr(p, "weight_loader"):
+                p.weight_loader = split_loader(split)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the parameters of this model, built on the meta device (their values come from

@@ -21,7 +21,7 @@ from flexsgl.model.causal_lm import CausalLM
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from flexsgl.model.moe import MoE, expert_part
-from flexsgl.model.weight_loaders import packed_name, split_loader
+from flexsgl.model.weight_loaders import packed_name
 
 
 class Attention(nn.Module):
@@ -72,9 +72,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         moe = cfg.moe
-        self.mlp = (MoE(cfg.hidden_size, moe) if moe is not None and moe.sparse(layer_id)
-                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size))
         self.parallel = cfg.tp_size > 1
+        self.mlp = (MoE(cfg.hidden_size, moe, self.parallel) if moe is not None and moe.sparse(layer_id)
+                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size))
 
     def forward(self, x, positions, rope, fb, normed=None, next_norm=None):
         # x + attn(norm(x)), then x + mlp(norm(x)), as four projections with the norms, the SiLU
@@ -127,14 +127,7 @@ class DecoderForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, DecoderModel(cfg))
         self.dense = not any(isinstance(layer.mlp, MoE) for layer in self.model.layers)  # forward's fused path
-        # Each parameter's weight loader: the fused parts (q, k, v; gate, up), and under tensor
-        # parallelism this rank's slices of them (flexsgl/distributed/layers.py split_of); the stacked
-        # experts keep their own.
-        whole = cfg.unsharded or cfg
-        for name, p in self.named_parameters():
-            split = tp.split_of(name, whole, cfg.tp_rank, cfg.tp_size)
-            if split is not None or not hasattr(p, "weight_loader"):
-                p.weight_loader = split_loader(split)
+        self.assign_split_loaders()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """CausalLM's forward; where all-reduces carry the residual add and RMSNorm (FlashInfer's

@@ -22,7 +22,9 @@ checkpoint's weight (`ONE_PLUS`), added in float32 once at load. In float32 that
 expression exactly; in bfloat16 the stored 1 + w and the normed value are each rounded to bfloat16
 before their product, where HF multiplies in float32 and rounds once.
 
-Tensor parallelism does not split this model yet (flexsgl/distributed/launcher.py refuses it).
+Under tensor parallelism it splits as the dense decoder does (flexsgl/distributed/layers.py): the
+vocabulary-parallel embedding, q/k/v and gate/up by rows, o_proj and down_proj by columns. Each
+row-parallel output is all-reduced before its post-norm, which needs the whole sum.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flexsgl.distributed import layers as tp
+from flexsgl.distributed.allreduce import all_reduce
 from flexsgl.kernels import gemv
 from flexsgl.model.causal_lm import CausalLM
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.decoder import Attention, DecoderForCausalLM
 from flexsgl.model.layers import GatedMLP, RotaryEmbedding, rope_inv_freq
-from flexsgl.model.weight_loaders import Whole, fused_rows
+from flexsgl.model.weight_loaders import Whole
 
 
 class GemmaRMSNorm(nn.Module):
@@ -83,28 +87,33 @@ class GemmaDecoderLayer(nn.Module):
         self.sliding = cfg.layer_types[layer_id] == "sliding_attention"
         self.self_attn = Attention(cfg, layer_id)
         attn = self.self_attn
-        attn.qkv_proj.weight.weight_loader = fused_rows([attn.hq * attn.d, attn.hkv * attn.d, attn.hkv * attn.d])
         if attn.q_norm is not None:
             attn.q_norm.weight.weight_loader = attn.k_norm.weight.weight_loader = ONE_PLUS
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm, self.post_attention_layernorm = GemmaRMSNorm(h, eps), GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = GemmaRMSNorm(h, eps), GemmaRMSNorm(h, eps)
+        self.parallel = cfg.tp_size > 1
+
+    def row_parallel(self, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+        """proj(x), summed over the ranks' partial products under tensor parallelism."""
+        out = gemv.linear(x, proj, None)
+        return all_reduce(out) if self.parallel else out
 
     def forward(self, x, positions, rope, fb):
         attn, mlp = self.self_attn, self.mlp
         qkv = gemv.linear(self.input_layernorm(x), attn.qkv_proj, None)
-        out = gemv.linear(attn.attend(qkv, positions, rope, fb), attn.o_proj, None)
+        out = self.row_parallel(attn.attend(qkv, positions, rope, fb), attn.o_proj)
         x = x + self.post_attention_layernorm(out)
         gate, up = gemv.linear(self.pre_feedforward_layernorm(x), mlp.gate_up_proj, None).chunk(2, dim=-1)
-        down = gemv.linear(F.gelu(gate, approximate="tanh") * up, mlp.down_proj, None)
+        down = self.row_parallel(F.gelu(gate, approximate="tanh") * up, mlp.down_proj)
         return x + self.post_feedforward_layernorm(down)
 
 
 class GemmaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = tp.embedding(cfg)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = GemmaRotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
@@ -117,6 +126,7 @@ class GemmaModel(nn.Module):
 class GemmaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, GemmaModel(cfg))
+        self.assign_split_loaders()
 
     # The decoder's own: HF names to the fused q/k/v and gate/up parts.
     checkpoint_name = DecoderForCausalLM.checkpoint_name

@@ -162,7 +162,11 @@ class StackedExperts(WeightLoader):
         """halves: 2 where gate and up are fused, 1 for one projection."""
         each = (0, 1) if halves == 2 else (None,)
         self.parts = tuple((e, h) for e in range(num_experts) for h in each)
-        self.halves, self.rank, self.size = halves, rank, size
+        self.num_experts, self.halves, self.rank, self.size = num_experts, halves, rank, size
+
+    def sharded(self, rank: int, size: int) -> "StackedExperts":
+        """This loader for rank `rank` of `size`."""
+        return StackedExperts(self.num_experts, self.halves, rank, size)
 
     def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
         if part is None:
