@@ -16,7 +16,7 @@ from flexsgl.errors import CheckpointError
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.presets import PRESETS
 from flexsgl.model.weight_loaders import weight_loader
-from tests.family_parity import check_family
+from tests.family_parity import check_family, check_two_ranks
 from tests.hf_models import capture_logits, hf_reference
 
 WINDOW = 40
@@ -70,6 +70,13 @@ def test_gpt_oss_compiled_matches_hf(tmp_path, monkeypatch):
     """Compiled on the CPU: the experts' gathered products, the window's block lists and the sinks
     inside compiled layers."""
     check_family(tmp_path, monkeypatch, make_gpt_oss, WINDOW, compile=True)
+
+
+def test_two_ranks_match_hf(tmp_path, monkeypatch):
+    """Under tensor parallelism: each rank's heads with their q/k/v biases and sinks, every expert's
+    slice with its gate/up bias entries, o_proj's and the experts' down biases on rank 0 alone;
+    checkpoint tensors spread over several files, each rank reading only its slices."""
+    check_two_ranks(tmp_path, monkeypatch, lambda path, seed: make_gpt_oss(path, seed, max_shard_size="60KB"), WINDOW)
 
 
 def transformers_version() -> str:

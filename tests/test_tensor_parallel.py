@@ -378,8 +378,6 @@ def test_agree_raises_the_failed_ranks_reason():
     ("tiny", 3, "The model's 4 attention heads do not split across tensor_parallel_size 3 ranks; use a divisor of 4."),
     ("tiny-mla", 8, "The model's 4 attention heads do not split across tensor_parallel_size 8 ranks; use a divisor "
                     "of 4."),
-    ("tiny-gpt-oss", 2, "Tensor parallelism is not supported yet for GptOssForCausalLM (its experts do not "
-                        "split across ranks); use tensor_parallel_size 1."),
 ])
 def test_refused_before_loading(model, tp, sentence, monkeypatch):
     import flexsgl.engine_core

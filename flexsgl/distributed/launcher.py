@@ -93,9 +93,6 @@ def refuse(cfg: EngineConfig, mcfg, device: torch.device) -> None:
         if device.index not in (None, 0) and env is None:
             raise TensorParallelError(f"Tensor parallelism runs on cuda:0 to cuda:{n - 1}; device "
                                       f"{str(device)!r} cannot be given with tensor_parallel_size {n}.")
-    if mcfg.moe is not None and mcfg.architecture == "GptOssForCausalLM":
-        raise TensorParallelError(f"Tensor parallelism is not supported yet for {mcfg.architecture} (its experts "
-                                  "do not split across ranks); use tensor_parallel_size 1.")
     if mcfg.num_heads % n:
         raise TensorParallelError(f"The model's {mcfg.num_heads} attention heads do not split across "
                                   f"tensor_parallel_size {n} ranks; use a divisor of {mcfg.num_heads}.")

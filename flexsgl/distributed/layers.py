@@ -3,7 +3,8 @@
     qkv_proj, gate_up_proj  column-parallel: each rank holds its rows (its q heads and its KV heads;
                             its slice of the MLP's intermediate dimension), no communication
     o_proj, down_proj       row-parallel: each rank holds its columns and computes a partial sum;
-                            rank 0 adds the residual to its own, and one all-reduce adds them up
+                            rank 0 adds the residual (and the bias, which it alone holds) to its
+                            own, and one all-reduce adds them up
     embed_tokens            vocabulary-parallel: each rank holds ceil(vocab / tp) rows, looks up
                             the ids in its range (zeros elsewhere), and an all-reduce adds them
     lm_head                 vocabulary-parallel: each rank computes its vocabulary slice of the
@@ -102,7 +103,16 @@ def split_of(name: str, cfg, rank: int, size: int) -> Split | None:
                          Piece(k0 * d, hk * d, (hq + hk) * d)], [hq_all * d, hkv_all * d, hkv_all * d])
     if module == "o_proj":
         return Split(1, [Piece(rank * hq * d, hq * d, 0)], [hq_all * d])
+    if parts[-1] == "sinks":  # one learned logit per q head (GPT-OSS)
+        return Split(0, [Piece(rank * hq, hq, 0)], [hq_all])
     return None
+
+
+def row_parallel_bias(name: str) -> bool:
+    """Whether parameter `name` is the bias of a row-parallel projection (o_proj, down_proj), which
+    rank 0 alone holds (weight_loaders.FirstRankOnly); split_of does not apply to it."""
+    parts = name.split(".")
+    return len(parts) > 1 and parts[-1] == "bias" and parts[-2] in ("o_proj", "down_proj")
 
 
 def _mlp_split(module: str, width: int, rank: int, size: int) -> Split:

@@ -17,7 +17,7 @@ from flexsgl.cache.store import store_path
 from flexsgl.distributed import layers as tp
 from flexsgl.kernels import gemv
 from flexsgl.model.moe import MoE
-from flexsgl.model.weight_loaders import StackedExperts, allocate, split_loader
+from flexsgl.model.weight_loaders import FirstRankOnly, allocate, split_loader
 from flexsgl.sampling.sampler import row_argmax
 
 
@@ -36,14 +36,19 @@ class CausalLM(nn.Module):
 
     def assign_split_loaders(self) -> None:
         """Each parameter's weight loader: the fused parts (q, k, v; gate, up), and under tensor
-        parallelism this rank's slices of them (flexsgl/distributed/layers.py split_of), and each
-        stacked expert's slice of its intermediate dimension; a parameter held whole that has a loader
-        of its own (Gemma's 1 + w norms) keeps it."""
+        parallelism this rank's slices of them (flexsgl/distributed/layers.py split_of), a
+        row-parallel projection's bias on rank 0 only, and the loaders that split a parameter
+        themselves (stacked experts) for this rank; a parameter held whole that has a loader of its
+        own (Gemma's 1 + w norms) keeps it."""
         whole, rank, size = self.cfg.unsharded or self.cfg, self.cfg.tp_rank, self.cfg.tp_size
         for name, p in self.named_parameters():
             loader = getattr(p, "weight_loader", None)
-            if isinstance(loader, StackedExperts):
-                p.weight_loader = loader.sharded(rank, size)
+            own = None if loader is None else loader.sharded(rank, size)
+            if own is not None:
+                p.weight_loader = own
+                continue
+            if tp.row_parallel_bias(name):
+                p.weight_loader = FirstRankOnly(rank)
                 continue
             split = tp.split_of(name, whole, rank, size)
             if split is not None or not hasattr(p, "weight_loader"):

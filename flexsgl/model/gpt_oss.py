@@ -18,7 +18,12 @@ activation; the one-token MoE kernel (kernels/moe_layer.py, DeepSeek's routing a
 
 HF checkpoints store the experts transposed (`gate_up_proj [E, H, 2I]` with gate and up interleaved
 in its columns, `down_proj [E, I, H]`); their weight loaders (weight_loaders.py TransposedExperts)
-put them into the stacked layout. MXFP4 checkpoints are refused when the config is read
+put them into the stacked layout.
+
+Under tensor parallelism (flexsgl/distributed/layers.py) a rank holds its q/k/v heads with their
+biases and sinks, o_proj's columns, and every expert's slice of the intermediate dimension (the
+router is replicated, so every rank routes alike); rank 0 alone holds o_proj's and the experts'
+down biases, and each block's partial sums are all-reduced. MXFP4 checkpoints are refused when the config is read
 (flexsgl/model/config.py).
 """
 
@@ -27,13 +32,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flexsgl.distributed import layers as tp
+from flexsgl.distributed.allreduce import all_reduce
+from flexsgl.distributed.group import first_rank
 from flexsgl.kernels import gemv
 from flexsgl.model.causal_lm import CausalLM
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.decoder import Attention
 from flexsgl.model.layers import RMSNorm, RotaryEmbedding
 from flexsgl.model.moe import Experts
-from flexsgl.model.weight_loaders import TransposedExperts, fused_rows, packed_name
+from flexsgl.model.weight_loaders import TransposedExperts, packed_name
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -48,7 +56,7 @@ class GptOssAttention(Attention):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__(cfg, layer_id)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.attention_bias)
-        self.sinks = nn.Parameter(torch.empty(self.hq))
+        self.sinks = nn.Parameter(torch.empty(self.hq))  # this rank's heads' under tensor parallelism
 
 
 class GptOssExperts(Experts):
@@ -73,7 +81,7 @@ class GptOssMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         moe = cfg.moe
-        self.top_k = moe.top_k
+        self.top_k, self.parallel = moe.top_k, cfg.tp_size > 1
         self.router = nn.Linear(cfg.hidden_size, moe.n_routed_experts, bias=True)
         self.experts = GptOssExperts(moe.n_routed_experts, cfg.hidden_size, moe.intermediate_size,
                                      cfg.swiglu_alpha, cfg.swiglu_limit)
@@ -85,10 +93,14 @@ class GptOssMLP(nn.Module):
         return experts, top.float().softmax(dim=-1)
 
     def forward(self, x: torch.Tensor, norm, residual: torch.Tensor) -> torch.Tensor:
-        """residual + mlp(norm(x))."""
+        """residual + mlp(norm(x)); under tensor parallelism each rank's experts give a partial sum
+        (rank 0's with the down bias and the residual), all-reduced."""
         h = norm(x)
         experts, weights = self.route(h)
-        return residual + self.experts(h, experts, weights)
+        out = self.experts(h, experts, weights)
+        if not self.parallel:
+            return residual + out
+        return all_reduce(out + residual if first_rank() else out)
 
 
 class GptOssLayer(nn.Module):
@@ -102,14 +114,15 @@ class GptOssLayer(nn.Module):
     def forward(self, x, positions, rope, fb):
         attn = self.self_attn
         qkv = gemv.norm_linear(x, self.input_layernorm, attn.qkv_proj)
-        x = gemv.linear(attn.attend(qkv, positions, rope, fb), attn.o_proj, residual=x)
+        out = attn.attend(qkv, positions, rope, fb)
+        x = tp.row_linear(out, attn.o_proj, x) if self.mlp.parallel else gemv.linear(out, attn.o_proj, residual=x)
         return self.mlp(x, self.post_attention_layernorm, residual=x)
 
 
 class GptOssModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = tp.embedding(cfg)
         self.layers = nn.ModuleList(GptOssLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
@@ -121,10 +134,7 @@ QKV = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_pro
 class GptOssForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, GptOssModel(cfg))
-        qkv = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-        for layer in self.model.layers:
-            for p in layer.self_attn.qkv_proj.parameters():  # weight and bias: q, k, v parts
-                p.weight_loader = fused_rows(qkv)
+        self.assign_split_loaders()
 
     def checkpoint_name(self, hf_name: str) -> tuple[str, int | None]:
         """The parameter an HF tensor fills and its part there (None: all of it)."""

@@ -39,6 +39,11 @@ class WeightLoader(ABC):
     def load(self, param: torch.Tensor, read: Reader, part) -> None:
         """Copy the checkpoint tensor of `part` (`read`) into this rank's `param`."""
 
+    def sharded(self, rank: int, size: int) -> "WeightLoader | None":
+        """This loader for tensor-parallel rank `rank` of `size` where it splits its parameter itself
+        (stacked experts); None where flexsgl/distributed/layers.py split_of says how."""
+        return None
+
 
 class Whole(WeightLoader):
     """A parameter filled by one checkpoint tensor of its own shape."""
@@ -92,6 +97,19 @@ class Parts(WeightLoader):
         end = max(p.at + p.length for p in s.pieces)
         if end < param.shape[s.dim]:
             param.narrow(s.dim, end, param.shape[s.dim] - end).zero_()
+
+
+class FirstRankOnly(Whole):
+    """A row-parallel projection's bias: rank 0 holds it, the other ranks zeros, so the all-reduce
+    of the ranks' partial sums adds it once."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def load(self, param: torch.Tensor, read: Reader, part) -> None:
+        super().load(param, read, part)
+        if self.rank != 0:
+            param.zero_()
 
 
 def row_loader(loader: WeightLoader) -> WeightLoader:
@@ -155,8 +173,10 @@ class StackedExperts(WeightLoader):
     expert `expert`'s rows, or all of them when `half` is None (one projection per expert).
 
     Under tensor parallelism each rank holds every expert's slice `rank` of `size` of the expert's
-    intermediate dimension: of gate and up their rows (`halves` 2, `[E, 2I/size, H]`), of down its
-    columns (`halves` 1, `[E, H, I/size]`)."""
+    intermediate dimension: of gate and up their rows (`halves` 2, `[E, 2I/size, H]`; their bias's
+    entries, `[E, 2I/size]`), of down its columns (`halves` 1, `[E, H, I/size]`). Down's bias
+    `[E, H]` rank 0 holds whole and the other ranks as zeros: the all-reduce of the ranks' partial
+    sums adds it once."""
 
     def __init__(self, num_experts: int, halves: int, rank: int = 0, size: int = 1):
         """halves: 2 where gate and up are fused, 1 for one projection."""
@@ -165,7 +185,6 @@ class StackedExperts(WeightLoader):
         self.num_experts, self.halves, self.rank, self.size = num_experts, halves, rank, size
 
     def sharded(self, rank: int, size: int) -> "StackedExperts":
-        """This loader for rank `rank` of `size`."""
         return StackedExperts(self.num_experts, self.halves, rank, size)
 
     def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
@@ -181,32 +200,51 @@ class StackedExperts(WeightLoader):
             return
         lead = (slice(None),) if part is None else ()  # the whole stack's expert dimension
         dst = param if part is None else param[part[0]]
+        bias = param.dim() == 2
+        if self.halves == 1 and bias:
+            read(None, dst)
+            if self.rank != 0:
+                dst.zero_()
+            return
         if self.halves == 1:  # down: this rank's columns of the intermediate dimension
             cols = dst.shape[-1]
             read(lead + (slice(None), slice(self.rank * cols, (self.rank + 1) * cols)), dst)
             return
-        local = dst.shape[-2] // 2  # gate and up: this rank's rows of each
+        axis = -1 if bias else -2  # gate and up: this rank's rows of each (entries of the bias)
+        local = dst.shape[axis] // 2
         for half in (0, 1) if part is None or part[1] is None else (part[1],):
             at = half * local * self.size if part is None else 0  # where the half starts in what is read
             read(lead + (slice(at + self.rank * local, at + (self.rank + 1) * local),),
-                 dst.narrow(-2, half * local, local))
+                 dst.narrow(axis, half * local, local))
 
 
 class TransposedExperts(WeightLoader):
     """Stacked experts `[E, rows, cols]` from one tensor of the whole stack stored transposed,
     `[E, cols, rows]` (x @ W: HF's GPT-OSS layout); with `interleaved`, a stacked gate_up (gate rows,
     then up rows) from a tensor whose gate and up alternate (gate in even columns, up in odd ones),
-    or its bias `[E, 2I]` from one whose entries alternate so."""
+    or its bias `[E, 2I]` from one whose entries alternate so.
 
-    def __init__(self, interleaved: bool):
-        self.interleaved = interleaved
+    Under tensor parallelism each rank holds every expert's slice `rank` of `size` of the
+    intermediate dimension I: gate_up's columns (and bias entries) 2i and 2i + 1 for its i, one
+    contiguous block of the interleaved tensor; down's rows of the transposed `[E, I, H]`."""
+
+    def __init__(self, interleaved: bool, rank: int = 0, size: int = 1):
+        self.interleaved, self.rank, self.size = interleaved, rank, size
+
+    def sharded(self, rank: int, size: int) -> "TransposedExperts":
+        return TransposedExperts(self.interleaved, rank, size)
 
     def part_of(self, full: torch.Tensor, part) -> torch.Tensor:
         return full.transpose(1, 2) if full.dim() == 3 else full  # the checkpoint tensor's shape
 
     def load(self, param: torch.Tensor, read: Reader, part) -> None:
         src = torch.empty(self.part_of(param, part).shape, dtype=param.dtype, device=param.device)
-        read(None, src)
+        if self.size == 1:
+            read(None, src)
+        else:  # this rank's block of the intermediate dimension: dimension 1 of down, the last of gate_up
+            n = src.shape[1] if not self.interleaved else src.shape[-1]
+            block = slice(self.rank * n, (self.rank + 1) * n)
+            read((slice(None), block) if not self.interleaved else (slice(None),) * (src.dim() - 1) + (block,), src)
         e, rows = param.shape[:2]
         if not self.interleaved:
             param.copy_(src.transpose(1, 2))
