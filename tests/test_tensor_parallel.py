@@ -560,8 +560,10 @@ def test_gpu_mla_two_ranks_match_one_rank_in_bfloat16(tmp_path, sampled_logits, 
 
 @pytest.mark.gpu
 @needs_two_gpus
-@pytest.mark.parametrize("model", ["tiny", "tiny-docs"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-docs", "tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-qwen3-moe",
+                                   "tiny-gpt-oss"])
 def test_gpu_tiny_presets_greedy_tokens(model):
+    """Each family at TP=2 on GPUs (NCCL, CUDA graphs, `auto`'s backends) gives one rank's tokens."""
     opts = dict(dtype="float32", max_total_tokens=1 << 14, max_running_requests=8)
     rng = random.Random(1)
     vocab = resolve(model).config.vocab_size
