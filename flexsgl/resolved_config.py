@@ -74,9 +74,6 @@ def resolve_config(options: EngineConfig, model: ModelConfig,
         dtype = DTYPES[options.dtype]
     else:
         dtype = torch.float32 if cpu else torch.float16 if model.torch_dtype == "float16" else torch.bfloat16
-    if options.quantization is not None and options.tensor_parallel_size > 1:
-        raise ValueError(f"quantization {options.quantization!r} runs with tensor_parallel_size 1; tensor "
-                         "parallelism does not split quantized weights yet.")
     variants = resolve_variants(options.attention, model)
     kv_dtype = KV_CACHE_DTYPES[options.kv_cache_dtype]
     if kv_dtype is not None and model.attention == "mla":

@@ -126,6 +126,38 @@ def test_projections_kept_in_fp8_load_the_checkpoints_bits_and_row_scales(tmp_pa
                                    rtol=0, atol=0, msg=lambda e: f"{name}, seed={seed}: {e}")
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_projections_kept_in_fp8_hold_their_ranks_slices(tmp_path, monkeypatch, rank):
+    """At two ranks (each loaded alone here), a kept projection holds its rank's slice of the
+    checkpoint's FP8 values and its rows' scales: of qkv_proj the rank's q, k and v heads' rows, of
+    o_proj every row's scale beside the rank's columns; weight x scale the float32 weight's slice.
+    gate_up_proj's rank rows (2 x 100) do not suit the FP8 product and load dequantized."""
+    import flexsgl.model.loader as loader
+    from flexsgl.model.source import resolve
+    from flexsgl.quant.fp8_linear import Fp8Linear
+
+    seed = random.randrange(2**31)
+    make_source("qwen3", tmp_path / "src", seed)
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "channel")
+    monkeypatch.setattr(loader, "keeps_fp8", lambda *a: True)
+    model = loader.build_model(resolve(str(tmp_path / "fp8")), torch.device("cpu"), torch.bfloat16, rank=rank, size=2)
+    ckpt, ref = load_file(tmp_path / "fp8" / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
+    q, kv = slice(rank * 80, (rank + 1) * 80), slice(rank * 40, (rank + 1) * 40)  # 2 of 4 q heads, 1 of 2 KV heads
+    kept = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert {n.rsplit(".", 1)[-1] for n in kept} == {"qkv_proj", "o_proj"}, f"seed={seed}"
+    for name, m in kept.items():
+        parent, leaf = name.rsplit(".", 1)
+        if leaf == "qkv_proj":
+            want = [(f"{parent}.{p}.weight", (rows, slice(None))) for p, rows in (("q_proj", q), ("k_proj", kv),
+                                                                                    ("v_proj", kv))]
+        else:
+            want = [(f"{name}.weight", (slice(None), q))]
+        assert torch.equal(m.weight.view(torch.uint8), torch.cat([ckpt[h][i] for h, i in want]).view(torch.uint8)), \
+            f"{name}, rank {rank}, seed={seed}"
+        torch.testing.assert_close(m.weight.float() * m.weight_scale, torch.cat([ref[h][i] for h, i in want]),
+                                   rtol=0, atol=0, msg=lambda e: f"{name}, rank {rank}, seed={seed}: {e}")
+
+
 @pytest.fixture(scope="module")
 def block_checkpoint(tmp_path_factory):
     seed = random.randrange(2**31)

@@ -63,7 +63,8 @@ def test_cli_takes_quantization():
     cmd = [sys.executable, "-m", "flexsgl.cli", "generate", "--device", "cpu", "--model", "tiny", "Hello"]
     procs = [subprocess.Popen(cmd + extra, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for extra in (["--quantization", "fp8", "--max-new-tokens", "3", "--json"],
-                           ["--quantization", "int4"], ["--quantization", "fp8", "--tp", "2"])]
+                           ["--quantization", "int4"],
+                           ["--quantization", "fp8", "--max-new-tokens", "3", "--json", "--tp", "2"])]
     (good, _), (bad, bad_err), (tp, tp_err) = [p.communicate(timeout=120) for p in procs]
     assert procs[0].returncode == 0, good
     [out] = json.loads(good)
@@ -71,4 +72,27 @@ def test_cli_takes_quantization():
                                                                                             temperature=0))[0]
     assert out["token_ids"] == api.token_ids and len(api.token_ids) == 3, out
     assert procs[1].returncode == 2 and "error: Unknown quantization 'int4'" in bad_err, bad_err
-    assert procs[2].returncode == 2 and "tensor_parallel_size 1" in tp_err and "Traceback" not in tp_err, tp_err
+    assert procs[2].returncode == 0 and "Traceback" not in tp_err, tp_err
+    assert json.loads(tp)[0]["token_ids"] == api.token_ids, tp
+
+
+def test_two_ranks_quantize_as_one_rank():
+    """Under tensor parallelism each rank quantizes its slice of each projection. A row-parallel
+    one's rows (o_proj, down_proj) run across the ranks' columns, so their scale comes from the
+    ranks' maximum: rank 0's FP8 values there are exactly one rank's first columns (a
+    column-parallel one's rows are whole on their rank). The tokens are one rank's."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (5, 40)]
+    options = dict(device="cpu", compile=False, quantization="fp8", max_total_tokens=4096)
+    one = LLM("tiny", **options)
+    ref = one.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
+    with LLM("tiny", tensor_parallel_size=2, **options) as two:
+        out = two.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
+        whole = projections(one.runner.model)
+        row_parallel = {n: m for n, m in projections(two.runner.model).items() if n.endswith(("o_proj", "down_proj"))}
+        assert len(row_parallel) == 2 * len(two.runner.model.model.layers)
+        for name, linear in row_parallel.items():
+            cols = linear.weight.shape[1]
+            assert torch.equal(linear.weight, whole[name].weight[:, :cols]), f"{name}, seed={seed}"
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"

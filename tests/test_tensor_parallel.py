@@ -485,7 +485,7 @@ def test_gpu_flashinfer_all_reduce_matches_one_rank(tmp_path, sampled_logits, mo
     opts = dict(load_format="dummy", max_total_tokens=1 << 15, max_running_requests=8, cuda_graph_bs=(1, 2, 4, 8))
     from flexsgl.distributed import allreduce
 
-    def used():
+    def used(_):
         assert allreduce._trt is not None and allreduce._trt.takes(torch.empty(8, 4096, dtype=torch.bfloat16))
 
     _assert_tp_agrees(model, opts, 2, sampled_logits, vocab=150000, compiled=True, check=used)
@@ -506,7 +506,7 @@ def _assert_tp_agrees(model, opts, tp, sampled_logits, vocab, compiled, check=No
         assert many.runner.graphs is not None and many.compile == compiled
         out = many.generate(prompts, sp)
         if check is not None:
-            check()
+            check(many)
     b = list(sampled_logits)
     assert len(a) == len(b) == 8
     same = [x.token_ids[:1] == y.token_ids[:1] for x, y in zip(ref, out)]
@@ -532,6 +532,25 @@ def test_gpu_every_gqa_override_under_two_ranks(tmp_path, sampled_logits, overri
     opts = dict(load_format="dummy", max_total_tokens=1 << 15, max_running_requests=8, cuda_graph_bs=(1, 2, 4),
                 override=override, compile=False)
     _assert_tp_agrees(model, opts, 2, sampled_logits, vocab=150000, compiled=False)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_fp8_weights_under_two_ranks(tmp_path, sampled_logits):
+    """`quantization="fp8"` at TP=2: each rank's projections as Fp8Linears over its slice (a
+    row-parallel one's scales the ranks' maximum), agreeing with FP8 at TP=1 to bf16 rounding."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 products need an SM89+ GPU")
+    from flexsgl.quant.fp8_linear import Fp8Linear
+
+    model = _qwen3_8b_layers(tmp_path / "qwen3-8b-4layers", layers=2)
+    opts = dict(load_format="dummy", max_total_tokens=1 << 15, max_running_requests=8, cuda_graph_bs=(1, 2, 4),
+                quantization="fp8", compile=True)
+
+    def kept(two):  # 2 layers' qkv, o, gate_up and down on rank 0
+        assert sum(isinstance(m, Fp8Linear) for m in two.runner.model.modules()) == 2 * 4
+
+    _assert_tp_agrees(model, opts, 2, sampled_logits, vocab=150000, compiled=True, check=kept)
 
 
 def _deepseek_v2_lite_layers(path, layers=3):

@@ -213,6 +213,12 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return out.view(size, t, n).permute(1, 0, 2).reshape(t, size * n)
 
 
+def all_reduce_max_(x: torch.Tensor) -> None:
+    """`x`, in place, the elementwise maximum over the ranks (over the device group; while loading,
+    where every rank calls it in the same order)."""
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """The device rank `rank` runs on when the engine asks for `device`: cuda:rank, or the CPU."""
     return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")

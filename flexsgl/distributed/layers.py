@@ -108,11 +108,14 @@ def split_of(name: str, cfg, rank: int, size: int) -> Split | None:
     return None
 
 
+ROW_PARALLEL = ("o_proj", "down_proj")  # the projections whose input features the ranks split
+
+
 def row_parallel_bias(name: str) -> bool:
-    """Whether parameter `name` is the bias of a row-parallel projection (o_proj, down_proj), which
-    rank 0 alone holds (weight_loaders.FirstRankOnly); split_of does not apply to it."""
+    """Whether parameter `name` is the bias of a row-parallel projection, which rank 0 alone holds
+    (weight_loaders.FirstRankOnly); split_of does not apply to it."""
     parts = name.split(".")
-    return len(parts) > 1 and parts[-1] == "bias" and parts[-2] in ("o_proj", "down_proj")
+    return len(parts) > 1 and parts[-1] == "bias" and parts[-2] in ROW_PARALLEL
 
 
 def _mlp_split(module: str, width: int, rank: int, size: int) -> Split:

@@ -50,7 +50,7 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
     with torch.device("meta"), no_init():  # values come from loading alone (empty_init.py)
         model = cls(cfg)
         full = model if size == 1 else cls(src.config)  # the whole model's shapes and weight loaders
-        if cfg.quant is not None and files and cfg.quant.strategy != "block" and keeps_fp8(device, dtype, size):
+        if cfg.quant is not None and files and cfg.quant.strategy != "block" and keeps_fp8(device, dtype):
             kept = keep_fp8(model, fp8_parameters(model, read_headers(files)))
             logger.info(f"FP8: {len(kept)} projections keep FP8 weights")
     model.materialize(device, dtype)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flexsgl.distributed.group import all_reduce_max_
+from flexsgl.distributed.layers import ROW_PARALLEL
 from flexsgl.quant.fp8 import dequantize, quantize_rows
 from flexsgl.quant.fp8_linear import Fp8Linear, fits, fp8_gemm_runs
 
@@ -44,9 +46,9 @@ def keep_fp8(model: nn.Module, fp8_weights: set[str]) -> list[str]:
     return kept
 
 
-def keeps_fp8(device: torch.device, dtype: torch.dtype, tp_size: int) -> bool:
+def keeps_fp8(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether FP8 weights stay FP8 here (else they are dequantized to `dtype` as they load)."""
-    return tp_size == 1 and fp8_gemm_runs(device, dtype)
+    return fp8_gemm_runs(device, dtype)
 
 
 @torch.no_grad()
@@ -54,11 +56,17 @@ def quantize_online(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     """`--quantization fp8` on a loaded model: each projection's weight quantized to FP8 per output
     row (absmax / 448). Where FP8 products run (keeps_fp8) it becomes an Fp8Linear, whose activations
     are quantized per token as they come; elsewhere its weight is replaced by its dequantized FP8
-    values, so the numbers are those of FP8 weights. Returns how many projections were quantized."""
-    keep = keeps_fp8(device, dtype, model.cfg.tp_size)
+    values, so the numbers are those of FP8 weights. Under tensor parallelism a row-parallel
+    projection's rows run across the ranks' columns: their absmax is the ranks' maximum, so each
+    rank's slice is that of one rank's weights. Returns how many projections were quantized."""
+    keep = keeps_fp8(device, dtype)
     count = 0
     for name, linear in projections(model).items():
-        weight, scale = quantize_rows(linear.weight)
+        absmax = None
+        if model.cfg.tp_size > 1 and name.rsplit(".", 1)[-1] in ROW_PARALLEL:
+            absmax = linear.weight.float().abs().amax(-1, keepdim=True)
+            all_reduce_max_(absmax)
+        weight, scale = quantize_rows(linear.weight, absmax)
         if keep and fits(linear):
             new = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None).to(device)
             new.weight.copy_(weight)

@@ -36,10 +36,12 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` `[N, K]` as FP8 with one float32 scale per row `[N, 1]` (row absmax / 448)."""
+def quantize_rows(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[N, K]` as FP8 with one float32 scale per row `[N, 1]`: row absmax / 448, the
+    absmax `[N, 1]` given where the rows run on beyond `weight` (a rank's columns of them)."""
     w = weight.float()
-    scale = (w.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    absmax = w.abs().amax(-1, keepdim=True) if absmax is None else absmax
+    scale = (absmax / FP8_MAX).clamp(min=MIN_SCALE)
     return quantize(w, scale), scale
 
 
