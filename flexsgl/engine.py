@@ -109,9 +109,7 @@ class LLM:
         takes = tuple(n for v in self.resolved.variants if v is not None for n, p in v.params.items()
                       if isinstance(p, PerRequest))
         structured = None
-        if self._channel is not None:
-            structured = "the other tensor-parallel ranks sample without the token mask"
-        elif self.tokenizer is None:
+        if self.tokenizer is None:
             structured = f"model {self.src.name!r} has no tokenizer"
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity,
                                        tuple(dict.fromkeys(takes)), self.scheduler.held_tokens, structured)

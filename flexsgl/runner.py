@@ -15,7 +15,9 @@ the device.
 
 A step with structured outputs is launched in two halves: `run_forward(batch)` plans, uploads
 and runs the forward pass, and `sample(launched, mask)` samples under the token mask
-the host filled meanwhile (it needs the previous step's tokens), then starts the read-back.
+the host filled meanwhile (it needs the previous step's tokens), then starts the read-back. Under
+tensor parallelism rank 0 sends the plan, then the mask, and every rank runs each half
+(`execute_forward`, `execute_sample`); such a step keeps its whole logits.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class ModelRunner:
         self.tp = None  # the tensor-parallel group's channel on rank 0 (flexsgl/distributed/worker.py)
         self.vocab_parallel = model.cfg.tp_size > 1  # each rank's logits cover its vocabulary slice
         self._pages_to_clear: list[int] = []  # zeroed on every rank before the next step (clear_pages)
+        self._deferred: tuple | None = None  # a worker's step launched up to its logits (execute_forward)
         self.wait = None  # how rank 0 waits for a step's tokens (under tensor parallelism: watching the ranks)
         self.tokens = TokenBuffer(max_running, device)  # last token per slot
         self.token_counts = TokenCounts(max_running, model.cfg.vocab_size, device)  # for penalties
@@ -201,12 +204,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_forward(self, batch: ScheduledBatch, plan: StepPlan | None = None) -> DeferredStep:
-        """Launch `batch` up to its logits (one rank only; `plan` as in run); `sample` finishes it."""
-        assert self.tp is None, "a step sampled under a token mask runs on one rank"
+        """Launch `batch` up to its logits (`plan` as in run); `sample` finishes it. Under tensor
+        parallelism the plan goes to every other rank first, which runs the same half."""
         plan = self._with_clears(self.plan(batch) if plan is None else plan)
+        plan.keep_logits = True  # the mask, which decides what the step reads, comes later
+        if self.tp is None:
+            return DeferredStep(batch, plan, *self._launch_forward(plan))
+        self.tp.send(("forward", plan))
+        try:
+            return DeferredStep(batch, plan, *self._launch_forward(plan))
+        except Exception as e:  # the other ranks run this step: they may now wait on rank 0 forever
+            raise self.tp.failed(e) from e
+
+    def _launch_forward(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor, torch.Tensor | None]:
         step = self.upload(plan)
         logits, greedy, _ = self._forward(step)
-        return DeferredStep(batch, plan, step, logits, greedy)
+        return step, logits, greedy
+
+    @torch.inference_mode()
+    def execute_forward(self, plan: StepPlan) -> None:
+        """A tensor-parallel worker's run_forward: the step waits for rank 0's mask (execute_sample).
+        A step rank 0 never samples (its mask failed) is dropped by the next one."""
+        self._deferred = self._launch_forward(plan)
+
+    @torch.inference_mode()
+    def execute_sample(self, mask: TokenMask) -> None:
+        """A tensor-parallel worker's sample: the waiting step sampled under rank 0's mask, as rank 0 does."""
+        step, logits, greedy = self._deferred
+        self._deferred = None
+        step.sampling.token_mask = mask.to(self.device)
+        self._sample(logits, step, greedy)
 
     def _launch(self, batch: ScheduledBatch | None, step: StepInputs, plan: StepPlan | None = None) -> StepOutput | None:
         """Forward, sample and (on rank 0) start the read-back of an uploaded step."""
@@ -221,6 +248,8 @@ class ModelRunner:
         """Sample a step launched with sample=False under `mask` (on the host, sampling/grammar.py),
         and start its read-back."""
         step = launched.step
+        if self.tp is not None:
+            self.tp.send(("sample", mask))
         step.sampling.token_mask = mask.to(self.device)
         tokens = self._sample(launched.logits, step, launched.greedy)
         return self._read_back(launched.batch, step, launched.logits, tokens, launched.plan)

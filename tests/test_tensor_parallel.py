@@ -7,7 +7,9 @@ logits agree to float32 rounding. GPU checks (NCCL, CUDA graphs, bf16) are the `
 run by `tools/gpu.sh tp-tests` on a machine with two GPUs."""
 
 import os
+import json
 import random
+import re
 import signal
 import time
 
@@ -225,6 +227,28 @@ def test_mla_checkpoint_loaded_shard_by_shard_matches_hf(tmp_path, monkeypatch, 
         tokens, logits = hf_reference(hf, prompt, 6)
         assert o.token_ids == tokens, f"seed={seed}"
         torch.testing.assert_close(torch.stack(seen[o.request_id]), logits, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+
+
+def test_structured_outputs_follow_their_constraints_as_one_rank():
+    """Steps sampled under a token mask: rank 0 fills the mask while every rank runs the forward
+    half, then sends it, and every rank samples under it. Constrained requests (sampled) beside
+    unconstrained ones (greedy) give one rank's texts, and each follows its constraint."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    specs = [{"regex": r"[a-d]{2,5}-\d{1,3}"}, {"json_object": True}, {"choice": ["red", "green", "blue"]}]
+    plain = [[rng.randrange(1, 4096) for _ in range(rng.randrange(3, 12))] for _ in range(2)]
+    params = [greedy(10)] * 2 + [SamplingParams(max_tokens=30, temperature=0.9, seed=rng.randrange(1 << 30),
+                                                structured_outputs=s) for s in specs]
+    prompts = plain + ["Return the value of"] * len(specs)
+    options = {**OPTIONS, "max_total_tokens": 4096}
+    ref = LLM(**options).generate(prompts, params)
+    with LLM(tensor_parallel_size=2, **options) as two:
+        out = two.generate(prompts, params)
+    assert [(o.text, o.finish_reason) for o in out] == [(o.text, o.finish_reason) for o in ref], f"seed={seed}"
+    texts = [o.text for o in out[2:] if o.finish_reason == "stop"]
+    assert len(texts) == 3, f"seed={seed}: {[(o.text, o.finish_reason) for o in out[2:]]}"
+    assert re.fullmatch(specs[0]["regex"], texts[0]) and isinstance(json.loads(texts[1]), dict), f"seed={seed}"
+    assert texts[2] in specs[2]["choice"], f"seed={seed}"
 
 
 def test_embedded_model_tokens_identical():

@@ -3,10 +3,12 @@
 Rank 0 owns the scheduler and the tokenizer. Each step it turns the scheduled batch into a
 StepPlan (step/plan.py: host lists only) and broadcasts it over the gloo control group, then executes
 it itself; every other rank executes the same plan with its own runner, model shard, attention
-backends and CUDA graphs, so each samples the same tokens (the same logits, gathered whole, and
-counter-based noise) and keeps the same token buffer and penalty counts. Only rank 0 reads tokens back.
+backends and CUDA graphs, so each samples the same tokens (the same logits, gathered whole, or a
+greedy step's same exchanged argmaxes; counter-based noise; the same token mask) and keeps the same
+token buffer and penalty counts. Only rank 0 reads tokens back.
 
-Messages: ("step", plan), ("stop",). Building the engine (loading, KV pool sizing, graph capture)
+Messages: ("step", plan); for a step sampled under structured outputs' token mask, ("forward",
+plan) and then ("sample", mask), once rank 0 has filled the mask; ("stop",). Building the engine (loading, KV pool sizing, graph capture)
 runs the same code on every rank, so its collectives line up without messages; after each phase
 the ranks `agree`: a rank that failed sends its reason and every rank raises.
 A worker builds its rank with the function the engine hands it (`build`: engine_core.build_core),
@@ -222,6 +224,10 @@ def serve(cfg, group: TPGroup, build, store=None) -> int:
             msg: Any = group.broadcast()
             if msg[0] == "step":
                 runner.execute(msg[1])
+            elif msg[0] == "forward":  # a step sampled under a token mask: its forward half,
+                runner.execute_forward(msg[1])
+            elif msg[0] == "sample":  # then its sampling under the mask rank 0 filled
+                runner.execute_sample(msg[1])
             elif msg[0] == "stop":
                 break
     except BaseException as e:
