@@ -126,6 +126,35 @@ def test_projections_kept_in_fp8_load_the_checkpoints_bits_and_row_scales(tmp_pa
                                    rtol=0, atol=0, msg=lambda e: f"{name}, seed={seed}: {e}")
 
 
+@pytest.mark.usefixtures("triton_interpreter")
+def test_fp8_projections_at_batch_1_run_the_kernel_and_match_hf(tmp_path, monkeypatch):
+    """A one-token prompt, so every step is batch 1 and its projections run flexsgl's matrix-vector
+    kernel (here through Triton's interpreter, in float32), the kept ones on their FP8 bytes and row
+    scales: 8 greedy tokens equal HF's on the weights the checkpoint stands for, logits within 1e-4."""
+    import flexsgl.model.loader as loader
+    from flexsgl.kernels import gemv
+
+    seed = random.randrange(2**31)
+    make_source("qwen3", tmp_path / "src", seed)
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "channel")
+    monkeypatch.setattr(loader, "keeps_fp8", lambda *a: True)
+    monkeypatch.setattr(gemv, "applies", lambda x, *_: x.dim() == 2 and x.shape[0] == 1)
+    scaled = []
+    monkeypatch.setattr(gemv, "launch", lambda *a, f=gemv.launch, **k: scaled.append(k.get("scale") is not None)
+                        or f(*a, **k))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32, attn_implementation="eager").eval()
+    prompt = [random.Random(seed).randrange(320)]
+    llm = LLM(str(tmp_path / "fp8"), device="cpu", page_size=16)
+    seen = capture_logits(llm, monkeypatch)
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
+    assert sum(scaled) == 8 * 2 * 3, f"FP8 launches: {sum(scaled)}, seed={seed}"  # 8 steps, 2 layers: qkv, o, gate_up
+    ref_tokens, ref_logits = hf_reference(hf, prompt, 8)
+    assert out.token_ids == ref_tokens, f"seed={seed}"
+    ours = torch.stack(seen[out.request_id])
+    rel = ((ours - ref_logits).abs().max(-1).values / ref_logits.abs().max(-1).values).max().item()
+    assert rel < 1e-4, f"logits relative error {rel:.2e}, seed={seed}"
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_projections_kept_in_fp8_hold_their_ranks_slices(tmp_path, monkeypatch, rank):
     """At two ranks (each loaded alone here), a kept projection holds its rank's slice of the

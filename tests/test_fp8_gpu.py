@@ -112,3 +112,36 @@ def test_online_fp8_on_the_gpu_keeps_bits_per_byte_within_2_percent(monkeypatch)
     ids = plain.tokenizer.encode(docstring_text(seed))[:200]
     base, quantized = bits_per_byte(plain, ids, monkeypatch), bits_per_byte(fp8, ids, monkeypatch)
     assert abs(quantized - base) / base < 0.02, f"seed={seed}: {base:.4f} -> {quantized:.4f} bits per byte"
+
+
+@pytest.mark.gpu
+def test_fp8_projections_at_batch_1_run_the_matrix_vector_kernel(tmp_path, monkeypatch):
+    """One request, so every decode step is batch 1: its FP8 projections run flexsgl's
+    matrix-vector kernel on the FP8 bytes with their row scales, x in bfloat16 (no activation
+    quantization). Each decode step's logits stay within twice HF's own bfloat16 error of HF's
+    float32 (both on the weights the checkpoint stands for), plus 1% of the largest logit."""
+    from transformers import AutoModelForCausalLM
+
+    from flexsgl.kernels import gemv
+
+    fp8_gpu()
+    seed = random.randrange(2**31)
+    make_source("qwen3", tmp_path / "src", seed)
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "channel")
+    scaled = []
+    monkeypatch.setattr(gemv, "launch", lambda *a, f=gemv.launch, **k: scaled.append(k.get("scale") is not None)
+                        or f(*a, **k))
+    llm = LLM(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", max_total_tokens=4096, compile=False,
+              disable_cuda_graph=True)
+    prompt = [random.Random(seed).randrange(320) for _ in range(20)]
+    seen = capture_logits(llm, monkeypatch)
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
+    assert sum(scaled) >= 5 * 2 * 3, f"FP8 launches: {sum(scaled)}, seed={seed}"  # 5 decode steps, 2 layers, qkv/o/gate_up
+    hf32, hf16 = (AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=dt).eval().cuda()
+                  for dt in (torch.float32, torch.bfloat16))
+    ids = torch.tensor([prompt + out.token_ids], device="cuda")
+    with torch.no_grad():
+        ref, low = (m(ids).logits[0, len(prompt):-1].float() for m in (hf32, hf16))
+    ours = torch.stack(seen[out.request_id][1:]).float()  # the decode steps
+    bound = 2 * (low - ref).abs().amax(-1) + 0.01 * ref.abs().amax(-1)
+    assert ((ours - ref).abs().amax(-1) <= bound).all(), f"seed={seed}"

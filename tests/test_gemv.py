@@ -7,7 +7,8 @@ launched with PDL (flexsgl/kernels/launch.py). On the CPU, through Triton's inte
 and float32 (tests/conftest.py says why not bfloat16), on shapes small enough for it (it runs a
 program at a time in Python), without PDL, which it does not model. The output is poisoned with
 NaN first, so an unwritten element fails. 16-bit operands with a float32 accumulator land well
-under 1e-2.
+under 1e-2. FP8 weights (float8_e4m3fn, a float32 scale per row) against float64 products of the
+same FP8 values and scales: bfloat16 x on the GPU, float32 x through the interpreter.
 """
 
 import copy
@@ -20,6 +21,7 @@ from torch import nn
 
 from flexsgl.kernels import gemv
 from flexsgl.model.layers import RMSNorm
+from flexsgl.quant.fp8 import quantize_rows
 
 # (N, K): K a multiple of every BLOCK_K or not; N a multiple of BLOCK_N or not; each config_for branch.
 SHAPES = [(6144, 4096), (4100, 1000), (37, 3072), (24580, 2048), (4096, 12300), (151936, 1024)]
@@ -62,18 +64,40 @@ def test_interpreted_kernel_matches_float64(n, k, prologue, extras, dtype):
     check_kernel("cpu", n, k, prologue, extras, dtype, use_pdl=False)
 
 
-def check_kernel(device, n, k, prologue, extras, dtype, use_pdl):
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("prologue", list(PROLOGUES))
+@pytest.mark.parametrize("extras", [False, True], ids=["alone", "bias+residual"])
+@pytest.mark.parametrize("use_pdl", [False, True], ids=["plain", "pdl"])
+def test_fp8_weights_match_float64(n, k, prologue, extras, use_pdl):
+    check_kernel("cuda", n, k, prologue, extras, torch.bfloat16, use_pdl, fp8=True)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("n,k", CPU_SHAPES)
+@pytest.mark.parametrize("prologue", list(PROLOGUES))
+def test_interpreted_fp8_weights_match_float64(n, k, prologue):
+    check_kernel("cpu", n, k, prologue, True, torch.float32, use_pdl=False, fp8=True)
+
+
+def check_kernel(device, n, k, prologue, extras, dtype, use_pdl, fp8=False):
     seed = random.randrange(1 << 30)
     g = torch.Generator(device=device).manual_seed(seed)
     p = PROLOGUES[prologue]
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=g)  # noqa: E731
     x = rand(1, 2 * k if p == gemv.SILU_GATE else k)
     w = (rand(n, k) / k ** 0.5).to(dtype)
+    scale = None
+    if fp8:  # rows of different magnitudes, so a scale applied to the wrong row shows
+        w, scale = quantize_rows(w * (0.1 + torch.rand(n, 1, device=device, generator=g)))
+        scale = scale.view(-1)
     bias, residual = (rand(n), rand(1, n)) if extras else (None, None)
     norm_weight = (0.5 + torch.rand(k, device=device, generator=g)).to(dtype) if p == gemv.RMS_NORM else None
     out = torch.full((1, n), float("nan"), device=device, dtype=dtype)
-    gemv.launch(x, w, bias, out, residual=residual, norm_weight=norm_weight, eps=1e-6, prologue=p, use_pdl=use_pdl)
-    ref = reference(p, x, w, bias, residual, norm_weight, 1e-6)
+    gemv.launch(x, w, bias, out, residual=residual, norm_weight=norm_weight, eps=1e-6, prologue=p, use_pdl=use_pdl,
+                scale=scale)
+    ref = reference(p, x, w if scale is None else w.double() * scale.double()[:, None], bias, residual, norm_weight,
+                    1e-6)
     assert not out.isnan().any(), f"unwritten outputs (seed={seed})"
     err = ((out.double() - ref).norm() / ref.norm()).item()
     tol = 1e-5 if dtype == torch.float32 else 1e-2

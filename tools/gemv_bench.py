@@ -8,9 +8,13 @@ one CUDA graph, each layer with its own weights (so nothing comes from L2):
   residual), launched plainly and with PDL (the outputs must be equal);
 - with --chain-sweep, each projection's tile varied in the PDL chain, the others the engine's:
   `gemv.config_for` returns these winners (tiles chosen with a projection timed alone, L2 cleared,
-  were not the ones that win in the chain).
+  were not the ones that win in the chain);
+- with --fp8, the same projections with FP8 weights (a float32 scale per row): the kernel reading
+  them with the engine's tiles and with each of FP8_CANDIDATES, against torch._scaled_mm at one row
+  (what Fp8Linear runs beyond batch 1: x quantized per token), in TB/s of FP8 bytes.
 
     python tools/gemv_bench.py --model qwen3-8b --chain-sweep
+    python tools/gemv_bench.py --model qwen3-8b --fp8
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from flexsgl.model.presets import PRESETS
 # tiles (BLOCK_N, BLOCK_K, warps, stages) tried per projection inside the chained, PDL-launched layer
 CHAIN_CANDIDATES = [(8, 512, 4, 1), (8, 512, 4, 2), (8, 512, 4, 3), (16, 512, 4, 2), (16, 512, 4, 3),
                     (8, 512, 8, 1), (8, 1024, 8, 2), (4, 512, 4, 3), (16, 256, 4, 3), (32, 256, 8, 2)]
+# tiles tried for FP8 weights, all projections at once (BLOCK_K in FP8 elements, a byte each)
+FP8_CANDIDATES = [(4, 1024, 4, 3), (8, 1024, 4, 3), (16, 1024, 4, 3), (16, 1024, 8, 3), (8, 2048, 8, 2),
+                  (16, 2048, 8, 2), (32, 1024, 8, 2), (8, 512, 4, 3), (16, 512, 4, 3)]
 
 
 def shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -41,6 +48,7 @@ def main():
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--chain-sweep", action="store_true",
                     help="try CHAIN_CANDIDATES for each projection in the chained PDL layer")
+    ap.add_argument("--fp8", action="store_true", help="also time FP8 weights (module docstring)")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(PRESETS[args.model]["config"])
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -104,6 +112,41 @@ def main():
             print(f"  {name:<13} " + ", ".join(f"{c} {t * 1e3:.3f}" for t, c in sorted(times)[:4]), flush=True)
         t = graph_median_s(lambda: chain(True, best))
         print(f"  {'PDL, best of each':<26} {t * 1e3:7.3f} ms  {total / t / 1e12:5.2f} TB/s  {best}", flush=True)
+    if args.fp8:
+        fp8_section(layers, xs, outs)
+
+
+def fp8_section(layers, xs, outs):
+    """The projections with FP8 weights: the kernel against torch._scaled_mm at one row."""
+    from flexsgl.quant.fp8 import quantize_rows, quantize_tokens
+
+    quantized = [{name: quantize_rows(w) for name, w in layer.items()} for layer in layers]
+    for layer in layers:  # only the FP8 copies stay on the device
+        layer.clear()
+    total = sum(w.numel() for layer in quantized for w, _ in layer.values())
+    scales = [{name: s.view(-1) for name, (_, s) in layer.items()} for layer in quantized]
+    print(f"\nFP8 weights ({total / 1e9:.2f} GB), the projections one after another:")
+
+    def kernel(config=None):
+        for layer, row_scales in zip(quantized, scales):
+            for name, (w, _) in layer.items():
+                gemv.launch(xs[name], w, None, outs[name], config, scale=row_scales[name])
+
+    def scaled_mm():
+        for layer in quantized:
+            for name, (w, s) in layer.items():
+                xq, x_scale = quantize_tokens(xs[name])
+                torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=s.view(1, -1), out_dtype=torch.bfloat16)
+
+    rows = [("torch._scaled_mm", scaled_mm), ("kernel, engine's tiles", kernel)]
+    rows += [(f"kernel {c}", lambda c=c: kernel(c)) for c in FP8_CANDIDATES]
+    for label, run in rows:
+        try:
+            t = graph_median_s(run)
+        except Exception as e:  # a config the compiler refuses
+            print(f"  {label:<26} {type(e).__name__}", flush=True)
+            continue
+        print(f"  {label:<26} {t * 1e3:7.3f} ms  {total / t / 1e12:5.2f} TB/s", flush=True)
 
 
 if __name__ == "__main__":

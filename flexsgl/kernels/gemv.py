@@ -8,6 +8,15 @@ matrix-vector kernel that runs them at decode batch 1 on CUDA.
 and `stacked_gemv`: the same kernel with a grid row per slot s, out[s] = weight[index[s]] @ x[s] for
 a stacked `[E, N, K]` weight (MLA's W_UV at batch 1, a slot per head).
 
+A projection with FP8 weights (flexsgl/quant/fp8_linear.py Fp8Linear: float8_e4m3fn, one float32
+scale per row) runs the same kernel at batch 1: it reads the FP8 bytes, widens them to float32 in
+registers, and multiplies each row's sum by its scale, with x as it is (bfloat16; at larger batches
+Fp8Linear quantizes activations per token for torch._scaled_mm). Its tiles are the bfloat16 ones
+in elements, so half the bytes: the float32 accumulator holds a register per element whatever the
+weight's width, and compiled for SM90 a 16 x 512 FP8 tile takes 237 registers a thread (bfloat16's
+208), where 16 x 1024 spills 2.8 KB a thread to the stack. So an FP8 tile keeps about half the
+bytes in flight that a bfloat16 one does.
+
 Everywhere but batch 1 on CUDA they are those PyTorch expressions. At batch 1 each is one kernel:
 the projection reads its whole weight to do two flops per element, so its time is the weight's
 bytes over memory bandwidth, and the norms, the SiLU gate and the residual adds would otherwise be
@@ -37,6 +46,8 @@ from torch import nn
 
 from flexsgl.kernels.launch import pdl
 
+FP8 = torch.float8_e4m3fn
+
 PLAIN, RMS_NORM, SILU_GATE = 0, 1, 2  # what the kernel does to x on the way in
 
 
@@ -47,8 +58,8 @@ def _kernel():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, out_ptr, N, K, stride_wn, eps,
-                    e_ptr, stride_we, stride_xs, stride_os,
-                    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    e_ptr, stride_we, stride_xs, stride_os, s_ptr,
+                    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                     STACKED: tl.constexpr):
         if STACKED:  # program_id(1) is a slot: its weight of the stack, its x row, its output row
@@ -88,6 +99,8 @@ def _kernel():
         out = tl.sum(acc, axis=1)
         if PROLOGUE == 1:
             out *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        if HAS_SCALE:  # FP8 weights: each row's scale
+            out *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
         if HAS_BIAS:
             out += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
@@ -101,7 +114,7 @@ def config_for(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight: the best tiles for an 8B's
     projections timed where the engine runs them, chained as a layer with PDL
     (`tools/gemv_bench.py --chain-sweep`; tiles picked with each projection timed alone lose there),
-    and lm_head's from the sweep alone."""
+    and lm_head's from the sweep alone. FP8 weights take the same tiles (module docstring)."""
     if n >= 65536:
         return 8, 512, 4, 1  # lm_head
     if k >= 8192:
@@ -118,8 +131,9 @@ def config_for(n: int, k: int) -> tuple[int, int, int, int]:
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
            config: tuple[int, int, int, int] | None = None, residual: torch.Tensor | None = None,
            norm_weight: torch.Tensor | None = None, eps: float = 0.0, prologue: int = PLAIN,
-           use_pdl: bool | None = None) -> torch.Tensor:
-    """out[0] = weight @ f(x[0]) (+ bias) (+ residual[0]); x contiguous, [1, K] ([1, 2K] for SILU_GATE).
+           use_pdl: bool | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """out[0] = (weight * scale) @ f(x[0]) (+ bias) (+ residual[0]); x contiguous, [1, K] ([1, 2K] for
+    SILU_GATE); scale: FP8 weights' float32 scale per row `[N]` (None: weights in x's dtype).
     use_pdl: launch with programmatic dependent launch (default: launch.pdl's answer for the device)."""
     n, k = weight.shape
     block_n, block_k, warps, stages = config or config_for(n, k)
@@ -127,8 +141,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     _kernel()[((n + block_n - 1) // block_n,)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else weight,
         norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(0), eps,
-        weight, 0, 0, 0,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        weight, 0, 0, 0, scale if scale is not None else weight,
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, STACKED=False, num_warps=warps,
         num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return out
@@ -143,7 +157,8 @@ def launch_stacked(x: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, o
     use_pdl = pdl(x.device)
     _kernel()[((n + block_n - 1) // block_n, index.numel())](
         x, weight, weight, weight, weight, out, n, k, weight.stride(1), 0.0, index, weight.stride(0), x.stride(0),
-        out.stride(0), PROLOGUE=PLAIN, HAS_BIAS=False, HAS_RESIDUAL=False, BLOCK_N=block_n, BLOCK_K=block_k,
+        out.stride(0), weight, PROLOGUE=PLAIN, HAS_BIAS=False, HAS_RESIDUAL=False, HAS_SCALE=False,
+        BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, PDL=use_pdl, STACKED=True, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if use_pdl else {}))
     return out
@@ -151,15 +166,15 @@ def launch_stacked(x: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, o
 
 @torch.library.custom_op("flexsgl::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-         norm_weight: torch.Tensor | None, eps: float, prologue: int) -> torch.Tensor:
+         norm_weight: torch.Tensor | None, eps: float, prologue: int, scale: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
     residual = residual.contiguous() if residual is not None else None
     return launch(x.contiguous(), weight, bias, out, residual=residual, norm_weight=norm_weight, eps=eps,
-                  prologue=prologue)
+                  prologue=prologue, scale=scale)
 
 
 @gemv.register_fake
-def _(x, weight, bias, residual, norm_weight, eps, prologue):
+def _(x, weight, bias, residual, norm_weight, eps, prologue, scale):
     return x.new_empty(1, weight.shape[0])
 
 
@@ -175,22 +190,29 @@ def _(x, weight, index):
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel serves this call: CUDA, float16 or bfloat16, one row."""
+    """Whether the kernel serves this call: CUDA, float16 or bfloat16, one row, weights in x's dtype
+    or FP8."""
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.stride(-1) == 1)
+            and weight.dtype in (x.dtype, FP8) and weight.stride(-1) == 1)
+
+
+def row_scale(proj: nn.Module) -> torch.Tensor | None:
+    """An FP8 projection's scale per row `[N]` (Fp8Linear's weight_scale), None for any other."""
+    scale = getattr(proj, "weight_scale", None)
+    return None if scale is None else scale.view(-1)
 
 
 def norm_linear(x: torch.Tensor, norm, proj: nn.Linear) -> torch.Tensor:
     """proj(norm(x)) for an RMSNorm `norm` (weight, eps)."""
     if applies(x, proj.weight):
-        return torch.ops.flexsgl.gemv(x, proj.weight, proj.bias, None, norm.weight, norm.eps, RMS_NORM)
+        return torch.ops.flexsgl.gemv(x, proj.weight, proj.bias, None, norm.weight, norm.eps, RMS_NORM, row_scale(proj))
     return proj(norm(x))
 
 
 def linear(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
     """residual + proj(x) (proj(x) alone for residual None)."""
     if applies(x, proj.weight):
-        return torch.ops.flexsgl.gemv(x, proj.weight, proj.bias, residual, None, 0.0, PLAIN)
+        return torch.ops.flexsgl.gemv(x, proj.weight, proj.bias, residual, None, 0.0, PLAIN, row_scale(proj))
     return proj(x) if residual is None else residual + proj(x)
 
 
@@ -198,7 +220,8 @@ def silu_linear(gate_up: torch.Tensor, proj: nn.Linear, residual: torch.Tensor |
     """residual + proj(silu(gate) * up), gate and up the two halves of gate_up's last dimension
     (without the residual for None)."""
     if applies(gate_up, proj.weight):
-        return torch.ops.flexsgl.gemv(gate_up, proj.weight, proj.bias, residual, None, 0.0, SILU_GATE)
+        return torch.ops.flexsgl.gemv(gate_up, proj.weight, proj.bias, residual, None, 0.0, SILU_GATE,
+                                      row_scale(proj))
     gate, up = gate_up.chunk(2, dim=-1)
     out = proj(F.silu(gate) * up)
     return out if residual is None else residual + out
