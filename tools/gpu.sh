@@ -38,7 +38,8 @@
 #   profile        tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step ($PROFILE_ARGS: other
 #                  model and override, e.g. "--model deepseek-v2-lite --override fi-mla --max-total-tokens 65536";
 #                  FLEXSGL_PDL=0 for a per-kernel breakdown)
-#   gemv           tools/gemv_bench.py --chain-sweep: an 8B's projections from one graph, tiles per projection
+#   gemv           tools/gemv_bench.py --chain-sweep: an 8B's projections from one graph, tiles per projection;
+#                  GEMV_FP8=1 adds --fp8: the kernel on FP8 weights against torch._scaled_mm at one row
 #   mla            the MLA GPU tests (flex MLA, fi-mla and triton-mla against float64 and HF, grouped bf16 MoE),
 #                  then bench latency of the deepseek-v2-lite dummy at batch 1 and 64, fi-mla, flex and
 #                  triton-mla (~560 s)
@@ -219,7 +220,7 @@ for s in "${steps[@]}"; do
     suite-engine) suite engine benchmarks/test_engine.py -k "${SUITE_BACKENDS:-fa3 or (fi and not decode)}" ;;
     profile) timeout "$LIMIT" python tools/profile_step.py ${PROFILE_ARGS:---model qwen3-8b} --workload latency \
                --profile-steps 20 --profile-at decode:8 --rows 30 ;;
-    gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ;;
+    gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ${GEMV_FP8:+--fp8} ;;
     mla) timeout 320 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_mla_attention.py tests/test_moe.py \
            tests/test_triton_mla.py
          for b in 1 64; do
@@ -310,7 +311,7 @@ for s in "${steps[@]}"; do
     startup) grep -E "^(flex|auto) (cold|warm)" "$log" ;;
     first-token) cat "$OUT/first-token.txt" ;;
     profile) grep -E "gemv_kernel|rope_store|Prefill|Merge|triton_|device time|decode floor" "$log" ;;
-    gemv) tail -12 "$log" ;;
+    gemv) if [ -n "${GEMV_FP8:-}" ]; then tail -25 "$log"; else tail -12 "$log"; fi ;;
     kernel-matrix) grep -E "^(decode|prefill) " "$log" ;;
   esac
 done
