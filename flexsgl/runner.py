@@ -5,8 +5,9 @@ the device.
 - upload (step/inputs.py): a few packed host -> device copies, into a CUDA graph's buffers for a
   decode step that replays one;
 - forward: the graph's replay, or the backend's metadata and the (compiled) model; under tensor
-  parallelism each rank's logits cover its vocabulary slice, and a step whose rows take only
-  their argmax exchanges three numbers a row (CausalLM.argmax) instead of gathering them;
+  parallelism each rank's logits cover its vocabulary slice, and a step whose rows are greedy or
+  sampled by temperature alone races each slice (sampler.race) and exchanges three numbers a row
+  (CausalLM.argmax) instead of gathering the logits;
 - sample: on the device; the tokens go into the token buffer (step/token_buffer.py), which decode
   feeds back as each request's next input;
 - read-back: the tokens copied to the host asynchronously, NONFINITE for a row whose logits are
@@ -35,7 +36,7 @@ from flexsgl.compile import compile_steps
 from flexsgl.step.graphs import GraphManager
 from flexsgl.log import logger, progress
 from flexsgl.request import TokenLogprobs
-from flexsgl.sampling.sampler import TokenMask, sample, token_logprobs
+from flexsgl.sampling.sampler import TokenMask, race, sample, token_logprobs
 from flexsgl.scheduler import ScheduledBatch
 from flexsgl.step.inputs import StepInputs, upload
 from flexsgl.step.plan import StepPlan, padding_plan, plan_step
@@ -270,15 +271,16 @@ class ModelRunner:
             return logits, greedy, None
         if step.whole_logits:  # every rank decides this alike from the same plan, and gathers
             return self.model.whole_logits(logits), greedy, None
-        if greedy is None:
-            greedy, finite = self.model.argmax(logits[:step.rows])
+        if greedy is None or not step.sampling.all_greedy:  # (a graph took the greedy rows' argmax)
+            local = logits[:step.rows]
+            greedy, finite = self.model.argmax(race(local, step.sampling, self.model.cfg.tp_rank * local.shape[1]))
         return None, greedy, finite
 
     def _sample(self, logits: torch.Tensor | None, step: StepInputs, greedy: torch.Tensor | None) -> torch.Tensor:
-        """The sampled rows' tokens (`greedy` itself where `logits` is None), kept in the token
-        buffer and the penalties' counts."""
+        """The sampled rows' tokens (`greedy` itself where `logits` is None: the ranks' race), kept
+        in the token buffer and the penalties' counts."""
         tokens = greedy if logits is None else sample(logits[:step.rows], step.sampling, argmax=greedy)
-        if not (step.graphed and tokens is greedy):  # else the graph wrote them into the token buffer
+        if not (step.graphed and step.sampling.all_greedy and tokens is greedy):  # else the graph wrote them
             self.tokens.write(step.write_slots, tokens)
         self.token_counts.record(step.write_slots, tokens)
         return tokens

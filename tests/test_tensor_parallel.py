@@ -104,6 +104,28 @@ def test_argmax_over_vocabulary_slices_is_row_argmax(ranks, vocab):
     assert tokens[1] == vocab - 1 and tokens[2] == 0, f"seed={seed}"
 
 
+@pytest.mark.parametrize("ranks,vocab", [(2, 321), (4, 512)])
+def test_vocabulary_slices_race_to_the_samplers_tokens(ranks, vocab):
+    """A step whose rows are greedy or sampled by temperature alone: each rank races its slice
+    (l / T - log E with the noise of its own vocab ids) and the ranks exchange maxima; the tokens
+    are exactly what the sampler draws from the whole rows."""
+    from flexsgl.sampling.sampler import race, sample
+    from tests.test_sampling import make_st
+
+    seed = random.randrange(1 << 30)
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows = vocab_rows(vocab, ranks)
+    logits = torch.randn(8, vocab, generator=g).mul(3).to(torch.bfloat16)
+    st = make_st(rng, [0.0, 0.7, 1.0, 1.3, 0.0, 0.5, 2.0, 1.0], step=[rng.randrange(50) for _ in range(8)])
+    padded = torch.full((8, rows * ranks), 1e4, dtype=torch.bfloat16)  # padding past the vocabulary must not win
+    padded[:, :vocab] = logits
+    every = torch.stack([slice_summary(race(padded[:, r * rows:(r + 1) * rows], st, r * rows), vocab, r)
+                         for r in range(ranks)], dim=1)
+    tokens, finite = pick_argmax(every)
+    assert finite.all() and torch.equal(tokens, sample(logits, st)), f"seed={seed}"
+    assert not torch.equal(tokens, logits.float().argmax(-1)), f"seed={seed}: every sampled row at its argmax"
+
+
 class TestTwoRanksOfTiny:
     """One engine of each kind shared by these tests (a process holds one tensor-parallel engine at a time)."""
 
@@ -133,6 +155,19 @@ class TestTwoRanksOfTiny:
         for a, b in zip(out, ref):
             for x, y in zip(a.logprobs, b.logprobs):
                 assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, rel=1e-4, abs=1e-5)
+
+
+    def test_temperature_sampling_gives_one_ranks_tokens(self, tiny):
+        """Requests sampled by temperature alone beside greedy ones: the ranks race their vocabulary
+        slices and exchange maxima, and draw exactly one rank's tokens."""
+        one, two = tiny
+        seed = random.randrange(1 << 30)
+        rng = random.Random(seed)
+        prompts = ragged_prompts(rng, 512, n=4)
+        params = [SamplingParams(max_new_tokens=10, temperature=rng.choice([0.0, 0.6, 1.0, 1.5]), seed=rng.randrange(1000))
+                  for _ in prompts]
+        ref, out = one.generate(prompts, params), two.generate(prompts, params)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
 
 
     def test_logits_close_to_one_rank(self, tiny, sampled_logits):

@@ -5,7 +5,9 @@ that requests ask for, read back with the tokens.
 Randomness is counter-based: the noise for (request seed, output index, vocab id) comes from an
 integer hash, so a request samples the same tokens whatever batch it shares and whichever device
 runs it, and no generator state lives on the host. Sampling is the exponential race: the token is
-argmax(p_i / E_i) with E_i ~ Exp(1), which draws i with probability p_i.
+argmax(p_i / E_i) with E_i ~ Exp(1), which draws i with probability p_i. Without a filter it runs
+in the log domain, argmax(l_i / T - log E_i) (`race`), which needs no softmax and is computed
+element by element, so vocabulary slices (tensor parallelism) race apart and compare maxima.
 """
 
 from __future__ import annotations
@@ -96,10 +98,11 @@ class SamplingTensors:
                     and self.token_mask is None)
 
     @property
-    def argmax_only(self) -> bool:
-        """Whether the logits give nothing but each row's argmax: every row greedy, no change to
-        them, no log-probabilities."""
-        return self.all_greedy and not self.changes_logits and self.logprobs < 0
+    def races_only(self) -> bool:
+        """Whether each row's token is the argmax of its `race` values, which nothing else reads:
+        every row greedy or sampled by temperature alone, no change to the logits, no
+        log-probabilities."""
+        return not self.any_filter and not self.changes_logits and self.logprobs < 0
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -196,24 +199,36 @@ def sample(logits: torch.Tensor, st: SamplingTensors, argmax: torch.Tensor | Non
     greedy = row_argmax(logits) if argmax is None else argmax  # upcasting first would change no value
     if st.all_greedy:
         return greedy
+    if not st.any_filter:
+        return row_argmax(race(logits, st))
     logits = logits.float()
     temp = torch.where(st.temperature > 0, st.temperature, 1.0)
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     vocab = logits.shape[-1]
-    if st.any_filter:
-        probs, ids = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=logits.device)
-        k = torch.where(st.top_k > 0, st.top_k, vocab)
-        drop = rank[None, :] >= k[:, None]
-        drop |= (probs.cumsum(dim=-1) - probs) > st.top_p[:, None]  # keep the smallest prefix reaching top_p
-        drop |= probs < st.min_p[:, None] * probs[:, :1]
-        probs = probs.masked_fill(drop, 0.0)
-        choice = row_argmax(probs / exponential_noise(st.seed, st.step, ids))
-        token = ids.gather(1, choice[:, None]).squeeze(1)
-    else:
-        ids = torch.arange(vocab, device=logits.device)
-        token = row_argmax(probs / exponential_noise(st.seed, st.step, ids))
+    probs, ids = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)
+    k = torch.where(st.top_k > 0, st.top_k, vocab)
+    drop = rank[None, :] >= k[:, None]
+    drop |= (probs.cumsum(dim=-1) - probs) > st.top_p[:, None]  # keep the smallest prefix reaching top_p
+    drop |= probs < st.min_p[:, None] * probs[:, :1]
+    probs = probs.masked_fill(drop, 0.0)
+    choice = row_argmax(probs / exponential_noise(st.seed, st.step, ids))
+    token = ids.gather(1, choice[:, None]).squeeze(1)
     return torch.where(st.temperature > 0, token, greedy)
+
+
+def race(logits: torch.Tensor, st: SamplingTensors, first_id: int = 0) -> torch.Tensor:
+    """float32 `[S, V]` whose row argmax is each row's token where no filter applies: l / T - log E
+    for a sampled row (E the exponential noise of vocab ids first_id .. first_id + V, so a slice of
+    the vocabulary races as it would within the whole row), the logits themselves for a greedy one
+    (as they are where every row is greedy)."""
+    if st.all_greedy:
+        return logits
+    logits = logits.float()
+    sampled = st.temperature > 0
+    ids = torch.arange(first_id, first_id + logits.shape[-1], device=logits.device)
+    noisy = logits / torch.where(sampled, st.temperature, 1.0)[:, None] - exponential_noise(st.seed, st.step, ids).log()
+    return torch.where(sampled[:, None], noisy, logits)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:

@@ -44,8 +44,8 @@ class StepInputs:
     @property
     def whole_logits(self) -> bool:
         """Whether the step reads its logits over the whole vocabulary (under tensor parallelism,
-        gathered from the ranks), not only each row's argmax."""
-        return self.keep_logits or self.prompt_targets is not None or not self.sampling.argmax_only
+        gathered from the ranks), not only each row's argmax of its race values (sampler.race)."""
+        return self.keep_logits or self.prompt_targets is not None or not self.sampling.races_only
 
 
 def upload(plan: StepPlan, device: torch.device, tokens: TokenBuffer, counts: TokenCounts,
