@@ -28,7 +28,8 @@ from flexsgl.errors import EngineDeadError, Health, describe
 from flexsgl.log import logger
 from flexsgl.output import OutputProcessor, follow_grammars
 from flexsgl.request import FinishReason, Request
-from flexsgl.runner import NONFINITE, DeferredStep, ModelRunner
+from flexsgl.runner import ModelRunner
+from flexsgl.step.output import NONFINITE, DeferredStep
 from flexsgl.sampling.grammar import GrammarQueue
 from flexsgl.scheduler import Scheduler
 

@@ -50,7 +50,7 @@ from flexsgl.bench import (BenchArgs, build_llm, copy_bandwidth, decode_floor, f
 from flexsgl.bench.serving import JSON_SCHEMA
 from flexsgl.kernels.launch import pdl
 from flexsgl import step_loop
-from flexsgl.runner import StepOutput
+from flexsgl.step.output import StepOutput
 
 SIZE_BANDS = (1, 32, 64, 128, 192, 257, 10**9)
 PHASES = ("schedule", "plan", "launch", "wait", "process", "output", "grammar", "mask", "wall")
