@@ -23,8 +23,8 @@ put them into the stacked layout.
 Under tensor parallelism (flexsgl/distributed/layers.py) a rank holds its q/k/v heads with their
 biases and sinks, o_proj's columns, and every expert's slice of the intermediate dimension (the
 router is replicated, so every rank routes alike); rank 0 alone holds o_proj's and the experts'
-down biases, and each block's partial sums are all-reduced. MXFP4 checkpoints are refused when the config is read
-(flexsgl/model/config.py).
+down biases, and each block's partial sums are all-reduced. MXFP4 checkpoints are refused when the
+config is read (flexsgl/model/config.py).
 """
 
 from __future__ import annotations
@@ -110,12 +110,13 @@ class GptOssLayer(nn.Module):
         self.self_attn = GptOssAttention(cfg, layer_id)
         self.post_attention_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GptOssMLP(cfg)
+        self.parallel = cfg.tp_size > 1
 
     def forward(self, x, positions, rope, fb):
         attn = self.self_attn
         qkv = gemv.norm_linear(x, self.input_layernorm, attn.qkv_proj)
         out = attn.attend(qkv, positions, rope, fb)
-        x = tp.row_linear(out, attn.o_proj, x) if self.mlp.parallel else gemv.linear(out, attn.o_proj, residual=x)
+        x = tp.row_linear(out, attn.o_proj, x) if self.parallel else gemv.linear(out, attn.o_proj, residual=x)
         return self.mlp(x, self.post_attention_layernorm, residual=x)
 
 

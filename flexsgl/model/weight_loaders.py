@@ -202,9 +202,7 @@ class StackedExperts(WeightLoader):
         dst = param if part is None else param[part[0]]
         bias = param.dim() == 2
         if self.halves == 1 and bias:
-            read(None, dst)
-            if self.rank != 0:
-                dst.zero_()
+            FirstRankOnly(self.rank).load(dst, read, None)
             return
         if self.halves == 1:  # down: this rank's columns of the intermediate dimension
             cols = dst.shape[-1]
@@ -241,10 +239,12 @@ class TransposedExperts(WeightLoader):
         src = torch.empty(self.part_of(param, part).shape, dtype=param.dtype, device=param.device)
         if self.size == 1:
             read(None, src)
-        else:  # this rank's block of the intermediate dimension: dimension 1 of down, the last of gate_up
-            n = src.shape[1] if not self.interleaved else src.shape[-1]
-            block = slice(self.rank * n, (self.rank + 1) * n)
-            read((slice(None), block) if not self.interleaved else (slice(None),) * (src.dim() - 1) + (block,), src)
+        else:  # this rank's block of the intermediate dimension: the last of gate_up, dimension 1 of down
+            axis = src.dim() - 1 if self.interleaved else 1
+            n = src.shape[axis]
+            index = [slice(None)] * src.dim()
+            index[axis] = slice(self.rank * n, (self.rank + 1) * n)
+            read(tuple(index), src)
         e, rows = param.shape[:2]
         if not self.interleaved:
             param.copy_(src.transpose(1, 2))
