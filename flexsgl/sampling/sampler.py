@@ -196,11 +196,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors, argmax: torch.Tensor | Non
             logits = block_stop_tokens(logits, st.min_tokens, st.step)
         if st.token_mask is not None:
             logits = apply_token_mask(logits, st.token_mask)
-    greedy = row_argmax(logits) if argmax is None else argmax  # upcasting first would change no value
     if st.all_greedy:
-        return greedy
+        return row_argmax(logits) if argmax is None else argmax  # upcasting first would change no value
     if not st.any_filter:
         return row_argmax(race(logits, st))
+    greedy = row_argmax(logits) if argmax is None else argmax
     logits = logits.float()
     temp = torch.where(st.temperature > 0, st.temperature, 1.0)
     probs = torch.softmax(logits / temp[:, None], dim=-1)

@@ -51,8 +51,8 @@ class StepPlan:
     prompt_targets: list[int] = ()
     prompt_k: int = 0
     prompt_spans: list[tuple[int, int, int]] = ()
-    # Gather the whole logits under tensor parallelism even where the rows take only their argmax
-    # (flexsgl/bench/sampled_logits.py asks, to record them)
+    # Gather the whole logits under tensor parallelism even where the rows could race their slices
+    # (a step sampled under a token mask; flexsgl/bench/sampled_logits.py, to record them)
     keep_logits: bool = False
     # Pages to zero on every rank before the step: a finished request's whose logits were not
     # finite (its K/V may hold NaN, and masked slots still enter attention as 0 * v)
