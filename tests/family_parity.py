@@ -35,8 +35,8 @@ def prompts_for(rng: random.Random, vocab: int, window: int) -> list[list[int]]:
 
 def rounding_margin(hf, sequences: list[list[int]]) -> float:
     """The smallest gap HF's forward over these sequences leaves at a decision flexsgl must make the
-    same way: each MoE router's k-th against (k+1)-th expert logit (routers are the modules with a
-    top_k that return their logits first), and each next-token logit's first against second."""
+    same way: each MoE router's k-th against (k+1)-th expert logit (transformers' *TopKRouter
+    modules, whose output starts with their logits), and each next-token logit's first against second."""
     gaps = []
 
     def router_gap(module, inputs, output):
