@@ -49,7 +49,8 @@ def test_fp8_keeps_the_embedded_models_bits_per_byte_within_2_percent(monkeypatc
         assert not torch.equal(linear.weight, before), name
         assert (linear.weight - before).abs().max() <= before.abs().amax(1).max() / 448 * 16, name
     base, quantized = bits_per_byte(plain, ids, monkeypatch), bits_per_byte(fp8, ids, monkeypatch)
-    assert 0.5 < base < 4, f"seed={seed}: {base}"  # the model predicts this text (a byte is 8 bits)
+    # The model predicts this text (a byte is 8 bits); repetitive text (json's ASCII table) goes below 0.5
+    assert 0 < base < 4, f"seed={seed}: {base}"
     assert abs(quantized - base) / base < 0.02, f"seed={seed}: {base:.4f} -> {quantized:.4f} bits per byte"
 
 
