@@ -270,7 +270,9 @@ def test_structured_outputs_follow_their_constraints_as_one_rank():
     unconstrained ones (greedy) give one rank's texts, and each follows its constraint."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    specs = [{"regex": r"[a-d]{2,5}-\d{1,3}"}, {"json_object": True}, {"choice": ["red", "green", "blue"]}]
+    schema = {"type": "object", "properties": {"tint": {"enum": ["cyan", "teal"]}, "n": {"enum": [1, 22, 333]}},
+              "required": ["tint", "n"], "additionalProperties": False}  # bounded: every draw stops in max_tokens
+    specs = [{"regex": r"[a-d]{2,5}-\d{1,3}"}, {"json": schema}, {"choice": ["red", "green", "blue"]}]
     plain = [[rng.randrange(1, 4096) for _ in range(rng.randrange(3, 12))] for _ in range(2)]
     params = [greedy(10)] * 2 + [SamplingParams(max_tokens=30, temperature=0.9, seed=rng.randrange(1 << 30),
                                                 structured_outputs=s) for s in specs]
@@ -282,7 +284,9 @@ def test_structured_outputs_follow_their_constraints_as_one_rank():
     assert [(o.text, o.finish_reason) for o in out] == [(o.text, o.finish_reason) for o in ref], f"seed={seed}"
     texts = [o.text for o in out[2:] if o.finish_reason == "stop"]
     assert len(texts) == 3, f"seed={seed}: {[(o.text, o.finish_reason) for o in out[2:]]}"
-    assert re.fullmatch(specs[0]["regex"], texts[0]) and isinstance(json.loads(texts[1]), dict), f"seed={seed}"
+    value = json.loads(texts[1])
+    assert re.fullmatch(specs[0]["regex"], texts[0]) and set(value) == {"tint", "n"}, f"seed={seed}: {texts}"
+    assert value["tint"] in ("cyan", "teal") and value["n"] in (1, 22, 333), f"seed={seed}: {texts}"
     assert texts[2] in specs[2]["choice"], f"seed={seed}"
 
 
