@@ -155,6 +155,72 @@ def test_fp8_projections_at_batch_1_run_the_kernel_and_match_hf(tmp_path, monkey
     assert rel < 1e-4, f"logits relative error {rel:.2e}, seed={seed}"
 
 
+@pytest.mark.parametrize("rank,size", [(0, 1), (0, 2), (1, 2)])
+def test_experts_kept_in_fp8_load_the_checkpoints_bits_and_row_scales(tmp_path, monkeypatch, rank, size):
+    """Where FP8 grouped products run (forced here on the CPU, which runs no forward), a per-channel
+    Qwen3-MoE checkpoint's routed experts stay FP8, stacked: each expert's gate and up rows (at two
+    ranks, the rank's half of each) and its down rows (every row, the rank's columns) hold the
+    checkpoint's FP8 values, and weight x scale is the float32 weight they stand for, exactly."""
+    import flexsgl.model.loader as loader
+    from flexsgl.model.source import resolve
+    from tests.test_qwen3_moe import make_qwen3_moe
+
+    seed = random.randrange(2**31)
+    make_qwen3_moe(tmp_path / "src", seed)
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "channel")
+    monkeypatch.setattr(loader, "keeps_fp8", lambda *a: True)
+    monkeypatch.setattr(loader, "keeps_fp8_experts", lambda *a: True)
+    model = loader.build_model(resolve(str(tmp_path / "fp8")), torch.device("cpu"), torch.bfloat16, rank=rank,
+                               size=size)
+    ckpt, ref = load_file(tmp_path / "fp8" / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
+    experts = {name: m for name, m in model.named_modules() if hasattr(m, "hold_fp8")}
+    assert sorted(experts) == ["model.layers.0.mlp.experts", "model.layers.2.mlp.experts"], f"seed={seed}"
+    units = slice(rank * 32 // size, (rank + 1) * 32 // size)  # the rank's intermediate units of 32
+    for name, m in experts.items():
+        assert m.gate_up_proj.dtype == m.down_proj.dtype == torch.float8_e4m3fn, name
+        for e in range(6):
+            gate_up = [f"{name}.{e}.{p}.weight" for p in ("gate_proj", "up_proj")]
+            down = f"{name}.{e}.down_proj.weight"
+            for got, scale, want, want_ref in (
+                    (m.gate_up_proj[e], m.gate_up_proj_scale[e], torch.cat([ckpt[h][units] for h in gate_up]),
+                     torch.cat([ref[h][units] for h in gate_up])),
+                    (m.down_proj[e], m.down_proj_scale[e], ckpt[down][:, units], ref[down][:, units])):
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{name}[{e}], seed={seed}"
+                torch.testing.assert_close(got.float() * scale, want_ref, rtol=0, atol=0,
+                                           msg=lambda err: f"{name}[{e}], seed={seed}: {err}")
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_fp8_experts_at_batch_1_run_the_moe_layer_and_match_hf(tmp_path, monkeypatch):
+    """A per-channel Qwen3-MoE checkpoint with its projections and experts kept in FP8, one-token
+    steps: each MoE layer runs the one-launch layer on the experts' FP8 bytes and row scales (here
+    through Triton's interpreter, in float32): 8 greedy tokens equal HF's on the weights the
+    checkpoint stands for, logits within 1e-4."""
+    import flexsgl.model.loader as loader
+    from flexsgl.kernels import gemv, moe_layer
+    from tests.test_qwen3_moe import make_qwen3_moe
+
+    seed = random.randrange(2**31)
+    make_qwen3_moe(tmp_path / "src", seed)
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "channel")
+    monkeypatch.setattr(loader, "keeps_fp8", lambda *a: True)
+    monkeypatch.setattr(loader, "keeps_fp8_experts", lambda *a: True)
+    monkeypatch.setattr(gemv, "applies", lambda x, *_: x.dim() == 2 and x.shape[0] == 1)
+    scaled = []
+    monkeypatch.setattr(moe_layer, "launch", lambda *a, f=moe_layer.launch: scaled.append(a[15] is not None) or f(*a))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32, attn_implementation="eager").eval()
+    prompt = [random.Random(seed).randrange(320)]
+    llm = LLM(str(tmp_path / "fp8"), device="cpu", page_size=16)
+    seen = capture_logits(llm, monkeypatch)
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
+    assert scaled == [True] * 8 * 2, f"MoE launches on FP8 experts: {scaled}, seed={seed}"  # 8 steps, 2 MoE layers
+    ref_tokens, ref_logits = hf_reference(hf, prompt, 8)
+    assert out.token_ids == ref_tokens, f"seed={seed}"
+    ours = torch.stack(seen[out.request_id])
+    rel = ((ours - ref_logits).abs().max(-1).values / ref_logits.abs().max(-1).values).max().item()
+    assert rel < 1e-4, f"logits relative error {rel:.2e}, seed={seed}"
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_projections_kept_in_fp8_hold_their_ranks_slices(tmp_path, monkeypatch, rank):
     """At two ranks (each loaded alone here), a kept projection holds its rank's slice of the

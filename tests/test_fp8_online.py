@@ -97,3 +97,59 @@ def test_two_ranks_quantize_as_one_rank():
             cols = linear.weight.shape[1]
             assert torch.equal(linear.weight, whole[name].weight[:, :cols]), f"{name}, seed={seed}"
     assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
+
+
+def assert_fp8_rows(got: torch.Tensor, before: torch.Tensor, what: str) -> None:
+    """`got` is `before` rounded to FP8 by rows: every value on the FP8 grid of its row's scale (the
+    row's absmax / 448) and the point of that grid nearest to its unrounded value."""
+    scale = before.double().abs().amax(-1, keepdim=True) / 448
+    v, exact = got.double() / scale, before.double() / scale
+    grid = v.float().to(torch.float8_e4m3fn).double()
+    assert ((v - grid).abs() <= 2.0 ** -20 * grid.abs()).all(), f"{what}: values off the FP8 grid"
+    step = 2.0 ** (exact.abs().clamp(min=2.0 ** -6).log2().floor() - 3)  # e4m3's spacing (subnormals 2^-9)
+    assert ((v - exact).abs() <= step / 2 * (1 + 1e-6)).all(), f"{what}: not the nearest FP8 value"
+
+
+def test_routed_experts_are_quantized_too(tmp_path):
+    """A Qwen3-MoE checkpoint: every routed expert's gate/up and down rows become FP8 values (on the
+    CPU dequantized again), each row on its own scale's grid; the shared parts stay as they were
+    (the router)."""
+    from tests.test_qwen3_moe import make_qwen3_moe
+
+    seed = random.randrange(2**31)
+    make_qwen3_moe(tmp_path, seed)
+    plain = LLM(str(tmp_path), device="cpu", page_size=16)
+    fp8 = LLM(str(tmp_path), device="cpu", page_size=16, quantization="fp8")
+    before = dict(plain.runner.model.named_parameters())
+    moved = 0
+    for name, p in fp8.runner.model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            assert not torch.equal(p, before[name]), f"{name}, seed={seed}"
+            assert_fp8_rows(p, before[name], f"{name}, seed={seed}")
+            moved += 1
+        elif name.endswith("mlp.gate.weight"):
+            assert torch.equal(p, before[name]), f"{name}, seed={seed}"
+    assert moved == 4, f"seed={seed}"  # layers 0 and 2 are MoE layers
+
+
+def test_two_ranks_quantize_experts_as_one_rank(tmp_path):
+    """At two ranks each holds its half of every expert's intermediate units: gate/up rows are whole
+    on a rank, down's rows run across the ranks' columns, so down's scales come from the ranks'
+    maximum, and rank 0's FP8 values are exactly one rank's first columns. Tokens are one rank's."""
+    from tests.test_qwen3_moe import make_qwen3_moe
+
+    seed = random.randrange(2**31)
+    make_qwen3_moe(tmp_path, seed)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 320) for _ in range(n)] for n in (5, 40)]
+    options = dict(device="cpu", compile=False, quantization="fp8", max_total_tokens=4096)
+    one = LLM(str(tmp_path), **options)
+    ref = one.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
+    whole = dict(one.runner.model.named_parameters())
+    with LLM(str(tmp_path), tensor_parallel_size=2, **options) as two:
+        out = two.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
+        downs = {n: p for n, p in two.runner.model.named_parameters() if n.endswith("experts.down_proj")}
+        assert len(downs) == 2, f"seed={seed}"
+        for name, p in downs.items():
+            assert torch.equal(p, whole[name][..., :p.shape[-1]]), f"{name}, seed={seed}"
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"

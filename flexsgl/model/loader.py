@@ -21,7 +21,7 @@ from flexsgl.model.dummy_weights import init_dummy_weights
 from flexsgl.model.empty_init import no_init
 from flexsgl.model.source import ModelSource, weight_files
 from flexsgl.model.weight_loaders import row_loader, weight_loader
-from flexsgl.quant.apply import keep_fp8, keeps_fp8, quantize_online
+from flexsgl.quant.apply import keep_fp8, keeps_fp8, keeps_fp8_experts, quantize_online
 from flexsgl.quant.fp8 import FP8, expand_scale
 from flexsgl.quant.scheme import QuantScheme
 
@@ -41,9 +41,9 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
     all that is ever allocated on this rank: the parameters are allocated in `dtype` at the rank's
     shapes, and the weights are read (or generated) into them a slice at a time.
 
-    An FP8 checkpoint's projections stay FP8 (Fp8Linear) where FP8 products run (flexsgl/quant/apply.py);
+    An FP8 checkpoint's projections and experts stay FP8 where FP8 products run (flexsgl/quant/apply.py);
     its other FP8 tensors, and all of them elsewhere, are dequantized to `dtype` as they load.
-    `quantization` "fp8" quantizes an unquantized checkpoint's projections once loaded."""
+    `quantization` "fp8" quantizes an unquantized checkpoint's projections and experts once loaded."""
     cfg = src.config.shard(rank, size)
     cls = model_class(cfg.architecture)
     files = weight_files(src.path) if src.load_format != "dummy" else []
@@ -51,8 +51,8 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
         model = cls(cfg)
         full = model if size == 1 else cls(src.config)  # the whole model's shapes and weight loaders
         if cfg.quant is not None and files and cfg.quant.strategy != "block" and keeps_fp8(device, dtype):
-            kept = keep_fp8(model, fp8_parameters(model, read_headers(files)))
-            logger.info(f"FP8: {len(kept)} projections keep FP8 weights")
+            kept = keep_fp8(model, fp8_parameters(model, read_headers(files)), keeps_fp8_experts(device, dtype))
+            logger.info(f"FP8: {len(kept)} projections and experts keep FP8 weights")
     model.materialize(device, dtype)
     if src.load_format == "dummy":
         init_dummy_weights(model, seed, full)
@@ -70,8 +70,8 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
     rank's part of it) and nothing is missing: a bad checkpoint raises CheckpointError and loads
     nothing. Each tensor goes through its parameter's weight loader, which reads only this rank's
     slices of it; an FP8 tensor is read whole with its scale, then goes into an FP8 parameter as it
-    is (its scale, one per row, into the parameter's `weight_scale`, row for row with the weight) or into
-    any other dequantized."""
+    is (its scale, one per row, into the parameter's `<name>_scale`, row for row with the weight) or
+    into any other dequantized."""
     plan = check_checkpoint(model if full is None else full, files)
     params = dict(model.named_parameters())
     scheme = model.cfg.quant
@@ -89,9 +89,8 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
                     expanded = expand_scale(s, scheme.strategy, scheme.block, tuple(weight.shape))
                     if p.dtype == FP8:
                         weight_loader(p).load(p, _held(weight), part)
-                        rows = target.removesuffix("weight") + "weight_scale"
-                        row_loader(weight_loader(p)).load(params[rows], _held(expanded.expand(weight.shape[0], 1)),
-                                                          part)
+                        row_loader(weight_loader(p)).load(params[target + "_scale"],
+                                                          _held(expanded.expand(weight.shape[0], 1)), part)
                     else:
                         weight_loader(p).load(p, _held(weight.float() * expanded), part)
                 except SafetensorError as e:
@@ -228,7 +227,8 @@ def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tup
                                   f"{other!r} in {str(other_file)!r}.")
         parts[part] = hf_name, f
         plan[f].append((hf_name, target, part, scale))
-    needed = {n: p for n, p in params.items() if not n.endswith(".weight_scale")}  # an FP8 weight's: read with it
+    row_scales = {n + "_scale" for n, p in params.items() if p.dtype == FP8}  # FP8 weights': read with them
+    needed = {n: p for n, p in params.items() if n not in row_scales}
     missing = [n for n, p in needed.items() if not _filled(filled.get(n, {}), weight_loader(p).parts)]
     if missing:
         where = f"{str(files[0].parent)!r}" if files else "the model directory"

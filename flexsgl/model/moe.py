@@ -24,6 +24,13 @@ loaders, flexsgl/model/weight_loaders.py StackedExperts). `Experts` may also hol
 and projection, added to each pair's products, and a subclass may change the gated activation
 (`glu`; GPT-OSS's clamped SwiGLU, flexsgl/model/gpt_oss.py).
 
+Experts may hold their stacked weights in FP8 (float8_e4m3fn) with one float32 scale per row,
+`gate_up_proj_scale [E, 2I, 1]` and `down_proj_scale [E, H, 1]` (`hold_fp8`; which experts do is
+flexsgl/quant/apply.py's choice). On an SM90 GPU the grouped products then run as
+`torch._scaled_grouped_mm`, the rows quantized per token as they come, as Fp8Linear's are
+(flexsgl/quant/fp8_linear.py); the one-token launch reads the FP8 bytes and scales each row's sum;
+elsewhere each pair's expert weights are dequantized as they are gathered.
+
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension (and
 of the shared experts'), routes every token alike with the replicated router, and computes a
 partial sum of the layer's output; rank 0 adds the residual to its own, and one all-reduce adds
@@ -44,6 +51,7 @@ from flexsgl.kernels import gemv, moe_layer
 from flexsgl.model.layers import GatedMLP
 from flexsgl.model.mla_config import MoEConfig
 from flexsgl.model.weight_loaders import StackedExperts
+from flexsgl.quant.fp8 import FP8, quantize_tokens
 
 # One expert's projection in a checkpoint with one tensor per expert: `...mlp.experts.<e>.<proj>.weight`
 EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -62,13 +70,16 @@ def expert_part(hf_name: str) -> tuple[str, tuple[int, int | None]] | None:
     return f"{prefix}.gate_up_proj", (int(e), int(proj == "up_proj"))
 
 
-# torch.nn.functional.grouped_mm (torch 2.9+) wraps torch._grouped_mm (2.8+), which CUDA builds of 2.8 have.
+# torch.nn.functional.grouped_mm (torch 2.9+) wraps torch._grouped_mm (2.8+), which CUDA builds of 2.8 have;
+# torch._scaled_grouped_mm (2.8+) is its FP8 form, with rowwise scales on SM90.
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)
 
 
 class Experts(nn.Module):
     """Stacked routed experts: gate_up_proj `[E, 2I, H]` (gate rows, then up rows), down_proj `[E, H, I]`
-    and, with `bias`, gate_up_proj_bias `[E, 2I]` and down_proj_bias `[E, H]`."""
+    and, with `bias`, gate_up_proj_bias `[E, 2I]` and down_proj_bias `[E, H]`; held in FP8, also
+    their scales per row, gate_up_proj_scale `[E, 2I, 1]` and down_proj_scale `[E, H, 1]`."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, bias: bool = False):
         super().__init__()
@@ -82,7 +93,23 @@ class Experts(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
             self.gate_up_proj_bias.weight_loader = StackedExperts(num_experts, halves=2)
             self.down_proj_bias.weight_loader = StackedExperts(num_experts, halves=1)
+        self.gate_up_proj_scale = self.down_proj_scale = None
         self.sm90 = False  # on an SM90+ GPU: set once by `place`, outside compiled code
+
+    def hold_fp8(self, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                 down_scale: torch.Tensor) -> None:
+        """Hold the FP8 weights `gate_up` and `down` (of the stacked weights' shapes, on the meta device
+        before allocation or on the model's) with their float32 scales per row `[E, rows, 1]`, in place
+        of the stacked weights, whose weight loaders they keep."""
+        for name, weight, scale in (("gate_up_proj", gate_up, gate_up_scale), ("down_proj", down, down_scale)):
+            old = getattr(self, name)
+            assert weight.dtype == FP8 and weight.shape == old.shape and scale.shape == (*old.shape[:2], 1)
+            new, new_scale = nn.Parameter(weight, requires_grad=False), nn.Parameter(scale, requires_grad=False)
+            new.keep_dtype = new_scale.keep_dtype = True  # allocate() keeps FP8 and float32
+            if hasattr(old, "weight_loader"):
+                new.weight_loader = old.weight_loader
+            setattr(self, name, new)
+            setattr(self, f"{name}_scale", new_scale)
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The gated activation of gate_up `[..., 2I]` (gate, then up): SiLU(gate) * up, `[..., I]`."""
@@ -106,27 +133,50 @@ class Experts(nn.Module):
         by_expert = flat[order]
         ends = torch.searchsorted(by_expert, torch.arange(self.down_proj.shape[0], device=x.device),
                                   right=True).to(torch.int32)  # where each expert's segment ends
-        gate_up = GROUPED_MM(x[order // k], self.gate_up_proj.transpose(1, 2), offs=ends)
+        gate_up = grouped_product(x[order // k], self.gate_up_proj, self.gate_up_proj_scale, ends)
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[by_expert]
-        out = GROUPED_MM(self.glu(gate_up), self.down_proj.transpose(1, 2), offs=ends)
+        out = grouped_product(self.glu(gate_up), self.down_proj, self.down_proj_scale, ends)
         if self.down_proj_bias is not None:
             out = out + self.down_proj_bias[by_expert]
         out = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # back to (token, slot) order
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
     def _gathered(self, x, experts, weights):
-        gate_up = torch.einsum("th,tkih->tki", x, self.gate_up_proj[experts])
+        gate_up = torch.einsum("th,tkih->tki", x, gathered(self.gate_up_proj, self.gate_up_proj_scale, experts, x.dtype))
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[experts]
-        out = torch.einsum("tki,tkhi->tkh", self.glu(gate_up), self.down_proj[experts])
+        out = torch.einsum("tki,tkhi->tkh", self.glu(gate_up), gathered(self.down_proj, self.down_proj_scale, experts,
+                                                                         x.dtype))
         if self.down_proj_bias is not None:
             out = out + self.down_proj_bias[experts]
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
 
+def grouped_product(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                    ends: torch.Tensor) -> torch.Tensor:
+    """a @ weight[e].T for the rows of each expert e's segment (`ends`: where each ends); FP8
+    weights with their `scale` per row multiply with a's rows quantized per token."""
+    if scale is None:
+        return GROUPED_MM(a, weight.transpose(1, 2), offs=ends)
+    aq, a_scale = quantize_tokens(a)
+    return SCALED_GROUPED_MM(aq, weight.transpose(1, 2), a_scale.view(-1), scale.view(scale.shape[0], -1), offs=ends,
+                             out_dtype=a.dtype)
+
+
+def gathered(weight: torch.Tensor, scale: torch.Tensor | None, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The stacked `weight` of each of `experts`, in `dtype` (FP8 weights dequantized by their `scale`)."""
+    if scale is None:
+        return weight[experts]
+    return (weight[experts].float() * scale[experts]).to(dtype)
+
+
 def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, sm90: bool) -> bool:
-    """Whether torch's grouped_mm takes these operands here (see the module docstring)."""
+    """Whether torch's grouped_mm (for FP8 weights, its scaled form) takes these operands here (see
+    the module docstring)."""
+    if weight.dtype == FP8:  # operands of one byte an element: every dimension a multiple of 16
+        return (SCALED_GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and sm90
+                and all(n % 16 == 0 for n in weight.shape[1:]))
     if GROUPED_MM is None or any(n * x.element_size() % 16 for n in weight.shape[1:]):
         return False
     if x.device.type == "cuda":
@@ -206,4 +256,5 @@ class MoE(nn.Module):
             x, residual, norm.weight, norm.eps, self.experts.gate_up_proj, self.experts.down_proj,
             shared.gate_up_proj.weight if shared is not None else None,
             shared.down_proj.weight if shared is not None else None, self.counters, router, c.top_k,
-            c.norm_topk_prob, c.routed_scaling_factor, experts, weights)
+            c.norm_topk_prob, c.routed_scaling_factor, experts, weights, self.experts.gate_up_proj_scale,
+            self.experts.down_proj_scale)

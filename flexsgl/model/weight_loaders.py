@@ -114,9 +114,14 @@ class FirstRankOnly(Whole):
 
 def row_loader(loader: WeightLoader) -> WeightLoader:
     """The loader of a parameter holding one entry per row of the parameter `loader` fills (an FP8
-    weight's scales, `[N, 1]`): the same loader where it splits rows, WHOLE where it splits columns
-    (a row-parallel projection's input features), which leaves every row whole."""
-    return WHOLE if isinstance(loader, Parts) and loader.split.dim != 0 else loader
+    weight's scales, `[N, 1]`, or stacked experts' `[E, N, 1]`): the same loader where it splits
+    rows, one that leaves every row whole where it splits columns (a row-parallel projection's input
+    features, the experts' down projection's intermediate units)."""
+    if isinstance(loader, Parts) and loader.split.dim != 0:
+        return WHOLE
+    if isinstance(loader, StackedExperts) and loader.halves == 1:
+        return StackedExperts(loader.num_experts, halves=1)
+    return loader
 
 
 def fused_rows(sizes: list[int]) -> Parts:

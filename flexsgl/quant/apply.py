@@ -1,12 +1,13 @@
-"""What FP8 does to a model's projections: which keep FP8 weights (Fp8Linear) on a GPU with FP8
-matrix products, and `--quantization fp8`, which quantizes an unquantized checkpoint's projections
-as it loads.
+"""What FP8 does to a model's projections and routed experts: which keep FP8 weights on a GPU with
+FP8 matrix products, and `--quantization fp8`, which quantizes an unquantized checkpoint's as it loads.
 
 The projections are the attention's and the dense MLPs' linear layers (`qkv_proj`, `o_proj`,
-`gate_up_proj`, `down_proj`, and DeepSeek-V2's `qkv_a_proj` and `q_b_proj`). Not among them: the
-embedding and the LM head, MoE routers, the stacked routed experts and the shared experts (the
-one-token MoE kernel and grouped_mm read them in the model's dtype), and MLA's `kv_b_proj`
-(whose weight attention reads per head); FP8 checkpoint tensors of those are dequantized as they load.
+`gate_up_proj`, `down_proj`, and DeepSeek-V2's `qkv_a_proj` and `q_b_proj`); kept, each becomes an
+Fp8Linear. The routed experts (flexsgl/model/moe.py Experts: the modules with `hold_fp8`) keep
+their stacked weights in FP8, one scale per row, where torch._scaled_grouped_mm runs (SM90). Not
+quantized: the embedding and the LM head, MoE routers, the shared experts (the one-token MoE kernel
+reads them in the model's dtype), and MLA's `kv_b_proj` (whose weight attention reads per head);
+FP8 checkpoint tensors of those are dequantized as they load.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from torch import nn
 
 from flexsgl.distributed.group import all_reduce_max_
 from flexsgl.distributed.layers import ROW_PARALLEL
-from flexsgl.quant.fp8 import dequantize, quantize_rows
-from flexsgl.quant.fp8_linear import Fp8Linear, fits, fp8_gemm_runs
+from flexsgl.quant.fp8 import FP8, dequantize, quantize_rows
+from flexsgl.quant.fp8_linear import ALIGN, Fp8Linear, fits, fp8_gemm_runs
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "qkv_a_proj", "q_b_proj")
 QUANTIZATIONS = ("fp8",)  # what --quantization takes
@@ -29,19 +30,36 @@ def projections(model: nn.Module) -> dict[str, nn.Linear]:
             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTIONS and ".shared_experts." not in name}
 
 
+def experts(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's stacked routed experts (modules that can hold FP8 weights), by module name."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "hold_fp8")}
+
+
+def experts_fit(m: nn.Module) -> bool:
+    """Whether experts `m`'s shapes suit torch._scaled_grouped_mm (every dimension a multiple of 16)."""
+    return all(n % ALIGN == 0 for n in (*m.gate_up_proj.shape[1:], *m.down_proj.shape[1:]))
+
+
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent), leaf, new)
 
 
-def keep_fp8(model: nn.Module, fp8_weights: set[str]) -> list[str]:
+def keep_fp8(model: nn.Module, fp8_weights: set[str], with_experts: bool) -> list[str]:
     """Make Fp8Linears (on the meta device, before allocation) of the projections whose weight the
     checkpoint holds wholly in FP8 (`fp8_weights`: parameter names) and whose shape suits the FP8
-    product; returns their names. Their checkpoint tensors then load as they are, scales and all."""
+    product, and with `with_experts` hold such experts' weights in FP8; returns their names. Their
+    checkpoint tensors then load as they are, scales and all."""
     kept = []
     for name, linear in projections(model).items():
         if f"{name}.weight" in fp8_weights and fits(linear):
             _swap(model, name, Fp8Linear.replacing(linear))
+            kept.append(name)
+    for name, m in experts(model).items() if with_experts else ():
+        if {f"{name}.gate_up_proj", f"{name}.down_proj"} <= fp8_weights and experts_fit(m):
+            gate_up, down = m.gate_up_proj.shape, m.down_proj.shape
+            m.hold_fp8(torch.empty(gate_up, dtype=FP8), torch.empty(*gate_up[:2], 1),
+                       torch.empty(down, dtype=FP8), torch.empty(*down[:2], 1))
             kept.append(name)
     return kept
 
@@ -51,6 +69,13 @@ def keeps_fp8(device: torch.device, dtype: torch.dtype) -> bool:
     return fp8_gemm_runs(device, dtype)
 
 
+def keeps_fp8_experts(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether routed experts' FP8 weights stay FP8 here: where torch._scaled_grouped_mm runs, on
+    SM90 (its kernels are built for it alone)."""
+    return (keeps_fp8(device, dtype) and torch.cuda.get_device_capability(device)[0] == 9
+            and hasattr(torch, "_scaled_grouped_mm"))
+
+
 @torch.no_grad()
 def quantize_online(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """`--quantization fp8` on a loaded model: each projection's weight quantized to FP8 per output
@@ -58,7 +83,9 @@ def quantize_online(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     are quantized per token as they come; elsewhere its weight is replaced by its dequantized FP8
     values, so the numbers are those of FP8 weights. Under tensor parallelism a row-parallel
     projection's rows run across the ranks' columns: their absmax is the ranks' maximum, so each
-    rank's slice is that of one rank's weights. Returns how many projections were quantized."""
+    rank's slice is that of one rank's weights. The routed experts' weights are quantized per row
+    too, and held in FP8 where keeps_fp8_experts. Returns how many projections and experts were
+    quantized."""
     keep = keeps_fp8(device, dtype)
     count = 0
     for name, linear in projections(model).items():
@@ -76,5 +103,20 @@ def quantize_online(model: nn.Module, device: torch.device, dtype: torch.dtype) 
             _swap(model, name, new)
         else:
             linear.weight.copy_(dequantize(weight, scale, "channel"))
+        count += 1
+    keep = keeps_fp8_experts(device, dtype)
+    for m in experts(model).values():
+        quantized = []
+        for proj in (m.gate_up_proj, m.down_proj):
+            absmax = None
+            if model.cfg.tp_size > 1 and proj is m.down_proj:  # its rows run across the ranks' columns
+                absmax = proj.float().abs().amax(-1, keepdim=True)
+                all_reduce_max_(absmax)
+            quantized += quantize_rows(proj, absmax)
+        if keep and experts_fit(m):
+            m.hold_fp8(*quantized)
+        else:
+            m.gate_up_proj.copy_(quantized[0].float() * quantized[1])
+            m.down_proj.copy_(quantized[2].float() * quantized[3])
         count += 1
     return count
