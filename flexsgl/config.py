@@ -63,13 +63,13 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = option(None, "Largest decode batch captured as a CUDA graph where "
                                                  "cuda_graph_bs is not given (default: max_running_requests); "
                                                  "larger batches run without graphs. Lower it to start sooner.")
-    quantization: str | None = option(None, "fp8: quantize an unquantized checkpoint's projections to FP8 as "
-                                            "it loads (weights per output channel; on GPUs with FP8 products, "
-                                            "activations per token). FP8 checkpoints need no flag.")
+    quantization: str | None = option(None, "fp8: quantize an unquantized checkpoint's projections and routed "
+                                            "experts to FP8 as it loads (weights per output channel; on GPUs with "
+                                            "FP8 products, activations per token). FP8 checkpoints need no flag.")
     kv_cache_dtype: str = option("auto", "auto (the engine's dtype) or fp8_e4m3 (also fp8): the KV cache in "
                                          "FP8 E4M3, half the bytes of 16-bit K/V, with a scale per layer for K and "
-                                         "one for V (the checkpoint's k_scale and v_scale, else 1.0). flex reads "
-                                         "it; models with K/V heads only.")
+                                         "one for V (the checkpoint's k_scale and v_scale, else 1.0). flex, FA3, "
+                                         "FlashInfer and triton-decode read it; models with K/V heads only.")
     random_seed: int = option(0, "Seed of dummy weights.")
     tensor_parallel_size: int = option(1, "GPUs (ranks) to split the model across, one process each "
                                           "(--tp, --tp-size; flexsgl starts them, or torchrun does).")

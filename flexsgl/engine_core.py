@@ -87,7 +87,7 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
         num_pages = group.min(num_pages)
     runner = None
     try:
-        pool = build_kv_pool(mcfg, num_pages, cfg.page_size, rc.cache_dtype, device)
+        pool = build_kv_pool(mcfg, num_pages, cfg.page_size, rc.cache_dtype, device, rc.dtype)
         model.bind_kv_pool(pool)
         kv_pool_s = time.perf_counter() - t0 - load_s
         if rank == 0:

@@ -5,6 +5,11 @@ batch's page table and KV lengths, with the queries packed (`cu_seqlens_q`). Cau
 aligned to the end of each request's KV, which is where this step's tokens are. The call is a
 `torch.library` custom op with a fake implementation, so the model compiles around it.
 
+An FP8 pool (kv_cache_dtype fp8_e4m3): FA3 reads FP8 K/V only with FP8 queries, so the op rounds
+the queries to FP8 at one scale for the step (their absmax / 448, so none saturates) and passes it
+as the kernel's `q_descale`; the output comes back in the engine's dtype. The layer's K and V
+scales are already folded into the query and the output (flexsgl/model/decoder.py).
+
 Under CUDA graphs the kernel reads the graph manager's static page table and lengths directly;
 the only metadata of its own, the query offsets, is fixed for decode (one token per request).
 """
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 
 from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.cache.pool import KVPool
+from flexsgl.quant.fp8 import FP8, quantize_rows
 
 
 @torch.library.custom_op("flexsgl::fa3_paged_attention", mutates_args=())
@@ -30,12 +36,18 @@ def fa3_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     from sgl_kernel.flash_attn import flash_attn_with_kvcache
 
     hkv, d = k_cache.shape[-2:]
-    return flash_attn_with_kvcache(
+    dtype, descale = q.dtype, {}
+    if k_cache.dtype == FP8:  # FP8 K/V take FP8 queries: one scale for the step (module docstring)
+        fp8, q_scale = quantize_rows(q.reshape(1, -1))
+        q = fp8.view(q.shape)
+        descale = {"q_descale": q_scale.view(1, 1).expand(cache_seqlens.shape[0], hkv)}
+    out = flash_attn_with_kvcache(
         q.contiguous(), k_cache.view(-1, page_size, hkv, d), v_cache.view(-1, page_size, hkv, d),
         cache_seqlens=cache_seqlens, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q, causal=True, window_size=(window - 1 if window > 0 else -1, 0),
         softcap=softcap, attention_chunk=chunk or None, softmax_scale=scale,
-        sinks=None if sinks is None else sinks.to(q.dtype))
+        sinks=None if sinks is None else sinks.to(dtype), **descale)
+    return out.to(dtype)
 
 
 @fa3_paged_attention.register_fake

@@ -6,6 +6,12 @@ before they run; the plan takes the host copies of the lengths and pages the run
 (ForwardBatch.host_*), so nothing waits on the device. Decode uses the tensor-core kernels when
 the model has grouped KV heads.
 
+An FP8 pool (kv_cache_dtype fp8_e4m3) is planned as such (`kv_data_type` float8_e4m3fn, the
+queries in the engine's dtype): FlashInfer's FA2 kernels read the FP8 K/V and cast them as they
+load (its FA3 ones take FP8 K/V only with FP8 queries, so its prefill takes FA2 here too). The
+layer's K and V scales are folded into the query and the output before and after (flexsgl/model/
+decoder.py), so the kernels run with scale 1.
+
 Kernel calls go through one `torch.library` custom op with a fake implementation; the op finds the
 planned wrapper through its backend's `active` slot, so compiled code never sees the wrapper.
 
@@ -89,7 +95,7 @@ class FlashInferDecodeBackend(AttentionBackend):
         self.flashinfer = flashinfer
         self.pool, self.device = pool, pool.device
         self.hq, self.hkv, self.d = num_heads, pool.k[0].shape[1], pool.k[0].shape[2]
-        self.dtype = pool.k[0].dtype
+        self.dtype, self.kv_dtype = pool.query_dtype, pool.k[0].dtype
         # Tensor cores whenever KV heads are shared. SGLang's rule (from 4 query heads per KV head) cost
         # 6% of the throughput workload on Qwen3-0.6B (2 per KV head) on an H200: docs/BENCHMARKS.md.
         self.tensor_cores = self.hq != self.hkv
@@ -115,7 +121,7 @@ class FlashInferDecodeBackend(AttentionBackend):
         indptr, last, indices = self.page_lists(fb)
         self.use_next_pinned(wrapper)
         wrapper.plan(indptr, indices, last, self.hq, self.hkv, self.d, self.pool.page_size,
-                     q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
+                     q_data_type=self.dtype, kv_data_type=self.kv_dtype, non_blocking=True)
         self.active = wrapper
 
     def use_next_pinned(self, wrapper) -> None:
@@ -168,5 +174,5 @@ class FlashInferBackend(FlashInferDecodeBackend):
         self.use_next_pinned(self.prefill_wrapper)
         self.prefill_wrapper.plan(qo_indptr, indptr, indices, last, self.hq, self.hkv, self.d,
                                   self.pool.page_size, causal=True, q_data_type=self.dtype,
-                                  kv_data_type=self.dtype, non_blocking=True)
+                                  kv_data_type=self.kv_dtype, non_blocking=True)
         self.active = self.prefill_wrapper

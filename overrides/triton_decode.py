@@ -22,6 +22,10 @@ and behind from 128 (docs/BENCHMARKS.md; benchmarks/test_attention_kernels.py ti
 other decode backends), so `auto` on SM90 gives it decode batches up to 64. Inside a real decode step,
 where the KV comes from DRAM rather than L2, the two take about the same time.
 
+An FP8 pool (kv_cache_dtype fp8_e4m3) is read as it is: each page's K and V are cast to the
+query's dtype as they load (the layer's scales are folded into the query and the output,
+flexsgl/model/decoder.py).
+
 Decode only (one query token per request); it reads the graph manager's page table and lengths
 directly, like FA3, so its graph hooks have nothing to fill.
 """
@@ -72,8 +76,8 @@ def _kernel():
         for p in range(first, last):
             page = tl.load(table_ptr + b * stride_table + p).to(tl.int64)
             kv = ((page * PAGE + tok) * HKV + h)[:, None] * D + d[None, :]
-            k = tl.load(k_ptr + kv)
-            v = tl.load(v_ptr + kv)
+            k = tl.load(k_ptr + kv).to(q.dtype)  # a no-op but from an FP8 pool
+            v = tl.load(v_ptr + kv).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * sm_scale
             s = tl.where((p * PAGE + tok)[None, :] < seq_len, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))

@@ -12,7 +12,8 @@ from flexsgl.cache.pool import DUMMY_PAGE, KVPool, PageAllocator
 
 def random_paged_batch(pool: KVPool, alloc: PageAllocator, specs, hq: int, device, dtype, rng: random.Random):
     """specs: list of (prefix_len, new_len). Fills the prefixes' K/V with random values, returns
-    (fb, q, k, v, dense) where dense[i] = (K_i, V_i) float64 of the whole sequence of request i."""
+    (fb, q, k, v, dense) where dense[i] = (K_i, V_i) float64 of the whole sequence of request i;
+    q is rounded to `dtype`, K and V to the pool's (an FP8 pool's: FP8 values)."""
     ps = pool.page_size
     hkv, d = pool.k[0].shape[1], pool.k[0].shape[2]
     tables, dense, ids, pos, slots = [], [], [], [], []
@@ -21,8 +22,8 @@ def random_paged_batch(pool: KVPool, alloc: PageAllocator, specs, hq: int, devic
         total = prefix + new
         pages = alloc.alloc(KVPool.num_pages_for(total, ps))
         # Rounded to the pool's dtype, so the reference sees exactly what the kernel reads.
-        kfull = torch.randn(total, hkv, d, dtype=torch.float64).to(dtype).double()
-        vfull = torch.randn(total, hkv, d, dtype=torch.float64).to(dtype).double()
+        kfull = torch.randn(total, hkv, d, dtype=torch.float64).float().to(pool.k[0].dtype).double()
+        vfull = torch.randn(total, hkv, d, dtype=torch.float64).float().to(pool.k[0].dtype).double()
         s = torch.tensor([pages[p // ps] * ps + p % ps for p in range(total)])
         for layer in range(len(pool.k)):  # the cached prefix, already in the pool
             pool.store(layer, kfull[:prefix].to(device, dtype), vfull[:prefix].to(device, dtype), s[:prefix].to(device))

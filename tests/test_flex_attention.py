@@ -45,18 +45,20 @@ def test_flex_on_every_served_shape(d, gqa, dtype):
 
 def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, compiled=False,
                      hq=4, hkv=2, d=16, backend_cls=FlexAttentionBackend, seed=None, full_blocks=True,
-                     packs_prefill=True, pool_pages=None):
+                     packs_prefill=True, pool_pages=None, kv_dtype=None, query_rounding=None):
     """Store a random paged batch's K/V in the pool, run `backend_cls` on it (through `forward`, or
     its own when None) and check it against float64 attention; returns its output. The same seed
     gives the same batch. pool_pages: the pool's size (default: the batch's pages and 5 more), over
-    which the batch's pages are shuffled."""
+    which the batch's pages are shuffled. kv_dtype: the pool's (an FP8 cache), K and V drawn as
+    its values; query_rounding: what the backend does to the queries first, done to the reference's."""
     seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
     torch.manual_seed(seed)
     pages = pool_pages or sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
-    pool = KVPool(1, pages, page_size, hkv, d, dtype, device)
+    pool = KVPool(1, pages, page_size, hkv, d, kv_dtype or dtype, device, query_dtype=dtype)
     # Pre-fill the whole pool with noise, so stale slots would show up if the mask let them through.
-    pool.k[0].normal_(), pool.v[0].normal_()
+    for t in (pool.k[0], pool.v[0]):
+        t.copy_(torch.randn(t.shape, device=device))
     alloc = PageAllocator(pages, shuffle_seed=seed)
     fb, q, k, v, dense = random_paged_batch(pool, alloc, specs, hq, device, dtype, rng)
     if eager_extent:
@@ -73,7 +75,7 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
         torch._dynamo.reset()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=compiled):
         out = (forward or type(backend).forward)(backend, cast(q), pool.layer_cache(0), fb)
-    ref = dense_attention(q, dense, specs)
+    ref = dense_attention(q if query_rounding is None else query_rounding(q), dense, specs)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol, msg=lambda m: f"seed={seed}: {m}")
     return out
 

@@ -54,6 +54,26 @@ def test_override_matches_float64_and_flex(name, case, page_size, hq, hkv):
     torch.testing.assert_close(ours.float(), flex.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")
 
 
+def fp8_queries(q: torch.Tensor) -> torch.Tensor:
+    """q rounded to FP8 at one scale (its absmax / 448), as FA3 rounds its queries over an FP8 cache."""
+    scale = q.abs().max().float() / 448
+    return (q.float() / scale).to(torch.float8_e4m3fn).double() * scale.double()
+
+
+@pytest.mark.parametrize("name,case", KERNEL_CASES)
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_override_reads_an_fp8_cache(name, case, page_size):
+    """Over an FP8 pool (kv_cache_dtype fp8_e4m3), bfloat16 queries: each override against float64
+    attention over the FP8 values. FA3 takes FP8 queries there (rounded as fp8_queries does, in the
+    reference too) and multiplies its probabilities by V in FP8, 2^-4 of each term: its bound is 5e-2."""
+    skip_unless_runs(name)
+    seed = random.randrange(1 << 30)
+    tol = 5e-2 if name == "fa3" else 1e-2
+    run_backend_case(CASES[case], page_size, None, "cuda", torch.bfloat16, rtol=tol, atol=tol,
+                     backend_cls=backend_class(SPECS[name]), hq=16, hkv=4, d=128, seed=seed,
+                     kv_dtype=torch.float8_e4m3fn, query_rounding=fp8_queries if name == "fa3" else None)
+
+
 @pytest.mark.parametrize("override", ["flex", "fa3", "fi", "fa3-prefill,fi-decode", "fa3-prefill,triton-decode",
                                       "fa3-prefill,fi-decode,triton-decode<=2"])  # graphs 1, 2: triton; 8: fi
 def test_override_engine_tracks_hf(tmp_path, monkeypatch, override):

@@ -49,6 +49,28 @@ def test_split_kv_decode_interpreted_matches_float64(monkeypatch, splits, page_s
     assert backend.counters.count_nonzero().item() == 0, f"merge counters not reset (seed={seed})"
 
 
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # -inf - -inf in padded rows
+def test_split_kv_decode_interpreted_reads_an_fp8_pool(monkeypatch, splits):
+    """An FP8 pool (kv_cache_dtype fp8_e4m3): the kernel casts each page's K and V to the query's dtype
+    as it loads them; against float64 attention over the FP8 values."""
+    monkeypatch.setattr(triton_decode, "num_splits", lambda batch, hkv, device: splits)
+    seed = random.randrange(1 << 30)
+    run_triton_decode(CASES["decode"] + [(300, 1)], 16, "cpu", torch.float32, hq=4, hkv=2, d=16, seed=seed,
+                      rtol=1e-4, atol=1e-5, kv_dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,ctx", [(1, 1152), (8, 3000), (64, 400)])
+def test_split_kv_decode_reads_an_fp8_pool(batch, ctx):
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    specs = [(max(0, int(ctx * rng.uniform(0.3, 1.5)) - 1), 1) for _ in range(batch)]
+    run_triton_decode(specs, 64, "cuda", torch.bfloat16, rtol=1e-2, atol=1e-2, hq=32, hkv=8, d=128, seed=seed,
+                      kv_dtype=torch.float8_e4m3fn)
+
+
 def run_triton_decode(specs, page_size, device, dtype, **case):
     """tests.test_flex_attention.run_backend_case for triton-decode; returns (output, the backend)."""
     built = []

@@ -40,26 +40,28 @@ FA3_FEATURES = ("window", "softcap", "sinks", "chunk", "scale")
 
 
 HALF = ("bfloat16", "float16")
+FP8_KV = ("float8_e4m3fn",)  # an FP8 KV cache (kv_cache_dtype fp8_e4m3)
 
 
 SPECS = {s.name: s for s in (
     BackendSpec("flex", "flexsgl.attention.flex:FlexAttentionBackend", ("prefill", "decode"), None, None,
                 attention=("gqa", "mla"), mla_target="flexsgl.attention.flex_mla:FlexMLABackend", features=ANY,
-                kv_dtypes=("float8_e4m3fn",),
+                kv_dtypes=FP8_KV,
                 doc="torch.compile + FlexAttention block masks over the paged KV (default path)"),
     BackendSpec("fa3", "flexsgl.overrides.fa3:FA3Backend", ("prefill", "decode"), (90,), "sgl_kernel",
-                head_dims=(64, 96, 128, 192, 256), dtypes=HALF, features=FA3_FEATURES,
+                head_dims=(64, 96, 128, 192, 256), dtypes=HALF, features=FA3_FEATURES, kv_dtypes=FP8_KV,
                 doc="sgl_kernel FlashAttention-3 flash_attn_with_kvcache"),
     BackendSpec("fa3-prefill", "flexsgl.overrides.fa3:FA3Backend", ("prefill",), (90,), "sgl_kernel",
-                head_dims=(64, 96, 128, 192, 256), dtypes=HALF, features=FA3_FEATURES,
+                head_dims=(64, 96, 128, 192, 256), dtypes=HALF, features=FA3_FEATURES, kv_dtypes=FP8_KV,
                 doc="FA3 for prefill only (decode: flex or another)"),
     BackendSpec("fi-decode", "flexsgl.overrides.flashinfer:FlashInferDecodeBackend", ("decode",), (80, 86, 89, 90, 100, 120),
-                "flashinfer", head_dims=(64, 128, 256), dtypes=HALF,
+                "flashinfer", head_dims=(64, 128, 256), dtypes=HALF, kv_dtypes=FP8_KV,
                 doc="FlashInfer BatchDecodeWithPagedKVCacheWrapper, tensor cores for GQA (prefill: flex or another)"),
     BackendSpec("fi", "flexsgl.overrides.flashinfer:FlashInferBackend", ("prefill", "decode"), (80, 86, 89, 90, 100, 120),
-                "flashinfer", head_dims=(64, 128, 256), dtypes=HALF, doc="FlashInfer paged prefill and decode"),
+                "flashinfer", head_dims=(64, 128, 256), dtypes=HALF, kv_dtypes=FP8_KV,
+                doc="FlashInfer paged prefill and decode"),
     BackendSpec("triton-decode", "flexsgl.overrides.triton_decode:TritonDecodeBackend", ("decode",),
-                (80, 86, 89, 90, 100, 120), "triton", head_dims=(64, 128, 256), dtypes=HALF,
+                (80, 86, 89, 90, 100, 120), "triton", head_dims=(64, 128, 256), dtypes=HALF, kv_dtypes=FP8_KV,
                 doc="flexsgl's split-KV decode kernel (Triton), one launch per layer (prefill: flex or another)"),
     BackendSpec("fi-mla", "flexsgl.overrides.flashinfer_mla:FlashInferMLABackend", ("prefill", "decode"),
                 (80, 86, 89, 90, 100, 120), "flashinfer", attention=("mla",), head_dims=(576,), dtypes=HALF,
@@ -215,13 +217,14 @@ def auto_choice(device: torch.device, attention: str = "gqa", head_dim: int | No
                 dtype: str | None = None, page_size: int | None = None, variants=(), kv_dtype: str | None = None) -> str:
     """`auto`'s backends here: AUTO's for this GPU where they run and serve every layer's variant
     and the KV cache's dtype; a phase whose backend cannot falls back to flex, and the small-batch
-    decode backend is left out."""
+    decode backend is left out. An FP8 cache goes to flex, whose FP8 reads are the ones measured
+    (docs/BENCHMARKS.md); an override that names another backend reads it there."""
     def runs(name: str, layers=()) -> bool:
         return why_not(SPECS[name.partition("<=")[0]], device, attention, head_dim, dtype, page_size, layers,
                        kv_dtype) is None
 
     key = (sm_version(device), attention)
-    names = AUTO.get(key, "flex")
+    names = AUTO.get(key, "flex") if kv_dtype is None else "flex"
     if not all(runs(n) for n in names.split(",")):
         return "flex"
     prefill, decode = (names.split(",") * 2)[:2]

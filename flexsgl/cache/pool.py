@@ -10,7 +10,8 @@ rows write there and read only there, so real pages are never touched by padding
 An FP8 pool (kv_cache_dtype fp8_e4m3) holds K and V in float8_e4m3fn, each layer's scaled by one
 factor for K and one for V, which the attention layer keeps (`kv_scales`): it divides by them as
 it stores and multiplies the query and its output by them as it attends (flexsgl/model/decoder.py),
-so a backend reads FP8 values as they are, casting them in its kernel.
+so a backend reads FP8 values as they are, casting them in its kernel. The queries that attend
+over the pool come in `query_dtype`, the engine's.
 
 The pool is tensors, and the allocator hands out its pages. Each attention layer holds its own
 layer's tensors (`layer_cache`) and writes its step's K/V into them through its store path
@@ -74,8 +75,10 @@ class KVPool:
     attention = "gqa"  # the attention kind whose cache this is (the latent pool's is "mla")
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, query_dtype: torch.dtype | None = None):
+        """dtype: K's and V's; query_dtype: the queries' (the engine's dtype; default `dtype`)."""
         self.page_size = page_size
+        self.query_dtype = query_dtype or dtype
         self.num_pages = num_pages
         self.device = torch.device(device)
         shape = (num_pages * page_size, num_kv_heads, head_dim)
@@ -110,9 +113,11 @@ class KVPool:
         return -(-tokens // page_size)
 
 
-def build_kv_pool(mcfg, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
-    """The pool for model config `mcfg` in `dtype` (FP8 for a quantized cache): K/V per KV head, or
-    the latent pool of an MLA model."""
+def build_kv_pool(mcfg, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
+                  query_dtype: torch.dtype | None = None):
+    """The pool for model config `mcfg` in `dtype` (FP8 for a quantized cache, attended by queries
+    of `query_dtype`): K/V per KV head, or the latent pool of an MLA model."""
     if mcfg.mla is not None:
         return LatentKVPool(mcfg.num_layers, num_pages, page_size, mcfg.mla, dtype, device)
-    return KVPool(mcfg.num_layers, num_pages, page_size, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
+    return KVPool(mcfg.num_layers, num_pages, page_size, mcfg.num_kv_heads, mcfg.head_dim, dtype, device,
+                  query_dtype)
