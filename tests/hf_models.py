@@ -50,6 +50,17 @@ def hf_reference(hf, prompt, steps):
     return gen, logits
 
 
+def assert_matches_hf(hf, prompt, out, seen, what: str, tol: float = 1e-4) -> None:
+    """An engine's greedy output `out` for `prompt` (its logits captured in `seen`: capture_logits)
+    against HF's greedy run of as many tokens: the same tokens, and every step's logits within `tol`
+    of HF's, relative to the step's largest; `what` names the case (and its seed) in a failure."""
+    ref_tokens, ref_logits = hf_reference(hf, prompt, len(out.token_ids))
+    assert out.token_ids == ref_tokens, what
+    ours = torch.stack(seen[out.request_id]).to(ref_logits.dtype)
+    rel = ((ours - ref_logits).abs().max(-1).values / ref_logits.abs().max(-1).values).max().item()
+    assert rel < tol, f"{what}: logits relative error {rel:.2e}"
+
+
 def make_deepseek_checkpoint(path, seed: int, q_lora_rank: int | None = None, topk_method: str = "greedy",
                              vocab: int = 320, max_shard_size: str | None = None, **overrides):
     """A tiny random DeepSeek-V2 (MLA with YaRN, a dense layer then MoE layers with a shared expert),

@@ -12,7 +12,7 @@ from flexsgl.quant.fp8 import quantize_rows, quantize_tokens
 from flexsgl.quant.fp8_linear import Fp8Linear
 from tests.fp8_checkpoints import make_fp8_checkpoint
 from tests.hf_models import capture_logits
-from tests.test_fp8_checkpoints import make_source
+from tests.test_fp8_checkpoints import BLOCK_DIMS, make_source
 from tests.test_fp8_online import bits_per_byte, docstring_text
 
 
@@ -49,7 +49,34 @@ def test_fp8_linear_matches_a_float32_reference(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["channel", "tensor"])
+@pytest.mark.parametrize("m", [1, 7, 300])
+def test_block_scaled_fp8_linear_matches_a_float32_reference(m):
+    """128 x 128 weight blocks (torch._scaled_mm's block recipe, on SM90): against float32 products of
+    the same FP8 values, the activations quantized per token and group of 128 as Fp8Linear does,
+    within 1% of the output's largest magnitude."""
+    from flexsgl.quant.fp8 import dequantize, quantize_blocks, quantize_groups
+    from flexsgl.quant.fp8_linear import block_gemm_runs
+
+    fp8_gpu()
+    if not block_gemm_runs(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("torch._scaled_mm does not multiply 128 x 128 blocks on this GPU")
+    seed = random.randrange(2**31)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, k = 384, 512
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    linear = Fp8Linear(k, n, bias=False, block=(128, 128)).cuda()
+    linear.weight.data, linear.weight_scale.data = quantize_blocks(w, (128, 128))
+    out = linear(x)
+    xq, xs = quantize_groups(x, 128)
+    same_inputs = (xq.float().view(m, -1, 128) * xs[..., None]).view(m, k) \
+        @ dequantize(linear.weight, linear.weight_scale, "block", (128, 128)).T
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert (out.float() - same_inputs).abs().max() <= 0.01 * same_inputs.abs().max(), f"seed={seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["channel", "tensor", "block"])
 def test_fp8_checkpoint_runs_fp8_projections_on_the_gpu(tmp_path, monkeypatch, fmt):
     fp8_gpu()
     assert_fp8_projections_track_hf(tmp_path, monkeypatch, fmt, "cuda")
@@ -64,31 +91,38 @@ def test_fp8_products_forced_on_the_cpu_track_hf(tmp_path, monkeypatch, fmt):
     assert_fp8_projections_track_hf(tmp_path, monkeypatch, fmt, "cpu")
 
 
-def fp8_tokens(x: torch.Tensor) -> torch.Tensor:
-    """`x` with each token's values rounded to e4m3 at a scale of its absmax / 448, in float32."""
+def fp8_tokens(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """`x` with each token's values (each group of `group` of them) rounded to e4m3 at a scale of
+    their absmax / 448, in float32."""
+    shape = x.shape
+    if group is not None:
+        x = x.reshape(*shape[:-1], shape[-1] // group, group)
     scale = (x.abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-12)
-    return (x / scale).to(torch.float8_e4m3fn).float() * scale
+    return ((x / scale).to(torch.float8_e4m3fn).float() * scale).reshape(shape)
 
 
 def assert_fp8_projections_track_hf(tmp_path, monkeypatch, fmt, device):
     """Projections whose dims are multiples of 16 keep FP8 weights (down_proj, K = 200, is dequantized)
-    and quantize their inputs per token. Each prompt's first logits differ from HF's in float32 (on
-    the weights the checkpoint stands for) by at most twice what quantizing those projections'
-    inputs alone does to HF's (the noise FP8 activations bring, about 10% of the largest logit on
-    this small random model), plus 1%: a wrong weight, scale or part is many times that."""
+    and quantize their inputs per token; of a block-wise checkpoint (128 x 128 blocks, every dim a
+    multiple of them), every projection, its inputs per token and group of 128. Each prompt's first
+    logits differ from HF's in float32 (on the weights the checkpoint stands for) by at most twice
+    what quantizing those projections' inputs alone does to HF's (the noise FP8 activations bring,
+    about 10% of the largest logit on this small random model), plus 1%: a wrong weight, scale or
+    part is many times that."""
     from transformers import AutoModelForCausalLM
 
     seed = random.randrange(2**31)
-    make_source("qwen3", tmp_path / "src", seed)
+    block = fmt == "block"
+    make_source("qwen3", tmp_path / "src", seed, **(BLOCK_DIMS if block else {}))
     make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", fmt)
     llm = LLM(str(tmp_path / "fp8"), device=device, dtype="bfloat16", max_total_tokens=4096, compile=False)
     kept = {n for n, m in llm.runner.model.named_modules() if isinstance(m, Fp8Linear)}
-    assert kept and not any(n.endswith("down_proj") for n in kept), kept
+    assert kept and block == any(n.endswith("down_proj") for n in kept), kept
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
     hf_fp8 = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
     for name, m in hf_fp8.named_modules():
-        if isinstance(m, torch.nn.Linear) and ".layers." in name and not name.endswith("down_proj"):
-            m.register_forward_pre_hook(lambda mod, args: (fp8_tokens(args[0]),))
+        if isinstance(m, torch.nn.Linear) and ".layers." in name and (block or not name.endswith("down_proj")):
+            m.register_forward_pre_hook(lambda mod, args: (fp8_tokens(args[0], 128 if block else None),))
     rng = random.Random(seed)
     prompts = [[rng.randrange(320) for _ in range(n)] for n in (3, 17, 60)]
     seen = capture_logits(llm, monkeypatch)

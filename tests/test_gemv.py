@@ -22,6 +22,7 @@ from torch import nn
 from flexsgl.kernels import gemv
 from flexsgl.model.layers import RMSNorm
 from flexsgl.quant.fp8 import quantize_rows
+from tests.fp8_checkpoints import quantize
 
 # (N, K): K a multiple of every BLOCK_K or not; N a multiple of BLOCK_N or not; each config_for branch.
 SHAPES = [(6144, 4096), (4100, 1000), (37, 3072), (24580, 2048), (4096, 12300), (151936, 1024)]
@@ -80,24 +81,51 @@ def test_interpreted_fp8_weights_match_float64(n, k, prologue):
     check_kernel("cpu", n, k, prologue, True, torch.float32, use_pdl=False, fp8=True)
 
 
+# (N, K) of block-scaled FP8 weights: 128 x 128 blocks on the GPU (an 8B's qkv, o and down), smaller
+# blocks (32 x 64) on the CPU; each with every prologue that projection takes.
+BLOCK_SHAPES = [(6144, 4096, "rms_norm"), (4096, 4096, "plain"), (4096, 12288, "silu_gate")]
+CPU_BLOCK_SHAPES = [(64, 1024, "rms_norm"), (96, 512, "plain"), (32, 8192, "silu_gate")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,prologue", BLOCK_SHAPES)
+def test_fp8_block_scaled_weights_match_float64(n, k, prologue):
+    check_kernel("cuda", n, k, prologue, True, torch.bfloat16, True, fp8=(128, 128))
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("n,k,prologue", CPU_BLOCK_SHAPES)
+def test_interpreted_fp8_block_scaled_weights_match_float64(n, k, prologue):
+    """Weights scaled per block (block-wise checkpoints): the kernel scales x by its row block's scale
+    of each column block, a program's rows all in one row block."""
+    check_kernel("cpu", n, k, prologue, True, torch.float32, use_pdl=False, fp8=(32, 64))
+
+
 def check_kernel(device, n, k, prologue, extras, dtype, use_pdl, fp8=False):
+    """fp8: True for a scale per row, (bn, bk) for one per block (tests/fp8_checkpoints.py's quantizer)."""
     seed = random.randrange(1 << 30)
     g = torch.Generator(device=device).manual_seed(seed)
     p = PROLOGUES[prologue]
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=g)  # noqa: E731
     x = rand(1, 2 * k if p == gemv.SILU_GATE else k)
     w = (rand(n, k) / k ** 0.5).to(dtype)
-    scale = None
-    if fp8:  # rows of different magnitudes, so a scale applied to the wrong row shows
+    scale, weight = None, w
+    if fp8 is True:  # rows of different magnitudes, so a scale applied to the wrong row shows
         w, scale = quantize_rows(w * (0.1 + torch.rand(n, 1, device=device, generator=g)))
         scale = scale.view(-1)
+        weight = w.double() * scale.double()[:, None]
+    elif fp8:  # blocks of different magnitudes, so a scale applied to the wrong block shows
+        (bn, bk) = fp8
+        w = w * (0.1 + torch.rand(n // bn, k // bk, device=device, generator=g)).repeat_interleave(bn, 0) \
+            .repeat_interleave(bk, 1)
+        w, scale, weight = quantize(w.cpu(), "block", fp8)
+        w, scale, weight = w.to(device), scale.to(device), weight.double().to(device)
     bias, residual = (rand(n), rand(1, n)) if extras else (None, None)
     norm_weight = (0.5 + torch.rand(k, device=device, generator=g)).to(dtype) if p == gemv.RMS_NORM else None
     out = torch.full((1, n), float("nan"), device=device, dtype=dtype)
     gemv.launch(x, w, bias, out, residual=residual, norm_weight=norm_weight, eps=1e-6, prologue=p, use_pdl=use_pdl,
                 scale=scale)
-    ref = reference(p, x, w if scale is None else w.double() * scale.double()[:, None], bias, residual, norm_weight,
-                    1e-6)
+    ref = reference(p, x, weight, bias, residual, norm_weight, 1e-6)
     assert not out.isnan().any(), f"unwritten outputs (seed={seed})"
     err = ((out.double() - ref).norm() / ref.norm()).item()
     tol = 1e-5 if dtype == torch.float32 else 1e-2

@@ -9,9 +9,10 @@ and `stacked_gemv`: the same kernel with a grid row per slot s, out[s] = weight[
 a stacked `[E, N, K]` weight (MLA's W_UV at batch 1, a slot per head).
 
 A projection with FP8 weights (flexsgl/quant/fp8_linear.py Fp8Linear: float8_e4m3fn, one float32
-scale per row) runs the same kernel at batch 1: it reads the FP8 bytes, widens them to float32 in
-registers, and multiplies each row's sum by its scale, with x as it is (bfloat16; at larger batches
-Fp8Linear quantizes activations per token for torch._scaled_mm). Its tiles are the bfloat16 ones
+scale per row or per 128 x 128 block) runs the same kernel at batch 1: it reads the FP8 bytes,
+widens them to float32 in registers, and multiplies each row's sum by its scale, or with block
+scales x by its row block's scale of each column block (a program's rows lie in one row block),
+with x as it is (bfloat16; at larger batches Fp8Linear quantizes activations for torch._scaled_mm). Its tiles are the bfloat16 ones
 in elements, so half the bytes: the float32 accumulator holds a register per element whatever the
 weight's width, and compiled for SM90 a 16 x 512 FP8 tile takes 237 registers a thread (bfloat16's
 208), where 16 x 1024 spills 2.8 KB a thread to the stack. So an FP8 tile keeps about half the
@@ -49,6 +50,7 @@ from flexsgl.kernels.launch import pdl
 FP8 = torch.float8_e4m3fn
 
 PLAIN, RMS_NORM, SILU_GATE = 0, 1, 2  # what the kernel does to x on the way in
+NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2  # an FP8 weight's scales: none (x's dtype), per row, per block
 
 
 @functools.cache
@@ -58,8 +60,9 @@ def _kernel():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, out_ptr, N, K, stride_wn, eps,
-                    e_ptr, stride_we, stride_xs, stride_os, s_ptr,
-                    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    e_ptr, stride_we, stride_xs, stride_os, s_ptr, stride_sn,
+                    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALE: tl.constexpr,
+                    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                     STACKED: tl.constexpr):
         if STACKED:  # program_id(1) is a slot: its weight of the stack, its x row, its output row
@@ -95,11 +98,14 @@ def _kernel():
             if PROLOGUE == 2:  # x holds gate; up follows it in the same row
                 up = tl.load(x_ptr + K + k + cols, mask=k_ok, other=0.0).to(tl.float32)
                 x = x / (1.0 + tl.exp(-x)) * up
+            if SCALE == 2:  # FP8 weights by SCALE_N x SCALE_K blocks: this row block's scale of each column
+                block_row = tl.program_id(0) * BLOCK_N // SCALE_N
+                x *= tl.load(s_ptr + block_row * stride_sn + (k + cols) // SCALE_K, mask=k_ok, other=0.0)
             acc += w.to(tl.float32) * x[None, :]
         out = tl.sum(acc, axis=1)
         if PROLOGUE == 1:
             out *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        if HAS_SCALE:  # FP8 weights: each row's scale
+        if SCALE == 1:  # FP8 weights: each row's scale
             out *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
         if HAS_BIAS:
             out += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -133,16 +139,26 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
            norm_weight: torch.Tensor | None = None, eps: float = 0.0, prologue: int = PLAIN,
            use_pdl: bool | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[0] = (weight * scale) @ f(x[0]) (+ bias) (+ residual[0]); x contiguous, [1, K] ([1, 2K] for
-    SILU_GATE); scale: FP8 weights' float32 scale per row `[N]` (None: weights in x's dtype).
-    use_pdl: launch with programmatic dependent launch (default: launch.pdl's answer for the device)."""
+    SILU_GATE); scale: FP8 weights' float32 scales, per row `[N]` or per block `[N / bn, K / bk]`
+    contiguous (blocks that divide the weight, bn a multiple of the tile's rows; None: weights in x's
+    dtype). use_pdl: launch with programmatic dependent launch (default: launch.pdl's answer for the device)."""
     n, k = weight.shape
     block_n, block_k, warps, stages = config or config_for(n, k)
     use_pdl = pdl(x.device) if use_pdl is None else use_pdl
+    mode, scale_n, scale_k = NO_SCALE, 1, 1
+    if scale is not None and scale.dim() == 2:
+        mode, scale_n, scale_k = BLOCK_SCALE, n // scale.shape[0], k // scale.shape[1]
+        if scale_n * scale.shape[0] != n or scale_k * scale.shape[1] != k or scale_n % block_n:
+            raise ValueError(f"gemv: block scales {tuple(scale.shape)} of a [{n}, {k}] weight in tiles of "
+                             f"{block_n} rows")
+    elif scale is not None:
+        mode = ROW_SCALE
     _kernel()[((n + block_n - 1) // block_n,)](
         x, weight, bias if bias is not None else weight, residual if residual is not None else weight,
         norm_weight if norm_weight is not None else weight, out, n, k, weight.stride(0), eps,
-        weight, 0, 0, 0, scale if scale is not None else weight,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
+        weight, 0, 0, 0, scale if scale is not None else weight, scale.stride(0) if mode == BLOCK_SCALE else 0,
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SCALE=mode,
+        SCALE_N=scale_n, SCALE_K=scale_k,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, STACKED=False, num_warps=warps,
         num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return out
@@ -157,7 +173,8 @@ def launch_stacked(x: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, o
     use_pdl = pdl(x.device)
     _kernel()[((n + block_n - 1) // block_n, index.numel())](
         x, weight, weight, weight, weight, out, n, k, weight.stride(1), 0.0, index, weight.stride(0), x.stride(0),
-        out.stride(0), weight, PROLOGUE=PLAIN, HAS_BIAS=False, HAS_RESIDUAL=False, HAS_SCALE=False,
+        out.stride(0), weight, 0, PROLOGUE=PLAIN, HAS_BIAS=False, HAS_RESIDUAL=False, SCALE=NO_SCALE, SCALE_N=1,
+        SCALE_K=1,
         BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, PDL=use_pdl, STACKED=True, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if use_pdl else {}))
@@ -197,9 +214,12 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def row_scale(proj: nn.Module) -> torch.Tensor | None:
-    """An FP8 projection's scale per row `[N]` (Fp8Linear's weight_scale), None for any other."""
+    """An FP8 projection's scales (Fp8Linear's weight_scale): per row `[N]`, or per block `[N / bn,
+    K / bk]`; None for any other projection."""
     scale = getattr(proj, "weight_scale", None)
-    return None if scale is None else scale.view(-1)
+    if scale is None:
+        return None
+    return scale if getattr(proj, "block", None) is not None else scale.view(-1)
 
 
 def norm_linear(x: torch.Tensor, norm, proj: nn.Linear) -> torch.Tensor:

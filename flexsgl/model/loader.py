@@ -20,7 +20,7 @@ from flexsgl.model.architectures import model_class
 from flexsgl.model.dummy_weights import init_dummy_weights
 from flexsgl.model.empty_init import no_init
 from flexsgl.model.source import ModelSource, weight_files
-from flexsgl.model.weight_loaders import row_loader, weight_loader
+from flexsgl.model.weight_loaders import block_loader, row_loader, weight_loader
 from flexsgl.quant.apply import keep_fp8, keeps_fp8, keeps_fp8_experts, quantize_online
 from flexsgl.quant.fp8 import FP8, expand_scale
 from flexsgl.quant.scheme import QuantScheme
@@ -50,8 +50,11 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
     with torch.device("meta"), no_init():  # values come from loading alone (empty_init.py)
         model = cls(cfg)
         full = model if size == 1 else cls(src.config)  # the whole model's shapes and weight loaders
-        if cfg.quant is not None and files and cfg.quant.strategy != "block" and keeps_fp8(device, dtype):
-            kept = keep_fp8(model, fp8_parameters(model, read_headers(files)), keeps_fp8_experts(device, dtype))
+        if cfg.quant is not None and files and keeps_fp8(device, dtype, cfg.quant.block):
+            block = cfg.quant.block
+            kept = keep_fp8(model, fp8_parameters(model, read_headers(files)),
+                            block is None and keeps_fp8_experts(device, dtype), block,
+                            lambda linear: block_loader(weight_loader(linear.weight), block) is not None)
             logger.info(f"FP8: {len(kept)} projections and experts keep FP8 weights")
     model.materialize(device, dtype)
     if src.load_format == "dummy":
@@ -70,8 +73,8 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
     rank's part of it) and nothing is missing: a bad checkpoint raises CheckpointError and loads
     nothing. Each tensor goes through its parameter's weight loader, which reads only this rank's
     slices of it; an FP8 tensor is read whole with its scale, then goes into an FP8 parameter as it
-    is (its scale, one per row, into the parameter's `<name>_scale`, row for row with the weight) or
-    into any other dequantized."""
+    is (its scales into the parameter's `<name>_scale`: one per row, row for row with the weight, or
+    a block-wise checkpoint's per block, block row for block row) or into any other dequantized."""
     plan = check_checkpoint(model if full is None else full, files)
     params = dict(model.named_parameters())
     scheme = model.cfg.quant
@@ -86,12 +89,16 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
                     weight = _read(st.get_tensor(hf_name), hf_name)
                     with _open_safetensors(scale[1]) as scale_file:
                         s = _read(scale_file.get_tensor(scale[0]), scale[0], scale[1])
-                    expanded = expand_scale(s, scheme.strategy, scheme.block, tuple(weight.shape))
-                    if p.dtype == FP8:
+                    if p.dtype == FP8:  # the FP8 values as they are, and their scales by block or by row
                         weight_loader(p).load(p, _held(weight), part)
-                        row_loader(weight_loader(p)).load(params[target + "_scale"],
-                                                          _held(expanded.expand(weight.shape[0], 1)), part)
+                        scales = params[target + "_scale"]
+                        if scheme.block is not None:
+                            block_loader(weight_loader(p), scheme.block).load(scales, _held(s.float()), part)
+                        else:
+                            rows = expand_scale(s, scheme.strategy, None, tuple(weight.shape))
+                            row_loader(weight_loader(p)).load(scales, _held(rows.expand(weight.shape[0], 1)), part)
                     else:
+                        expanded = expand_scale(s, scheme.strategy, scheme.block, tuple(weight.shape))
                         weight_loader(p).load(p, _held(weight.float() * expanded), part)
                 except SafetensorError as e:
                     raise CheckpointError(f"Weights file {str(f)!r} is corrupt: {describe(e)}.") from None

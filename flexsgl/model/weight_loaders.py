@@ -124,6 +124,23 @@ def row_loader(loader: WeightLoader) -> WeightLoader:
     return loader
 
 
+def block_loader(loader: WeightLoader, block: tuple[int, int]) -> WeightLoader | None:
+    """The loader of a parameter holding one entry per `block` (rows, columns) of the parameter
+    `loader` fills (a block-wise FP8 weight's scales, `[N / bn, K / bk]`): its parts and this rank's
+    pieces in blocks, or None where one of them does not start and end on a block's edge."""
+    if isinstance(loader, Whole):
+        return loader
+    if not isinstance(loader, Parts):
+        return None
+    s = loader.split
+    b = block[0] if s.dim == 0 else block[1]
+    sizes = [n for p in s.pieces for n in (p.start, p.length, p.at)] + list(s.full_parts)
+    if any(n % b for n in sizes):
+        return None
+    return Parts(Split(s.dim, [Piece(p.start // b, p.length // b, p.at // b) for p in s.pieces],
+                       [n // b for n in s.full_parts]))
+
+
 def fused_rows(sizes: list[int]) -> Parts:
     """The loader of a parameter that stacks `sizes` rows from one tensor each (no tensor parallelism)."""
     starts = [sum(sizes[:i]) for i in range(len(sizes))]

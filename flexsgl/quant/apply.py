@@ -18,7 +18,7 @@ from torch import nn
 from flexsgl.distributed.group import all_reduce_max_
 from flexsgl.distributed.layers import ROW_PARALLEL
 from flexsgl.quant.fp8 import FP8, dequantize, quantize_rows
-from flexsgl.quant.fp8_linear import ALIGN, Fp8Linear, fits, fp8_gemm_runs
+from flexsgl.quant.fp8_linear import ALIGN, Fp8Linear, block_gemm_runs, fits, fp8_gemm_runs
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "qkv_a_proj", "q_b_proj")
 QUANTIZATIONS = ("fp8",)  # what --quantization takes
@@ -45,15 +45,18 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent), leaf, new)
 
 
-def keep_fp8(model: nn.Module, fp8_weights: set[str], with_experts: bool) -> list[str]:
+def keep_fp8(model: nn.Module, fp8_weights: set[str], with_experts: bool, block: tuple[int, int] | None = None,
+             whole_blocks=lambda linear: True) -> list[str]:
     """Make Fp8Linears (on the meta device, before allocation) of the projections whose weight the
     checkpoint holds wholly in FP8 (`fp8_weights`: parameter names) and whose shape suits the FP8
     product, and with `with_experts` hold such experts' weights in FP8; returns their names. Their
-    checkpoint tensors then load as they are, scales and all."""
+    checkpoint tensors then load as they are, scales and all. block: the checkpoint's weight blocks
+    (None: a scale per row), which a projection keeps where `whole_blocks(linear)` (its fused parts
+    and this rank's pieces of them are whole blocks)."""
     kept = []
     for name, linear in projections(model).items():
-        if f"{name}.weight" in fp8_weights and fits(linear):
-            _swap(model, name, Fp8Linear.replacing(linear))
+        if f"{name}.weight" in fp8_weights and fits(linear, block) and (block is None or whole_blocks(linear)):
+            _swap(model, name, Fp8Linear.replacing(linear, block))
             kept.append(name)
     for name, m in experts(model).items() if with_experts else ():
         if {f"{name}.gate_up_proj", f"{name}.down_proj"} <= fp8_weights and experts_fit(m):
@@ -64,9 +67,10 @@ def keep_fp8(model: nn.Module, fp8_weights: set[str], with_experts: bool) -> lis
     return kept
 
 
-def keeps_fp8(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether FP8 weights stay FP8 here (else they are dequantized to `dtype` as they load)."""
-    return fp8_gemm_runs(device, dtype)
+def keeps_fp8(device: torch.device, dtype: torch.dtype, block: tuple[int, int] | None = None) -> bool:
+    """Whether FP8 weights (of `block` scales; None: per row or tensor) stay FP8 here (else they are
+    dequantized to `dtype` as they load)."""
+    return fp8_gemm_runs(device, dtype) and (block is None or block_gemm_runs(device, dtype))
 
 
 def keeps_fp8_experts(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,6 +1,6 @@
 """FP8 (float8_e4m3fn) arithmetic: a checkpoint weight's scales expanded and applied (dequantize),
-weights quantized by output row, and activations quantized by token, each as vLLM's FP8 methods do
-(scale = absmax / 448, the largest e4m3 number)."""
+weights quantized by output row or by block, and activations quantized by token or by group of a
+token's values, each as vLLM's FP8 methods do (scale = absmax / 448, the largest e4m3 number)."""
 
 from __future__ import annotations
 
@@ -48,3 +48,21 @@ def quantize_rows(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> t
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations `x` `[M, K]` as FP8 with one float32 scale per token `[M, 1]` (dynamic: from x itself)."""
     return quantize_rows(x)
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations `x` `[M, K]` (K a multiple of `group`) as FP8 with one float32 scale per token and
+    group of `group` consecutive values, `[M, K / group]` (DeepSeek-V3's 1 x 128 activation blocks)."""
+    m, k = x.shape
+    q, scale = quantize_rows(x.reshape(m, k // group, group))
+    return q.view(m, k), scale.view(m, k // group)
+
+
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[N, K]` (multiples of the block) as FP8 with one float32 scale per block `[N / bn,
+    K / bk]`, as block-wise checkpoints store it (their `weight_scale_inv`)."""
+    (n, k), (bn, bk) = weight.shape, block
+    blocks = weight.float().reshape(n // bn, bn, k // bk, bk).transpose(1, 2)  # [N / bn, K / bk, bn, bk]
+    scale = (blocks.abs().amax((-2, -1)) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = quantize(blocks, scale[..., None, None])
+    return q.transpose(1, 2).reshape(n, k), scale

@@ -1,22 +1,38 @@
-"""Fp8Linear: a projection that keeps its weight in FP8, one float32 scale per output row, and
-multiplies with FP8 activations quantized per token as they come (`torch._scaled_mm`, rowwise
-scales, bfloat16 out), on GPUs with FP8 matrix products (SM89+). Elsewhere FP8 weights are
-dequantized to the model's dtype as they load and run as any other nn.Linear (flexsgl/quant/apply.py).
+"""Fp8Linear: a projection that keeps its weight in FP8 and multiplies with FP8 activations quantized
+as they come, on GPUs with FP8 matrix products (SM89+). Elsewhere FP8 weights are dequantized to
+the model's dtype as they load and run as any other nn.Linear (flexsgl/quant/apply.py).
 
-It stands where an nn.Linear stood: same in and out features, a `weight` whose weight loader fills
-it (in FP8), and `weight_scale` `[N, 1]`, filled row for row with the weight (flexsgl/model/loader.py):
-per-tensor and per-channel checkpoint scales both become one scale per row, so a fused projection
-(q, k and v in one) keeps each part's own."""
+Two kinds of scales:
+
+- one float32 scale per output row, `weight_scale` `[N, 1]` (per-channel and per-tensor checkpoints,
+  `--quantization fp8`): activations quantized per token, `torch._scaled_mm` with rowwise scales;
+- one per 128 x 128 block, `weight_scale` `[N / 128, K / 128]` (block-wise checkpoints, DeepSeek-V3's
+  and Qwen3-FP8's `weight_scale_inv`): activations quantized per token and group of 128 values, and
+  `torch._scaled_mm` with those blocks (cuBLAS's 1 x 128 by 128 x 128 recipe, on SM90). Whether this
+  product runs is asked of the GPU once, on a small product checked against the same one
+  dequantized (`block_gemm_runs`); where it does not, block-wise weights are dequantized as they load.
+
+bfloat16 out either way. It stands where an nn.Linear stood: same in and out features, a `weight`
+whose weight loader fills it (in FP8), and `weight_scale`, filled with the weight
+(flexsgl/model/loader.py): per-tensor and per-channel checkpoint scales both become one scale per
+row, so a fused projection (q, k and v in one) keeps each part's own, and block scales come block
+row for block row. On the CPU (where tests force FP8 weights) a block-wise weight multiplies
+dequantized.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from flexsgl.quant.fp8 import FP8, quantize_tokens
+from flexsgl.quant.fp8 import FP8, dequantize, quantize_blocks, quantize_groups, quantize_tokens
 
 # torch._scaled_mm takes FP8 operands whose dimensions are multiples of 16.
 ALIGN = 16
+BLOCK = (128, 128)  # the weight blocks torch._scaled_mm multiplies by
 
 
 def fp8_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -26,24 +42,59 @@ def fp8_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
-def fits(linear: nn.Linear) -> bool:
-    """Whether `linear`'s shape suits torch._scaled_mm."""
+def block_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether Fp8Linear runs 128 x 128 block-scaled weights here: an SM90 GPU whose torch._scaled_mm
+    multiplies by them (module docstring)."""
+    return (fp8_gemm_runs(device, dtype) and torch.cuda.get_device_capability(device)[0] == 9
+            and _block_product_checks_out(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def _block_product_checks_out(index: int) -> bool:
+    device = torch.device("cuda", index)
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(32, 256, device=device, generator=g).bfloat16()
+    weight, scale = quantize_blocks(torch.randn(256, 256, device=device, generator=g), BLOCK)
+    xq, x_scale = quantize_groups(x, BLOCK[1])
+    want = (xq.float().view(32, 2, 128) * x_scale[..., None]).view(32, 256) @ dequantize(weight, scale, "block", BLOCK).T
+    try:
+        got = block_product(x, weight, scale, None).float()
+    except RuntimeError:
+        return False
+    return bool(((got - want).abs() <= 0.02 * want.abs().max()).all())
+
+
+def block_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x `[M, K]` @ weight.T for an FP8 weight of 128 x 128 block `scale`, x quantized per token and
+    group of 128 (torch._scaled_mm takes the groups' scales M-major)."""
+    xq, x_scale = quantize_groups(x, BLOCK[1])
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale.t(),
+                           out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+def fits(linear: nn.Linear, block: tuple[int, int] | None = None) -> bool:
+    """Whether `linear`'s shape suits torch._scaled_mm (with `block`: its 128 x 128 weight blocks)."""
+    if block is not None:
+        return block == BLOCK and linear.in_features % BLOCK[1] == 0 and linear.out_features % BLOCK[0] == 0
     return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
 
 
 class Fp8Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int] | None = None):
+        """block: the weight's scale blocks (None: a scale per row)."""
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        scale_shape = (out_features, 1) if block is None else (out_features // block[0], in_features // block[1])
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
         self.weight.keep_dtype = self.weight_scale.keep_dtype = True  # allocate() keeps FP8 and float32
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     @classmethod
-    def replacing(cls, linear: nn.Linear) -> "Fp8Linear":
+    def replacing(cls, linear: nn.Linear, block: tuple[int, int] | None = None) -> "Fp8Linear":
         """An Fp8Linear of `linear`'s shape, its parameters' weight loaders kept."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, block)
         if hasattr(linear.weight, "weight_loader"):
             new.weight.weight_loader = linear.weight.weight_loader
         if linear.bias is not None and hasattr(linear.bias, "weight_loader"):
@@ -52,7 +103,14 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        xq, x_scale = quantize_tokens(x.reshape(-1, self.in_features))
-        out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
-                               bias=self.bias, out_dtype=x.dtype)
+        x = x.reshape(-1, self.in_features)
+        if self.block is not None and not x.is_cuda:  # the CPU: no block-scaled product there
+            weight = dequantize(self.weight, self.weight_scale, "block", self.block).to(x.dtype)
+            out = F.linear(x, weight, self.bias)
+        elif self.block is not None:
+            out = block_product(x, self.weight, self.weight_scale, self.bias)
+        else:
+            xq, x_scale = quantize_tokens(x)
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
+                                   bias=self.bias, out_dtype=x.dtype)
         return out.view(*lead, self.out_features)
