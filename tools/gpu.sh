@@ -94,6 +94,7 @@
 #   fp8-moe        the FP8 expert GPU tests (torch._scaled_grouped_mm, the one-token MoE layer, an FP8 Qwen3-MoE
 #                  checkpoint), then bench latency at batch 1 and throughput of the deepseek-v2-lite dummy, bf16
 #                  and --quantization fp8 (~500 s on a cold cache)
+#   fp8-gemm       tools/fp8_gemm_bench.py on the qwen3-8b projections: which FP8 product is fastest per M
 #   fp8-agreement  tools/fp8_agreement.py, 256 prompts, --quantization fp8 against bf16 on the qwen3-8b and
 #                  deepseek-v2-lite dummies
 #   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
@@ -141,7 +142,7 @@ declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=4
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
                    [tp-tests]=580 [tp-exit]=580 [tp-allreduce]=200 [tp-memory]=500 [tp-bench]=590
                    [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480
-                   [serve-structured]=560 [fp8]=590 [fp8-kv]=580 [fp8-moe]=590 [fp8-agreement]=590)
+                   [serve-structured]=560 [fp8]=590 [fp8-kv]=580 [fp8-moe]=590 [fp8-agreement]=590 [fp8-gemm]=400)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -185,6 +186,7 @@ for s in "${steps[@]}"; do
            timeout 100 "${BENCH[@]}" --workload throughput --model deepseek-v2-lite $q \
              --json "$OUT/fp8-moe-throughput${q//[ -]/_}.json" 2>&1 | grep -E "^output tok/s" | sed "s|^|throughput ${q:-bf16}: |"
          done ;;
+    fp8-gemm) timeout "$LIMIT" python tools/fp8_gemm_bench.py --model qwen3-8b ;;
     fp8-agreement) for m in qwen3-8b deepseek-v2-lite; do
            timeout 280 python tools/fp8_agreement.py --model $m --load-format dummy --quantization fp8 --prompts 256 \
              --json "$OUT/fp8-agreement-$m.json" 2>&1 | tail -3 | sed "s|^|agreement $m: |"

@@ -12,6 +12,8 @@ FP8 checkpoint tensors of those are dequantized as they load.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -75,9 +77,30 @@ def keeps_fp8(device: torch.device, dtype: torch.dtype, block: tuple[int, int] |
 
 def keeps_fp8_experts(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether routed experts' FP8 weights stay FP8 here: where torch._scaled_grouped_mm runs, on
-    SM90 (its kernels are built for it alone)."""
+    SM90 (its kernels are built for it alone), as a small product checked against the same one
+    dequantized shows once per GPU."""
     return (keeps_fp8(device, dtype) and torch.cuda.get_device_capability(device)[0] == 9
-            and hasattr(torch, "_scaled_grouped_mm"))
+            and hasattr(torch, "_scaled_grouped_mm")
+            and _grouped_product_checks_out(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def _grouped_product_checks_out(index: int) -> bool:
+    """Two experts of [128, 128], rows 5 and 27 (a segment not a multiple of 16), rowwise scales."""
+    device = torch.device("cuda", index)
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(32, 128, device=device, generator=g).bfloat16()
+    weight, scale = quantize_rows(torch.randn(2, 128, 128, device=device, generator=g))
+    xq, x_scale = quantize_rows(x)
+    ends = torch.tensor([5, 32], dtype=torch.int32, device=device)
+    want = torch.cat([(xq[a:b].float() * x_scale[a:b]) @ (weight[e].float() * scale[e]).T
+                      for e, (a, b) in enumerate(((0, 5), (5, 32)))])
+    try:
+        got = torch._scaled_grouped_mm(xq, weight.transpose(1, 2), x_scale.view(-1), scale.view(2, -1), offs=ends,
+                                       out_dtype=torch.bfloat16).float()
+    except RuntimeError:
+        return False
+    return bool(((got - want).abs() <= 0.02 * want.abs().max()).all())
 
 
 @torch.no_grad()

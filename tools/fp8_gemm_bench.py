@@ -1,0 +1,118 @@
+"""Which FP8 matrix product is fastest for a model's projections, batch size by batch size.
+
+For each projection of the model (qkv, o, gate_up, down) and each number of rows M, times from one
+CUDA graph, as the engine runs them (compiled, activations quantized as they come):
+
+- bf16: cuBLAS's bfloat16 product (the unquantized model);
+- fp8-row: Fp8Linear with a scale per row (`--quantization fp8`, per-channel checkpoints):
+  activations per token, torch._scaled_mm rowwise;
+- fp8-block: Fp8Linear with 128 x 128 block scales (block-wise checkpoints): activations per token
+  and group of 128, torch._scaled_mm's block recipe (where `block_gemm_runs` says it runs);
+- sgl-row, sgl-block: sgl_kernel's fp8_scaled_mm and fp8_blockwise_scaled_mm on the same operands,
+  where sgl_kernel is installed;
+- gemv (M = 1): flexsgl's matrix-vector kernel on the FP8 bytes with row scales.
+
+Every output is checked against float32 products of the same FP8 values (within 2% of its largest
+magnitude); a product that fails the check or raises is reported instead of timed. The last column
+names the fastest FP8 product. CUDA only.
+
+    python tools/fp8_gemm_bench.py --model qwen3-8b --rows 1,16,64,256,1024,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from flexsgl.bench.cuda_timing import graph_median_s  # noqa: E402
+from flexsgl.kernels import gemv  # noqa: E402
+from flexsgl.model.config import ModelConfig  # noqa: E402
+from flexsgl.model.presets import PRESETS  # noqa: E402
+from flexsgl.quant.fp8 import dequantize, quantize_blocks, quantize_groups, quantize_rows, quantize_tokens  # noqa: E402
+from flexsgl.quant.fp8_linear import BLOCK, Fp8Linear, block_gemm_runs  # noqa: E402
+
+
+def projections(cfg) -> dict[str, tuple[int, int]]:
+    h, d = cfg.hidden_size, cfg.head_dim
+    return {"qkv_proj": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), "o_proj": (h, cfg.num_heads * d),
+            "gate_up_proj": (2 * cfg.intermediate_size, h), "down_proj": (h, cfg.intermediate_size)}
+
+
+def candidates(w: torch.Tensor, block_runs: bool) -> dict[str, tuple]:
+    """name -> (product of x, the float32 weight it multiplies by, the activations' rounding)."""
+    n, k = w.shape
+    row = Fp8Linear(k, n, bias=False).cuda()
+    row.weight.data, row.weight_scale.data = quantize_rows(w)
+    row_w = dequantize(row.weight, row.weight_scale, "channel")
+    tokens = lambda x: (lambda q, s: q.float() * s)(*quantize_tokens(x))  # noqa: E731
+    out = {"bf16": (lambda x: F.linear(x, w), w.float(), lambda x: x.float()),
+           "fp8-row": (torch.compile(row, dynamic=False), row_w, tokens)}
+    blk = Fp8Linear(k, n, bias=False, block=BLOCK).cuda()
+    blk.weight.data, blk.weight_scale.data = quantize_blocks(w, BLOCK)
+    blk_w = dequantize(blk.weight, blk.weight_scale, "block", BLOCK)
+    groups = lambda x: (lambda q, s: (q.float().view(x.shape[0], -1, 128) * s[..., None]).view(x.shape))(  # noqa: E731
+        *quantize_groups(x, 128))
+    if block_runs:
+        out["fp8-block"] = (torch.compile(blk, dynamic=False), blk_w, groups)
+    try:
+        import sgl_kernel
+
+        quant_tokens = torch.compile(quantize_tokens, dynamic=False)
+        quant_groups = torch.compile(lambda x: quantize_groups(x, 128), dynamic=False)
+        out["sgl-row"] = (lambda x: sgl_kernel.fp8_scaled_mm(*(lambda q, s: (q, row.weight.t(), s, row.weight_scale))(
+            *quant_tokens(x)), torch.bfloat16), row_w, tokens)
+        out["sgl-block"] = (lambda x: sgl_kernel.fp8_blockwise_scaled_mm(*(lambda q, s: (
+            q, blk.weight.t(), s.t().contiguous().t(), blk.weight_scale.t()))(*quant_groups(x)), torch.bfloat16),
+            blk_w, groups)
+    except ImportError:
+        pass
+    out["gemv"] = (lambda x: gemv.linear(x, row, None), row_w, lambda x: x.float())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--rows", default="1,16,64,256,1024,4096", help="numbers of rows (tokens) M")
+    args = ap.parse_args()
+    cfg = ModelConfig.from_hf(PRESETS[args.model]["config"])
+    rows = [int(m) for m in args.rows.split(",")]
+    block_runs = block_gemm_runs(torch.device("cuda"), torch.bfloat16)
+    print(f"{args.model}: microseconds per product (CUDA graph), fp8 against bf16; 128 x 128 blocks "
+          f"{'run' if block_runs else 'do not run'} in torch._scaled_mm here")
+    for name, (n, k) in projections(cfg).items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        products = candidates(w, block_runs)
+        print(f"\n{name} [{n}, {k}]")
+        print(f"{'M':>6} " + " ".join(f"{p:>12}" for p in products) + "   fastest FP8")
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cells, best = [], None
+            for p, (fn, weight, rounded) in products.items():
+                if p == "gemv" and m != 1:
+                    cells.append(f"{'-':>12}")
+                    continue
+                try:
+                    got = fn(x).float()
+                    want = rounded(x) @ weight.T
+                    if (got - want).abs().max() > 0.02 * want.abs().max():
+                        cells.append(f"{'wrong':>12}")
+                        continue
+                    us = graph_median_s(lambda: fn(x), inner=10) * 1e6
+                except Exception as e:  # a kernel this machine or build lacks: say so, time the rest
+                    cells.append(f"{type(e).__name__[:12]:>12}")
+                    continue
+                cells.append(f"{us:12.1f}")
+                if p != "bf16" and (best is None or us < best[1]):
+                    best = (p, us)
+            print(f"{m:>6} " + " ".join(cells) + f"   {best[0] if best else '-'}")
+
+
+if __name__ == "__main__":
+    main()
