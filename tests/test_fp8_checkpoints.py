@@ -180,13 +180,14 @@ def test_block_wise_projections_kept_in_fp8_load_the_checkpoints_bits_and_block_
         hf = [f"{parent}.{p}.weight" for p in parts.get(leaf, [leaf])]
         rows = leaf in parts  # column-parallel: the rank's rows of each part; row-parallel: its columns
 
-        def mine(t, unit=1):
+        def mine(t):  # the rank's slice
             n = t.shape[0 if rows else 1] // size
             return t[rank * n:(rank + 1) * n] if rows else t[:, rank * n:(rank + 1) * n]
 
         want = torch.cat([mine(ckpt[h]) for h in hf])
         assert torch.equal(m.weight.view(torch.uint8), want.view(torch.uint8)), f"{name}, seed={seed}"
-        assert torch.equal(m.weight_scale, torch.cat([mine(ckpt[h + "_scale_inv"]) for h in hf])), f"{name}, seed={seed}"
+        scales = torch.cat([mine(ckpt[h + "_scale_inv"]) for h in hf])
+        assert torch.equal(m.weight_scale, scales), f"{name}, seed={seed}"
         torch.testing.assert_close(dequantize(m.weight, m.weight_scale, "block", (128, 128)),
                                    torch.cat([mine(ref[h]) for h in hf]), rtol=0, atol=0,
                                    msg=lambda e: f"{name}, seed={seed}: {e}")

@@ -12,7 +12,8 @@ A projection with FP8 weights (flexsgl/quant/fp8_linear.py Fp8Linear: float8_e4m
 scale per row or per 128 x 128 block) runs the same kernel at batch 1: it reads the FP8 bytes,
 widens them to float32 in registers, and multiplies each row's sum by its scale, or with block
 scales x by its row block's scale of each column block (a program's rows lie in one row block),
-with x as it is (bfloat16; at larger batches Fp8Linear quantizes activations for torch._scaled_mm). Its tiles are the bfloat16 ones
+with x as it is (bfloat16; at larger batches Fp8Linear quantizes activations for
+torch._scaled_mm). Its tiles are the bfloat16 ones
 in elements, so half the bytes: the float32 accumulator holds a register per element whatever the
 weight's width, and compiled for SM90 a 16 x 512 FP8 tile takes 237 registers a thread (bfloat16's
 208), where 16 x 1024 spills 2.8 KB a thread to the stack. So an FP8 tile keeps about half the

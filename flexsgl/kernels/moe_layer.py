@@ -58,7 +58,8 @@ def counters_size(hidden: int, slots: int) -> int:
 
 @functools.cache
 def _kernel():
-    global tl, route_task, wait_until_routed, normed_rows, gate_up_task, rows_times_acts, down_task  # module globals, where Triton looks for them
+    # module globals, where Triton looks for them
+    global tl, route_task, wait_until_routed, normed_rows, gate_up_task, rows_times_acts, down_task
     import triton
     import triton.language as tl
 

@@ -143,11 +143,12 @@ class Experts(nn.Module):
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
     def _gathered(self, x, experts, weights):
-        gate_up = torch.einsum("th,tkih->tki", x, gathered(self.gate_up_proj, self.gate_up_proj_scale, experts, x.dtype))
+        gate_up_w = gathered(self.gate_up_proj, self.gate_up_proj_scale, experts, x.dtype)
+        gate_up = torch.einsum("th,tkih->tki", x, gate_up_w)
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[experts]
-        out = torch.einsum("tki,tkhi->tkh", self.glu(gate_up), gathered(self.down_proj, self.down_proj_scale, experts,
-                                                                         x.dtype))
+        down_w = gathered(self.down_proj, self.down_proj_scale, experts, x.dtype)
+        out = torch.einsum("tki,tkhi->tkh", self.glu(gate_up), down_w)
         if self.down_proj_bias is not None:
             out = out + self.down_proj_bias[experts]
         return (out * weights.to(out.dtype)[..., None]).sum(1)
@@ -164,7 +165,8 @@ def grouped_product(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
                              out_dtype=a.dtype)
 
 
-def gathered(weight: torch.Tensor, scale: torch.Tensor | None, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def gathered(weight: torch.Tensor, scale: torch.Tensor | None, experts: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:
     """The stacked `weight` of each of `experts`, in `dtype` (FP8 weights dequantized by their `scale`)."""
     if scale is None:
         return weight[experts]

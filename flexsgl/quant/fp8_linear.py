@@ -56,7 +56,8 @@ def _block_product_checks_out(index: int) -> bool:
     x = torch.randn(32, 256, device=device, generator=g).bfloat16()
     weight, scale = quantize_blocks(torch.randn(256, 256, device=device, generator=g), BLOCK)
     xq, x_scale = quantize_groups(x, BLOCK[1])
-    want = (xq.float().view(32, 2, 128) * x_scale[..., None]).view(32, 256) @ dequantize(weight, scale, "block", BLOCK).T
+    x_rounded = (xq.float().view(32, 2, 128) * x_scale[..., None]).view(32, 256)
+    want = x_rounded @ dequantize(weight, scale, "block", BLOCK).T
     try:
         got = block_product(x, weight, scale, None).float()
     except RuntimeError:
@@ -64,7 +65,8 @@ def _block_product_checks_out(index: int) -> bool:
     return bool(((got - want).abs() <= 0.02 * want.abs().max()).all())
 
 
-def block_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def block_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
     """x `[M, K]` @ weight.T for an FP8 weight of 128 x 128 block `scale`, x quantized per token and
     group of 128 (torch._scaled_mm takes the groups' scales M-major)."""
     xq, x_scale = quantize_groups(x, BLOCK[1])
