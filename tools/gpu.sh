@@ -88,6 +88,9 @@
 #                  graphed), then bench throughput of the Qwen3-0.6B dummy with flex: bf16, FP8 weights
 #                  (--quantization fp8), FP8 KV (--kv-cache-dtype fp8_e4m3); and bench latency of the Qwen3-8B
 #                  dummy at batch 1, bf16 and --quantization fp8, with their floors (~500 s on a cold cache)
+#   fp8-tests      every FP8 GPU test in one run: Fp8Linear per row and per block, FP8 and block-wise checkpoints,
+#                  online fp8, the matrix-vector kernel on FP8 weights, FP8 experts (grouped and one-token), the
+#                  FP8 KV cache under flex and each override
 #   fp8-kv         the FP8 KV cache under each override (kernels against float64, engines against HF), then
 #                  bench throughput of the Qwen3-0.6B dummy with auto's SM90 backends named, bf16 and
 #                  --kv-cache-dtype fp8_e4m3
@@ -142,7 +145,7 @@ declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=4
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
                    [tp-tests]=580 [tp-exit]=580 [tp-allreduce]=200 [tp-memory]=500 [tp-bench]=590
                    [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480
-                   [serve-structured]=560 [fp8]=590 [fp8-kv]=580 [fp8-moe]=590 [fp8-agreement]=590 [fp8-gemm]=400)
+                   [serve-structured]=560 [fp8]=590 [fp8-kv]=580 [fp8-moe]=590 [fp8-agreement]=590 [fp8-gemm]=400 [fp8-tests]=560)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -172,6 +175,9 @@ for s in "${steps[@]}"; do
            timeout 100 "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 2 $q \
              --json "$OUT/fp8-latency${q//[ -]/_}.json" 2>&1 | grep -E "TPOT" | sed "s|^|latency ${q:-bf16}: |"
          done ;;
+    fp8-tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_fp8_gpu.py \
+                 tests/test_fp8_kv_cache.py tests/test_moe.py tests/test_gemv.py tests/test_gpu_overrides.py \
+                 tests/test_triton_decode.py -k "fp8 or FP8 or block or overrides_read" ;;
     fp8-kv) timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu_overrides.py \
               tests/test_triton_decode.py tests/test_fp8_kv_cache.py -k "fp8 or overrides_read"
          for q in "" "--kv-cache-dtype fp8_e4m3"; do  # auto's SM90 backends, named (auto takes flex for FP8)
