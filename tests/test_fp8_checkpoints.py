@@ -60,6 +60,19 @@ def check_matches_hf(dst, ref, monkeypatch, seed, steps=STEPS):
         assert_matches_hf(hf, prompt, outs[i], seen, f"prompt {i} (len {len(prompt)}), seed={seed}")
 
 
+def check_two_prompts(tmp_path, monkeypatch, seed):
+    """The FP8 checkpoint at tmp_path/fp8 on the CPU, a one-token prompt and then a 9-token one (so
+    one-token steps and a prefill): 8 greedy tokens of each and their logits against HF's on the
+    weights it stands for (tmp_path/ref)."""
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32, attn_implementation="eager").eval()
+    rng = random.Random(seed)
+    llm = LLM(str(tmp_path / "fp8"), device="cpu", page_size=16)
+    seen = capture_logits(llm, monkeypatch)
+    for prompt in ([rng.randrange(320)], [rng.randrange(320) for _ in range(9)]):
+        out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
+        assert_matches_hf(hf, prompt, out, seen, f"prompt of {len(prompt)}, seed={seed}")
+
+
 @pytest.mark.parametrize("arch, fmt, ignore", [
     ("qwen3", "block", ["model.layers.1.mlp.down_proj"]),
     ("llama", "channel", ["model.layers.0.self_attn.o_proj"]),
@@ -211,29 +224,26 @@ def test_block_wise_fp8_projections_run_and_match_hf(tmp_path, monkeypatch):
     blocks = []
     monkeypatch.setattr(gemv, "launch", lambda *a, f=gemv.launch, **k: blocks.append(
         k.get("scale") is not None and k["scale"].dim() == 2) or f(*a, **k))
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32, attn_implementation="eager").eval()
-    rng = random.Random(seed)
-    llm = LLM(str(tmp_path / "fp8"), device="cpu", page_size=16)
-    seen = capture_logits(llm, monkeypatch)
-    for prompt in ([rng.randrange(320)], [rng.randrange(320) for _ in range(9)]):
-        out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
-        assert_matches_hf(hf, prompt, out, seen, f"prompt of {len(prompt)}, seed={seed}")
+    check_two_prompts(tmp_path, monkeypatch, seed)
     assert sum(blocks) == (8 + 7) * 2 * 4, f"block-scaled launches: {sum(blocks)}, seed={seed}"  # 2 layers, 4 each
 
 
+@pytest.mark.parametrize("fmt", ["channel", "block"])
 @pytest.mark.parametrize("rank,size", [(0, 1), (0, 2), (1, 2)])
-def test_experts_kept_in_fp8_load_the_checkpoints_bits_and_row_scales(tmp_path, monkeypatch, rank, size):
-    """Where FP8 grouped products run (forced here on the CPU, which runs no forward), a per-channel
-    Qwen3-MoE checkpoint's routed experts stay FP8, stacked: each expert's gate and up rows (at two
-    ranks, the rank's half of each) and its down rows (every row, the rank's columns) hold the
-    checkpoint's FP8 values, and weight x scale is the float32 weight they stand for, exactly."""
+def test_experts_kept_in_fp8_load_the_checkpoints_bits_and_scales(tmp_path, monkeypatch, rank, size, fmt):
+    """Where FP8 expert products run (forced here on the CPU, which runs no forward), a per-channel or
+    block-wise (16 x 16) Qwen3-MoE checkpoint's routed experts stay FP8, stacked: each expert's gate
+    and up rows (at two ranks, the rank's half of each) and its down rows (every row, the rank's
+    columns) hold the checkpoint's FP8 values, their scales the checkpoint's per row or those blocks'
+    of them, and weight x scale is the float32 weight they stand for, exactly."""
     import flexsgl.model.loader as loader
     from flexsgl.model.source import resolve
+    from flexsgl.quant.fp8 import dequantize
     from tests.test_qwen3_moe import make_qwen3_moe
 
     seed = random.randrange(2**31)
     make_qwen3_moe(tmp_path / "src", seed)
-    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "channel")
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", fmt, block=(16, 16))
     monkeypatch.setattr(loader, "keeps_fp8", lambda *a: True)
     monkeypatch.setattr(loader, "keeps_fp8_experts", lambda *a: True)
     model = loader.build_model(resolve(str(tmp_path / "fp8")), torch.device("cpu"), torch.bfloat16, rank=rank,
@@ -242,18 +252,48 @@ def test_experts_kept_in_fp8_load_the_checkpoints_bits_and_row_scales(tmp_path, 
     experts = {name: m for name, m in model.named_modules() if hasattr(m, "hold_fp8")}
     assert sorted(experts) == ["model.layers.0.mlp.experts", "model.layers.2.mlp.experts"], f"seed={seed}"
     units = slice(rank * 32 // size, (rank + 1) * 32 // size)  # the rank's intermediate units of 32
+    blocks = slice(units.start // 16, units.stop // 16)
     for name, m in experts.items():
         assert m.gate_up_proj.dtype == m.down_proj.dtype == torch.float8_e4m3fn, name
+        assert m.fp8_block == ((16, 16) if fmt == "block" else None), name
         for e in range(6):
             gate_up = [f"{name}.{e}.{p}.weight" for p in ("gate_proj", "up_proj")]
             down = f"{name}.{e}.down_proj.weight"
-            for got, scale, want, want_ref in (
+            for got, scale, want, want_ref, rows in (
                     (m.gate_up_proj[e], m.gate_up_proj_scale[e], torch.cat([ckpt[h][units] for h in gate_up]),
-                     torch.cat([ref[h][units] for h in gate_up])),
-                    (m.down_proj[e], m.down_proj_scale[e], ckpt[down][:, units], ref[down][:, units])):
+                     torch.cat([ref[h][units] for h in gate_up]), [(h, blocks, slice(None)) for h in gate_up]),
+                    (m.down_proj[e], m.down_proj_scale[e], ckpt[down][:, units], ref[down][:, units],
+                     [(down, slice(None), blocks)])):
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{name}[{e}], seed={seed}"
-                torch.testing.assert_close(got.float() * scale, want_ref, rtol=0, atol=0,
+                if fmt == "block":
+                    assert torch.equal(scale, torch.cat([ckpt[h + "_scale_inv"][r, c] for h, r, c in rows]))
+                    got = dequantize(got, scale, "block", (16, 16))
+                else:
+                    got = got.float() * scale
+                torch.testing.assert_close(got, want_ref, rtol=0, atol=0,
                                            msg=lambda err: f"{name}[{e}], seed={seed}: {err}")
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_block_wise_fp8_experts_run_the_block_kernel_and_match_hf(tmp_path, monkeypatch):
+    """A block-wise Qwen3-MoE checkpoint (16 x 16 blocks) with its experts kept in FP8, as on a GPU
+    through the block kernel (here Triton's interpreter, in float32), prefill and one-token steps:
+    8 greedy tokens of each prompt equal HF's on the weights the checkpoint stands for, logits
+    within 1e-4."""
+    import flexsgl.model.loader as loader
+    import flexsgl.model.moe as moe_module
+    from flexsgl.kernels import block_fp8_experts
+    from tests.test_qwen3_moe import make_qwen3_moe
+
+    seed = random.randrange(2**31)
+    make_qwen3_moe(tmp_path / "src", seed)
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "block", block=(16, 16))
+    monkeypatch.setattr(loader, "keeps_fp8_experts", lambda *a: True)
+    monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda *a: True)
+    launched = []
+    monkeypatch.setattr(block_fp8_experts, "launch", lambda *a, f=block_fp8_experts.launch: launched.append(1) or f(*a))
+    check_two_prompts(tmp_path, monkeypatch, seed)
+    assert len(launched) == 2 * 2 * 8 * 2, f"block kernel launches: {len(launched)}, seed={seed}"
 
 
 @pytest.mark.usefixtures("triton_interpreter")

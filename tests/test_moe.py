@@ -18,19 +18,20 @@ from tests.fp8_checkpoints import quantize
 HIDDEN = 32
 
 
-def hold_fp8(m: MoE) -> MoE:
-    """Quantize m's routed experts to FP8 per row (tests/fp8_checkpoints.py, not flexsgl.quant) and
-    have m hold them; returns a copy of m whose experts hold, unquantized, the float32 weights the
-    FP8 ones stand for (the reference's)."""
+def hold_fp8(m: MoE, block: tuple[int, int] | None = None) -> MoE:
+    """Quantize m's routed experts to FP8 per row, or per `block` (tests/fp8_checkpoints.py, not
+    flexsgl.quant) and have m hold them; returns a copy of m whose experts hold, unquantized, the
+    float32 weights the FP8 ones stand for (the reference's)."""
     ref = copy.deepcopy(m)
     ref.experts.float()
     held = []
     for name in ("gate_up_proj", "down_proj"):
         w = getattr(m.experts, name).data
-        q, scale, deq = zip(*(quantize(w[e].float(), "channel") for e in range(w.shape[0])))
+        q, scale, deq = zip(*(quantize(w[e].float(), "block" if block else "channel", block)
+                              for e in range(w.shape[0])))
         getattr(ref.experts, name).data.copy_(torch.stack(deq))
         held += [torch.stack(q).to(w.device), torch.stack(scale).to(w.device)]
-    m.experts.hold_fp8(*held)
+    m.experts.hold_fp8(*held, block)
     return ref
 
 
@@ -76,10 +77,10 @@ def reference(m: MoE, x: torch.Tensor, norm: RMSNorm, with_scale: bool = False, 
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("method,norm_topk,shared,fp8", [
     ("greedy", False, 2, False), ("group_limited_greedy", False, 1, False), ("greedy", True, 0, False),
-    ("greedy", False, 2, True), ("greedy", True, 0, True)])
+    ("greedy", False, 2, "rows"), ("greedy", True, 0, "rows"), ("greedy", False, 1, "blocks")])
 def test_moe_matches_a_per_token_loop(monkeypatch, grouped, method, norm_topk, shared, fp8):
-    """fp8: the routed experts held in FP8 with a scale per row (on the CPU each pair's weights are
-    dequantized as gathered, grouped or not) against the loop on the float32 weights they stand for."""
+    """fp8: the routed experts held in FP8 with a scale per row or per 16 x 16 block (on the CPU each
+    pair's weights are dequantized as gathered) against the loop on the float32 weights they stand for."""
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     cfg = MoEConfig(n_routed_experts=8, n_shared_experts=shared, top_k=3, intermediate_size=16,
@@ -90,9 +91,9 @@ def test_moe_matches_a_per_token_loop(monkeypatch, grouped, method, norm_topk, s
         torch.nn.init.normal_(p, std=0.3)
     norm = RMSNorm(HIDDEN, 1e-6)
     norm.weight.data.uniform_(0.5, 1.5)
-    ref_m = hold_fp8(m) if fp8 else m
+    ref_m = hold_fp8(m, (16, 16) if fp8 == "blocks" else None) if fp8 else m
     if not grouped:
-        monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda x, w, sm90: False)
+        monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda *a: False)
     x = torch.randn(11, HIDDEN)  # more tokens than experts: some experts take several, some none
     with torch.no_grad():
         ours = m(x, norm, residual=x)
@@ -128,7 +129,7 @@ def test_fp8_grouped_products_take_torchs_arguments(monkeypatch):
     """The FP8 grouped path on the CPU, its torch._scaled_grouped_mm emulated (after torch's own checks
     of the arguments): 300 tokens match the loop with the routed experts' inputs rounded to FP8."""
     monkeypatch.setattr(moe_module, "SCALED_GROUPED_MM", emulated_scaled_grouped_mm)
-    monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda x, w, sm90: True)
+    monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda *a: True)
     check_bf16_moe(300, torch.device("cpu"), lambda m: m, fp8=True)
 
 

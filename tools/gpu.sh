@@ -89,7 +89,7 @@
 #                  (--quantization fp8), FP8 KV (--kv-cache-dtype fp8_e4m3); and bench latency of the Qwen3-8B
 #                  dummy at batch 1, bf16 and --quantization fp8, with their floors (~500 s on a cold cache)
 #   fp8-tests      every FP8 GPU test in one run: Fp8Linear per row and per block, FP8 and block-wise checkpoints,
-#                  online fp8, the matrix-vector kernel on FP8 weights, FP8 experts (grouped and one-token), the
+#                  online fp8, the matrix-vector kernel on FP8 weights, FP8 experts (grouped, one-token, block), the
 #                  FP8 KV cache under flex and each override
 #   fp8-kv         the FP8 KV cache under each override (kernels against float64, engines against HF), then
 #                  bench throughput of the Qwen3-0.6B dummy with auto's SM90 backends named, bf16 and
@@ -177,7 +177,7 @@ for s in "${steps[@]}"; do
          done ;;
     fp8-tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_fp8_gpu.py \
                  tests/test_fp8_kv_cache.py tests/test_moe.py tests/test_gemv.py tests/test_gpu_overrides.py \
-                 tests/test_triton_decode.py -k "fp8 or FP8 or block or overrides_read" ;;
+                 tests/test_triton_decode.py tests/test_block_fp8_experts.py -k "fp8 or FP8 or block or overrides_read" ;;
     fp8-kv) timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu_overrides.py \
               tests/test_triton_decode.py tests/test_fp8_kv_cache.py -k "fp8 or overrides_read"
          for q in "" "--kv-cache-dtype fp8_e4m3"; do  # auto's SM90 backends, named (auto takes flex for FP8)

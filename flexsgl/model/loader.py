@@ -50,12 +50,13 @@ def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed
     with torch.device("meta"), no_init():  # values come from loading alone (empty_init.py)
         model = cls(cfg)
         full = model if size == 1 else cls(src.config)  # the whole model's shapes and weight loaders
-        if cfg.quant is not None and files and keeps_fp8(device, dtype, cfg.quant.block):
+        if cfg.quant is not None and files:
             block = cfg.quant.block
-            kept = keep_fp8(model, fp8_parameters(model, read_headers(files)),
-                            block is None and keeps_fp8_experts(device, dtype), block,
-                            lambda linear: block_loader(weight_loader(linear.weight), block) is not None)
-            logger.info(f"FP8: {len(kept)} projections and experts keep FP8 weights")
+            keep = keeps_fp8(device, dtype, block), keeps_fp8_experts(device, dtype, block)
+            if any(keep):
+                kept = keep_fp8(model, fp8_parameters(model, read_headers(files)), *keep, block,
+                                lambda linear: block_loader(weight_loader(linear.weight), block) is not None)
+                logger.info(f"FP8: {len(kept)} projections and experts keep FP8 weights")
     model.materialize(device, dtype)
     if src.load_format == "dummy":
         init_dummy_weights(model, seed, full)

@@ -25,11 +25,14 @@ and projection, added to each pair's products, and a subclass may change the gat
 (`glu`; GPT-OSS's clamped SwiGLU, flexsgl/model/gpt_oss.py).
 
 Experts may hold their stacked weights in FP8 (float8_e4m3fn) with one float32 scale per row,
-`gate_up_proj_scale [E, 2I, 1]` and `down_proj_scale [E, H, 1]` (`hold_fp8`; which experts do is
-flexsgl/quant/apply.py's choice). On an SM90 GPU the grouped products then run as
+`gate_up_proj_scale [E, 2I, 1]` and `down_proj_scale [E, H, 1]`, or per block of a block-wise
+checkpoint, `[E, 2I / bn, H / bk]` and `[E, H / bn, I / bk]` (`hold_fp8`; which experts do is
+flexsgl/quant/apply.py's choice). With scales per row on an SM90 GPU the grouped products run as
 `torch._scaled_grouped_mm`, the rows quantized per token as they come, as Fp8Linear's are
-(flexsgl/quant/fp8_linear.py); the one-token launch reads the FP8 bytes and scales each row's sum;
-elsewhere each pair's expert weights are dequantized as they are gathered.
+(flexsgl/quant/fp8_linear.py), and the one-token launch reads the FP8 bytes and scales each row's
+sum; with block scales, at any number of tokens on a GPU, flexsgl/kernels/block_fp8_experts.py's
+grouped kernel multiplies the activations as they are by the widened FP8 weights, block by block.
+Elsewhere each pair's expert weights are dequantized as they are gathered.
 
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension (and
 of the shared experts'), routes every token alike with the replicated router, and computes a
@@ -47,11 +50,11 @@ from torch import nn
 
 from flexsgl.distributed.allreduce import all_reduce
 from flexsgl.distributed.group import first_rank
-from flexsgl.kernels import gemv, moe_layer
+from flexsgl.kernels import block_fp8_experts, gemv, moe_layer
 from flexsgl.model.layers import GatedMLP
 from flexsgl.model.mla_config import MoEConfig
 from flexsgl.model.weight_loaders import StackedExperts
-from flexsgl.quant.fp8 import FP8, quantize_tokens
+from flexsgl.quant.fp8 import FP8, dequantize, quantize_tokens
 
 # One expert's projection in a checkpoint with one tensor per expert: `...mlp.experts.<e>.<proj>.weight`
 EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -79,7 +82,7 @@ SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)
 class Experts(nn.Module):
     """Stacked routed experts: gate_up_proj `[E, 2I, H]` (gate rows, then up rows), down_proj `[E, H, I]`
     and, with `bias`, gate_up_proj_bias `[E, 2I]` and down_proj_bias `[E, H]`; held in FP8, also
-    their scales per row, gate_up_proj_scale `[E, 2I, 1]` and down_proj_scale `[E, H, 1]`."""
+    their scales per row or per `fp8_block`, gate_up_proj_scale and down_proj_scale (module docstring)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, bias: bool = False):
         super().__init__()
@@ -94,16 +97,20 @@ class Experts(nn.Module):
             self.gate_up_proj_bias.weight_loader = StackedExperts(num_experts, halves=2)
             self.down_proj_bias.weight_loader = StackedExperts(num_experts, halves=1)
         self.gate_up_proj_scale = self.down_proj_scale = None
+        self.fp8_block = None  # the scales' blocks (rows, columns), None for scales per row
         self.sm90 = False  # on an SM90+ GPU: set once by `place`, outside compiled code
 
     def hold_fp8(self, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
-                 down_scale: torch.Tensor) -> None:
+                 down_scale: torch.Tensor, block: tuple[int, int] | None = None) -> None:
         """Hold the FP8 weights `gate_up` and `down` (of the stacked weights' shapes, on the meta device
-        before allocation or on the model's) with their float32 scales per row `[E, rows, 1]`, in place
-        of the stacked weights, whose weight loaders they keep."""
+        before allocation or on the model's) with their float32 scales, per row `[E, rows, 1]` or per
+        `block` `[E, rows / bn, cols / bk]`, in place of the stacked weights, whose weight loaders they keep."""
+        self.fp8_block = block
         for name, weight, scale in (("gate_up_proj", gate_up, gate_up_scale), ("down_proj", down, down_scale)):
             old = getattr(self, name)
-            assert weight.dtype == FP8 and weight.shape == old.shape and scale.shape == (*old.shape[:2], 1)
+            e, n, k = old.shape
+            want = (e, n, 1) if block is None else (e, -(-n // block[0]), -(-k // block[1]))
+            assert weight.dtype == FP8 and weight.shape == old.shape and tuple(scale.shape) == want
             new, new_scale = nn.Parameter(weight, requires_grad=False), nn.Parameter(scale, requires_grad=False)
             new.keep_dtype = new_scale.keep_dtype = True  # allocate() keeps FP8 and float32
             if hasattr(old, "weight_loader"):
@@ -122,7 +129,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k] -> sum over k of weight * expert(x), [T, H]."""
-        if grouped_mm_runs(x, self.down_proj, self.sm90):
+        if grouped_mm_runs(x, self.down_proj, self.sm90, self.fp8_block):
             return self._grouped(x, experts, weights)
         return self._gathered(x, experts, weights)
 
@@ -133,49 +140,57 @@ class Experts(nn.Module):
         by_expert = flat[order]
         ends = torch.searchsorted(by_expert, torch.arange(self.down_proj.shape[0], device=x.device),
                                   right=True).to(torch.int32)  # where each expert's segment ends
-        gate_up = grouped_product(x[order // k], self.gate_up_proj, self.gate_up_proj_scale, ends)
+        gate_up = grouped_product(x[order // k], self.gate_up_proj, self.gate_up_proj_scale, ends, self.fp8_block)
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[by_expert]
-        out = grouped_product(self.glu(gate_up), self.down_proj, self.down_proj_scale, ends)
+        out = grouped_product(self.glu(gate_up), self.down_proj, self.down_proj_scale, ends, self.fp8_block)
         if self.down_proj_bias is not None:
             out = out + self.down_proj_bias[by_expert]
         out = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # back to (token, slot) order
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
     def _gathered(self, x, experts, weights):
-        gate_up_w = gathered(self.gate_up_proj, self.gate_up_proj_scale, experts, x.dtype)
+        gate_up_w = gathered(self.gate_up_proj, self.gate_up_proj_scale, experts, x.dtype, self.fp8_block)
         gate_up = torch.einsum("th,tkih->tki", x, gate_up_w)
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + self.gate_up_proj_bias[experts]
-        down_w = gathered(self.down_proj, self.down_proj_scale, experts, x.dtype)
+        down_w = gathered(self.down_proj, self.down_proj_scale, experts, x.dtype, self.fp8_block)
         out = torch.einsum("tki,tkhi->tkh", self.glu(gate_up), down_w)
         if self.down_proj_bias is not None:
             out = out + self.down_proj_bias[experts]
         return (out * weights.to(out.dtype)[..., None]).sum(1)
 
 
-def grouped_product(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                    ends: torch.Tensor) -> torch.Tensor:
+def grouped_product(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, ends: torch.Tensor,
+                    block: tuple[int, int] | None = None) -> torch.Tensor:
     """a @ weight[e].T for the rows of each expert e's segment (`ends`: where each ends); FP8
-    weights with their `scale` per row multiply with a's rows quantized per token."""
+    weights with their `scale` per row multiply with a's rows quantized per token, those with a
+    scale per `block` with a as it is."""
     if scale is None:
         return GROUPED_MM(a, weight.transpose(1, 2), offs=ends)
+    if block is not None:
+        return block_fp8_experts.block_fp8_experts(a, weight, scale, ends)  # the custom op
     aq, a_scale = quantize_tokens(a)
     return SCALED_GROUPED_MM(aq, weight.transpose(1, 2), a_scale.view(-1), scale.view(scale.shape[0], -1), offs=ends,
                              out_dtype=a.dtype)
 
 
-def gathered(weight: torch.Tensor, scale: torch.Tensor | None, experts: torch.Tensor,
-             dtype: torch.dtype) -> torch.Tensor:
-    """The stacked `weight` of each of `experts`, in `dtype` (FP8 weights dequantized by their `scale`)."""
+def gathered(weight: torch.Tensor, scale: torch.Tensor | None, experts: torch.Tensor, dtype: torch.dtype,
+             block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The stacked `weight` of each of `experts`, in `dtype` (FP8 weights dequantized by their `scale`,
+    per row or per `block`)."""
     if scale is None:
         return weight[experts]
+    if block is not None:
+        return dequantize(weight[experts], scale[experts], "block", block).to(dtype)
     return (weight[experts].float() * scale[experts]).to(dtype)
 
 
-def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, sm90: bool) -> bool:
-    """Whether torch's grouped_mm (for FP8 weights, its scaled form) takes these operands here (see
-    the module docstring)."""
+def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, sm90: bool, block: tuple[int, int] | None = None) -> bool:
+    """Whether torch's grouped_mm (for FP8 weights, its scaled form, or with `block` scales
+    flexsgl's kernel) takes these operands here (see the module docstring)."""
+    if weight.dtype == FP8 and block is not None:
+        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     if weight.dtype == FP8:  # operands of one byte an element: every dimension a multiple of 16
         return (SCALED_GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and sm90
                 and all(n % 16 == 0 for n in weight.shape[1:]))
@@ -235,7 +250,7 @@ class MoE(nn.Module):
 
     def partial(self, x: torch.Tensor, norm, residual: torch.Tensor | None) -> torch.Tensor:
         """residual + this rank's part of moe(norm(x)) (all of it with one rank); residual None: none."""
-        if gemv.applies(x, self.experts.down_proj):
+        if gemv.applies(x, self.experts.down_proj) and self.experts.fp8_block is None:
             return self.one_token(x, norm, torch.zeros_like(x) if residual is None else residual)
         h = norm(x)
         experts, weights = self.route(h)

@@ -126,9 +126,10 @@ def row_loader(loader: WeightLoader) -> WeightLoader:
 
 def block_loader(loader: WeightLoader, block: tuple[int, int]) -> WeightLoader | None:
     """The loader of a parameter holding one entry per `block` (rows, columns) of the parameter
-    `loader` fills (a block-wise FP8 weight's scales, `[N / bn, K / bk]`): its parts and this rank's
-    pieces in blocks, or None where one of them does not start and end on a block's edge."""
-    if isinstance(loader, Whole):
+    `loader` fills (a block-wise FP8 weight's scales, `[N / bn, K / bk]`; stacked experts'
+    `[E, N / bn, K / bk]`, which split as their weights do): its parts and this rank's pieces in
+    blocks, or None where one of them does not start and end on a block's edge."""
+    if isinstance(loader, (Whole, StackedExperts)):
         return loader
     if not isinstance(loader, Parts):
         return None

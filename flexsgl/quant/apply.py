@@ -4,7 +4,8 @@ FP8 matrix products, and `--quantization fp8`, which quantizes an unquantized ch
 The projections are the attention's and the dense MLPs' linear layers (`qkv_proj`, `o_proj`,
 `gate_up_proj`, `down_proj`, and DeepSeek-V2's `qkv_a_proj` and `q_b_proj`); kept, each becomes an
 Fp8Linear. The routed experts (flexsgl/model/moe.py Experts: the modules with `hold_fp8`) keep
-their stacked weights in FP8, one scale per row, where torch._scaled_grouped_mm runs (SM90). Not
+their stacked weights in FP8: one scale per row where torch._scaled_grouped_mm runs (SM90), and a
+block-wise checkpoint's block scales on GPUs with FP8 products (flexsgl/kernels/block_fp8_experts.py). Not
 quantized: the embedding and the LM head, MoE routers, the shared experts (the one-token MoE kernel
 reads them in the model's dtype), and MLA's `kv_b_proj` (whose weight attention reads per head);
 FP8 checkpoint tensors of those are dequantized as they load.
@@ -20,6 +21,7 @@ from torch import nn
 from flexsgl.distributed.group import all_reduce_max_
 from flexsgl.distributed.layers import ROW_PARALLEL
 from flexsgl.quant.fp8 import FP8, dequantize, quantize_rows
+from flexsgl.kernels import block_fp8_experts
 from flexsgl.quant.fp8_linear import ALIGN, Fp8Linear, block_gemm_runs, fits, fp8_gemm_runs
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "qkv_a_proj", "q_b_proj")
@@ -37,9 +39,16 @@ def experts(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if hasattr(m, "hold_fp8")}
 
 
-def experts_fit(m: nn.Module) -> bool:
-    """Whether experts `m`'s shapes suit torch._scaled_grouped_mm (every dimension a multiple of 16)."""
-    return all(n % ALIGN == 0 for n in (*m.gate_up_proj.shape[1:], *m.down_proj.shape[1:]))
+def experts_fit(m: nn.Module, block: tuple[int, int] | None = None) -> bool:
+    """Whether experts `m`'s shapes (this rank's) suit torch._scaled_grouped_mm (every dimension a
+    multiple of 16), or with `block` scales the block kernel: gate's and up's rows, down's rows and
+    every projection's columns whole blocks."""
+    (_, two_i, h), (_, _, i) = m.gate_up_proj.shape, m.down_proj.shape
+    if block is not None:
+        bn, bk = block
+        return block_fp8_experts.runs(block) and (two_i // 2) % bn == 0 and h % bn == 0 and h % bk == 0 \
+            and i % bk == 0
+    return all(n % ALIGN == 0 for n in (two_i, h, i))
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -47,24 +56,25 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent), leaf, new)
 
 
-def keep_fp8(model: nn.Module, fp8_weights: set[str], with_experts: bool, block: tuple[int, int] | None = None,
-             whole_blocks=lambda linear: True) -> list[str]:
+def keep_fp8(model: nn.Module, fp8_weights: set[str], with_projections: bool, with_experts: bool,
+             block: tuple[int, int] | None = None, whole_blocks=lambda linear: True) -> list[str]:
     """Make Fp8Linears (on the meta device, before allocation) of the projections whose weight the
     checkpoint holds wholly in FP8 (`fp8_weights`: parameter names) and whose shape suits the FP8
-    product, and with `with_experts` hold such experts' weights in FP8; returns their names. Their
-    checkpoint tensors then load as they are, scales and all. block: the checkpoint's weight blocks
-    (None: a scale per row), which a projection keeps where `whole_blocks(linear)` (its fused parts
-    and this rank's pieces of them are whole blocks)."""
+    product, and hold such experts' weights in FP8, as `with_projections` and `with_experts` say;
+    returns their names. Their checkpoint tensors then load as they are, scales and all. block: the
+    checkpoint's weight blocks (None: a scale per row), which a projection keeps where
+    `whole_blocks(linear)` (its fused parts and this rank's pieces of them are whole blocks)."""
     kept = []
-    for name, linear in projections(model).items():
+    for name, linear in projections(model).items() if with_projections else ():
         if f"{name}.weight" in fp8_weights and fits(linear, block) and (block is None or whole_blocks(linear)):
             _swap(model, name, Fp8Linear.replacing(linear, block))
             kept.append(name)
     for name, m in experts(model).items() if with_experts else ():
-        if {f"{name}.gate_up_proj", f"{name}.down_proj"} <= fp8_weights and experts_fit(m):
-            gate_up, down = m.gate_up_proj.shape, m.down_proj.shape
-            m.hold_fp8(torch.empty(gate_up, dtype=FP8), torch.empty(*gate_up[:2], 1),
-                       torch.empty(down, dtype=FP8), torch.empty(*down[:2], 1))
+        if {f"{name}.gate_up_proj", f"{name}.down_proj"} <= fp8_weights and experts_fit(m, block):
+            scales = [(*p.shape[:2], 1) if block is None else (p.shape[0], p.shape[1] // block[0], p.shape[2] // block[1])
+                      for p in (m.gate_up_proj, m.down_proj)]
+            m.hold_fp8(torch.empty(m.gate_up_proj.shape, dtype=FP8), torch.empty(scales[0]),
+                       torch.empty(m.down_proj.shape, dtype=FP8), torch.empty(scales[1]), block)
             kept.append(name)
     return kept
 
@@ -75,10 +85,13 @@ def keeps_fp8(device: torch.device, dtype: torch.dtype, block: tuple[int, int] |
     return fp8_gemm_runs(device, dtype) and (block is None or block_gemm_runs(device, dtype))
 
 
-def keeps_fp8_experts(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether routed experts' FP8 weights stay FP8 here: where torch._scaled_grouped_mm runs, on
-    SM90 (its kernels are built for it alone), as a small product checked against the same one
+def keeps_fp8_experts(device: torch.device, dtype: torch.dtype, block: tuple[int, int] | None = None) -> bool:
+    """Whether routed experts' FP8 weights stay FP8 here: with `block` scales on a GPU with FP8
+    products (flexsgl's kernel); with scales per row where torch._scaled_grouped_mm runs, on SM90
+    (its kernels are built for it alone), as a small product checked against the same one
     dequantized shows once per GPU."""
+    if block is not None:
+        return fp8_gemm_runs(device, dtype)
     return (keeps_fp8(device, dtype) and torch.cuda.get_device_capability(device)[0] == 9
             and hasattr(torch, "_scaled_grouped_mm")
             and _grouped_product_checks_out(device.index if device.index is not None else torch.cuda.current_device()))
