@@ -145,7 +145,8 @@ declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=4
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
                    [tp-tests]=580 [tp-exit]=580 [tp-allreduce]=200 [tp-memory]=500 [tp-bench]=590
                    [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480
-                   [serve-structured]=560 [fp8]=590 [fp8-kv]=580 [fp8-moe]=590 [fp8-agreement]=590 [fp8-gemm]=400 [fp8-tests]=560)
+                   [serve-structured]=560 [fp8]=590 [fp8-kv]=580 [fp8-moe]=590 [fp8-agreement]=590 [fp8-gemm]=400
+                   [fp8-tests]=560)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -177,7 +178,8 @@ for s in "${steps[@]}"; do
          done ;;
     fp8-tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_fp8_gpu.py \
                  tests/test_fp8_kv_cache.py tests/test_moe.py tests/test_gemv.py tests/test_gpu_overrides.py \
-                 tests/test_triton_decode.py tests/test_block_fp8_experts.py -k "fp8 or FP8 or block or overrides_read" ;;
+                 tests/test_triton_decode.py tests/test_block_fp8_experts.py \
+                 -k "fp8 or FP8 or block or overrides_read" ;;
     fp8-kv) timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu_overrides.py \
               tests/test_triton_decode.py tests/test_fp8_kv_cache.py -k "fp8 or overrides_read"
          for q in "" "--kv-cache-dtype fp8_e4m3"; do  # auto's SM90 backends, named (auto takes flex for FP8)

@@ -20,8 +20,8 @@ from torch import nn
 
 from flexsgl.distributed.group import all_reduce_max_
 from flexsgl.distributed.layers import ROW_PARALLEL
-from flexsgl.quant.fp8 import FP8, dequantize, quantize_rows
 from flexsgl.kernels import block_fp8_experts
+from flexsgl.quant.fp8 import FP8, dequantize, quantize_rows
 from flexsgl.quant.fp8_linear import ALIGN, Fp8Linear, block_gemm_runs, fits, fp8_gemm_runs
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "qkv_a_proj", "q_b_proj")
@@ -71,8 +71,8 @@ def keep_fp8(model: nn.Module, fp8_weights: set[str], with_projections: bool, wi
             kept.append(name)
     for name, m in experts(model).items() if with_experts else ():
         if {f"{name}.gate_up_proj", f"{name}.down_proj"} <= fp8_weights and experts_fit(m, block):
-            scales = [(*p.shape[:2], 1) if block is None else (p.shape[0], p.shape[1] // block[0], p.shape[2] // block[1])
-                      for p in (m.gate_up_proj, m.down_proj)]
+            scales = [(e, n, 1) if block is None else (e, n // block[0], k // block[1])
+                      for e, n, k in (m.gate_up_proj.shape, m.down_proj.shape)]
             m.hold_fp8(torch.empty(m.gate_up_proj.shape, dtype=FP8), torch.empty(scales[0]),
                        torch.empty(m.down_proj.shape, dtype=FP8), torch.empty(scales[1]), block)
             kept.append(name)
