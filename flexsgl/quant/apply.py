@@ -22,7 +22,7 @@ from flexsgl.distributed.group import all_reduce_max_
 from flexsgl.distributed.layers import ROW_PARALLEL
 from flexsgl.kernels import block_fp8_experts
 from flexsgl.quant.fp8 import FP8, dequantize, quantize_rows
-from flexsgl.quant.fp8_linear import ALIGN, Fp8Linear, block_gemm_runs, fits, fp8_gemm_runs
+from flexsgl.quant.fp8_linear import ALIGN, Fp8Linear, block_gemm_runs, checks_out, cuda_index, fits, fp8_gemm_runs
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "qkv_a_proj", "q_b_proj")
 QUANTIZATIONS = ("fp8",)  # what --quantization takes
@@ -93,8 +93,7 @@ def keeps_fp8_experts(device: torch.device, dtype: torch.dtype, block: tuple[int
     if block is not None:
         return fp8_gemm_runs(device, dtype)
     return (keeps_fp8(device, dtype) and torch.cuda.get_device_capability(device)[0] == 9
-            and hasattr(torch, "_scaled_grouped_mm")
-            and _grouped_product_checks_out(device.index if device.index is not None else torch.cuda.current_device()))
+            and hasattr(torch, "_scaled_grouped_mm") and _grouped_product_checks_out(cuda_index(device)))
 
 
 @functools.cache
@@ -108,12 +107,8 @@ def _grouped_product_checks_out(index: int) -> bool:
     ends = torch.tensor([5, 32], dtype=torch.int32, device=device)
     want = torch.cat([(xq[a:b].float() * x_scale[a:b]) @ (weight[e].float() * scale[e]).T
                       for e, (a, b) in enumerate(((0, 5), (5, 32)))])
-    try:
-        got = torch._scaled_grouped_mm(xq, weight.transpose(1, 2), x_scale.view(-1), scale.view(2, -1), offs=ends,
-                                       out_dtype=torch.bfloat16).float()
-    except RuntimeError:
-        return False
-    return bool(((got - want).abs() <= 0.02 * want.abs().max()).all())
+    return checks_out(lambda: torch._scaled_grouped_mm(xq, weight.transpose(1, 2), x_scale.view(-1), scale.view(2, -1),
+                                                       offs=ends, out_dtype=torch.bfloat16), want)
 
 
 @torch.no_grad()

@@ -46,7 +46,22 @@ def block_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether Fp8Linear runs 128 x 128 block-scaled weights here: an SM90 GPU whose torch._scaled_mm
     multiplies by them (module docstring)."""
     return (fp8_gemm_runs(device, dtype) and torch.cuda.get_device_capability(device)[0] == 9
-            and _block_product_checks_out(device.index if device.index is not None else torch.cuda.current_device()))
+            and _block_product_checks_out(cuda_index(device)))
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index of CUDA device `device` (the current one where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def checks_out(product, want: torch.Tensor) -> bool:
+    """Whether `product()` runs here and gives `want` within 2% of its largest magnitude (an FP8
+    product asked of a GPU once, before a model relies on it)."""
+    try:
+        got = product().float()
+    except RuntimeError:
+        return False
+    return bool(((got - want).abs() <= 0.02 * want.abs().max()).all())
 
 
 @functools.cache
@@ -58,11 +73,7 @@ def _block_product_checks_out(index: int) -> bool:
     xq, x_scale = quantize_groups(x, BLOCK[1])
     x_rounded = (xq.float().view(32, 2, 128) * x_scale[..., None]).view(32, 256)
     want = x_rounded @ dequantize(weight, scale, "block", BLOCK).T
-    try:
-        got = block_product(x, weight, scale, None).float()
-    except RuntimeError:
-        return False
-    return bool(((got - want).abs() <= 0.02 * want.abs().max()).all())
+    return checks_out(lambda: block_product(x, weight, scale, None), want)
 
 
 def block_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
