@@ -60,6 +60,16 @@ def check_matches_hf(dst, ref, monkeypatch, seed, steps=STEPS):
         assert_matches_hf(hf, prompt, outs[i], seen, f"prompt {i} (len {len(prompt)}), seed={seed}")
 
 
+def run_batch_1_kernels(monkeypatch):
+    """One-token steps on the CPU run the batch-1 kernels as on a GPU (through Triton's interpreter),
+    the matrix-vector kernel in tiles of 64 rows: fewer programs for the interpreter, and whole 128-row
+    weight blocks still."""
+    from flexsgl.kernels import gemv
+
+    monkeypatch.setattr(gemv, "applies", lambda x, *_: x.dim() == 2 and x.shape[0] == 1)
+    monkeypatch.setattr(gemv, "config_for", lambda n, k: (64, 512, 4, 1))
+
+
 def check_two_prompts(tmp_path, monkeypatch, seed):
     """The FP8 checkpoint at tmp_path/fp8 on the CPU, a one-token prompt and then a 9-token one (so
     one-token steps and a prefill): 8 greedy tokens of each and their logits against HF's on the
@@ -153,7 +163,7 @@ def test_fp8_projections_at_batch_1_run_the_kernel_and_match_hf(tmp_path, monkey
     make_source("qwen3", tmp_path / "src", seed)
     make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "channel")
     monkeypatch.setattr(loader, "keeps_fp8", lambda *a: True)
-    monkeypatch.setattr(gemv, "applies", lambda x, *_: x.dim() == 2 and x.shape[0] == 1)
+    run_batch_1_kernels(monkeypatch)
     scaled = []
     monkeypatch.setattr(gemv, "launch", lambda *a, f=gemv.launch, **k: scaled.append(k.get("scale") is not None)
                         or f(*a, **k))
@@ -219,8 +229,7 @@ def test_block_wise_fp8_projections_run_and_match_hf(tmp_path, monkeypatch):
     make_source("qwen3", tmp_path / "src", seed, **BLOCK_DIMS)
     make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "block")
     monkeypatch.setattr(loader, "keeps_fp8", lambda *a: True)
-    monkeypatch.setattr(gemv, "applies", lambda x, *_: x.dim() == 2 and x.shape[0] == 1)
-    monkeypatch.setattr(gemv, "config_for", lambda n, k: (32, 256, 4, 1))  # fewer programs for the interpreter
+    run_batch_1_kernels(monkeypatch)
     blocks = []
     monkeypatch.setattr(gemv, "launch", lambda *a, f=gemv.launch, **k: blocks.append(
         k.get("scale") is not None and k["scale"].dim() == 2) or f(*a, **k))
@@ -276,7 +285,7 @@ def test_experts_kept_in_fp8_load_the_checkpoints_bits_and_scales(tmp_path, monk
 
 @pytest.mark.usefixtures("triton_interpreter")
 def test_block_wise_fp8_experts_run_the_block_kernel_and_match_hf(tmp_path, monkeypatch):
-    """A block-wise Qwen3-MoE checkpoint (16 x 16 blocks) with its experts kept in FP8, as on a GPU
+    """A block-wise Qwen3-MoE checkpoint (32 x 32 blocks) with its experts kept in FP8, as on a GPU
     through the block kernel (here Triton's interpreter, in float32), prefill and one-token steps:
     8 greedy tokens of each prompt equal HF's on the weights the checkpoint stands for, logits
     within 1e-4."""
@@ -287,7 +296,7 @@ def test_block_wise_fp8_experts_run_the_block_kernel_and_match_hf(tmp_path, monk
 
     seed = random.randrange(2**31)
     make_qwen3_moe(tmp_path / "src", seed)
-    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "block", block=(16, 16))
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "block", block=(32, 32))
     monkeypatch.setattr(loader, "keeps_fp8_experts", lambda *a: True)
     monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda *a: True)
     launched = []
@@ -303,7 +312,7 @@ def test_fp8_experts_at_batch_1_run_the_moe_layer_and_match_hf(tmp_path, monkeyp
     through Triton's interpreter, in float32): 8 greedy tokens equal HF's on the weights the
     checkpoint stands for, logits within 1e-4."""
     import flexsgl.model.loader as loader
-    from flexsgl.kernels import gemv, moe_layer
+    from flexsgl.kernels import moe_layer
     from tests.test_qwen3_moe import make_qwen3_moe
 
     seed = random.randrange(2**31)
@@ -311,7 +320,7 @@ def test_fp8_experts_at_batch_1_run_the_moe_layer_and_match_hf(tmp_path, monkeyp
     make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "channel")
     monkeypatch.setattr(loader, "keeps_fp8", lambda *a: True)
     monkeypatch.setattr(loader, "keeps_fp8_experts", lambda *a: True)
-    monkeypatch.setattr(gemv, "applies", lambda x, *_: x.dim() == 2 and x.shape[0] == 1)
+    run_batch_1_kernels(monkeypatch)
     scaled = []
     monkeypatch.setattr(moe_layer, "launch", lambda *a, f=moe_layer.launch: scaled.append(a[15] is not None) or f(*a))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32, attn_implementation="eager").eval()
