@@ -79,12 +79,12 @@ def resolve_config(options: EngineConfig, model: ModelConfig,
     if kv_dtype is not None and model.attention == "mla":
         raise ValueError(f"kv_cache_dtype {options.kv_cache_dtype!r} serves models with K/V heads; this model "
                          "caches MLA latents (DeepSeek-V2), which stay in the engine's dtype.")
-    kv_name = None if kv_dtype is None else str(kv_dtype).removeprefix("torch.")
     attention = resolve_override(options.override, device, model.attention, options.page_size, model.kv_layout[2],
-                                 str(dtype).removeprefix("torch."), variants, kv_name)
+                                 str(dtype).removeprefix("torch."), variants,
+                                 None if kv_dtype is None else str(kv_dtype).removeprefix("torch."))
     if options.override == "auto":  # no cold FlashInfer compile for a small model
         attention = without_cold_compile(attention, model, device, str(dtype).removeprefix("torch."),
-                                         options.page_size, kv_name)
+                                         options.page_size)
     graphs = device.type == "cuda" and not options.disable_cuda_graph
     given = next((name for name in ("cuda_graph_bs", "cuda_graph_max_bs") if getattr(options, name) is not None), None)
     if given and not graphs:

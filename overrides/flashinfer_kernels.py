@@ -28,35 +28,33 @@ import importlib.util
 import os
 from pathlib import Path
 
-SHORT_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float8_e4m3fn": "e4m3"}
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "f16"}
 
 
-def prefill_module(dtype: str, head_dim: int, fa3: bool, kv_dtype: str | None = None) -> str:
+def prefill_module(dtype: str, head_dim: int, fa3: bool) -> str:
     """FlashInfer's batch prefill module over a paged cache for these shapes (no RoPE, sliding
-    window or soft cap, int32 page indices; K/V in `kv_dtype`, None: `dtype`): its FA3 (SM90) or
-    FA2 template."""
-    t, kv = SHORT_DTYPES[dtype], SHORT_DTYPES[kv_dtype or dtype]
-    return (f"batch_prefill_with_kv_cache_dtype_q_{t}_dtype_kv_{kv}_dtype_o_{t}_dtype_idx_i32_"
+    window or soft cap, int32 page indices): its FA3 (SM90) or FA2 template."""
+    t = SHORT_DTYPES[dtype]
+    return (f"batch_prefill_with_kv_cache_dtype_q_{t}_dtype_kv_{t}_dtype_o_{t}_dtype_idx_i32_"
             f"head_dim_qk_{head_dim}_head_dim_vo_{head_dim}_posenc_0_use_swa_False_use_logits_cap_False_"
             f"f16qk_False" + ("_sm90" if fa3 else ""))
 
 
-def decode_module(dtype: str, head_dim: int, grouped: bool, kv_dtype: str | None = None) -> str:
+def decode_module(dtype: str, head_dim: int, grouped: bool) -> str:
     """The module fi-decode's kernel comes from: with grouped KV heads (it runs on tensor cores there)
     FlashInfer's FA2 batch prefill module, else its batch decode module."""
     if grouped:
-        return prefill_module(dtype, head_dim, False, kv_dtype)
-    t, kv = SHORT_DTYPES[dtype], SHORT_DTYPES[kv_dtype or dtype]
-    return (f"batch_decode_with_kv_cache_dtype_q_{t}_dtype_kv_{kv}_dtype_o_{t}_dtype_idx_i32_"
+        return prefill_module(dtype, head_dim, fa3=False)
+    t = SHORT_DTYPES[dtype]
+    return (f"batch_decode_with_kv_cache_dtype_q_{t}_dtype_kv_{t}_dtype_o_{t}_dtype_idx_i32_"
             f"head_dim_qk_{head_dim}_head_dim_vo_{head_dim}_posenc_0_use_swa_False_use_logits_cap_False")
 
 
-def modules(backend: str, dtype: str, head_dim: int, grouped: bool, sm: int, kv_dtype: str | None = None) -> list[str]:
-    """The modules backend `backend` ("fi" or "fi-decode") runs for a model of these shapes on SM `sm`,
-    over K/V in `kv_dtype` (None: `dtype`)."""
-    needed = [decode_module(dtype, head_dim, grouped, kv_dtype)]
-    if backend == "fi":  # its prefill takes FA3 on SM90, where K/V are in the queries' dtype
-        needed.append(prefill_module(dtype, head_dim, sm == 90 and kv_dtype in (None, dtype), kv_dtype))
+def modules(backend: str, dtype: str, head_dim: int, grouped: bool, sm: int) -> list[str]:
+    """The modules backend `backend` ("fi" or "fi-decode") runs for a model of these shapes on SM `sm`."""
+    needed = [decode_module(dtype, head_dim, grouped)]
+    if backend == "fi":  # its prefill takes FA3 on SM90
+        needed.append(prefill_module(dtype, head_dim, fa3=sm == 90))
     return list(dict.fromkeys(needed))
 
 

@@ -24,23 +24,19 @@ SMALL_MODEL_PARAMS = 100_000_000  # the embedded model and the test presets; rea
 FLASHINFER = ("fi", "fi-decode")  # the GQA backends whose kernels FlashInfer compiles on first use
 
 
-def cold_flashinfer_modules(choice: Choice, model, device: torch.device, dtype: str,
-                            kv_dtype: str | None = None) -> list[str]:
-    """The FlashInfer modules `choice` would run for `model` (K/V in `kv_dtype`, None: `dtype`) that
-    are neither installed nor cached."""
+def cold_flashinfer_modules(choice: Choice, model, device: torch.device, dtype: str) -> list[str]:
+    """The FlashInfer modules `choice` would run for `model` that are neither installed nor cached."""
     from flexsgl.overrides import flashinfer_kernels
 
     names = sorted({s.name for s in (choice.prefill, choice.decode, choice.small_decode)
                     if s is not None and s.name in FLASHINFER})
     sm = registry.sm_version(device)
     grouped = model.num_heads != model.num_kv_heads
-    needed = [m for name in names
-              for m in flashinfer_kernels.modules(name, dtype, model.head_dim, grouped, sm, kv_dtype)]
+    needed = [m for name in names for m in flashinfer_kernels.modules(name, dtype, model.head_dim, grouped, sm)]
     return [m for m in dict.fromkeys(needed) if flashinfer_kernels.compiled(m, sm) is None]
 
 
-def without_cold_compile(choice: Choice, model, device: torch.device, dtype: str, page_size: int,
-                         kv_dtype: str | None = None) -> Choice:
+def without_cold_compile(choice: Choice, model, device: torch.device, dtype: str, page_size: int) -> Choice:
     """`auto`'s `choice`, with its FlashInfer backends replaced where `model` is small and their
     kernels would compile first (module docstring); `note` says what changed and why."""
     uses = [s.name for s in (choice.prefill, choice.decode) if s.name in FLASHINFER]
@@ -49,12 +45,11 @@ def without_cold_compile(choice: Choice, model, device: torch.device, dtype: str
     params = model.num_params()
     if params >= SMALL_MODEL_PARAMS:
         return choice
-    cold = cold_flashinfer_modules(choice, model, device, dtype, kv_dtype)
+    cold = cold_flashinfer_modules(choice, model, device, dtype)
     if not cold:
         return choice
     triton = SPECS["triton-decode"]
-    fallback = triton if why_not(triton, device, model.attention, model.head_dim, dtype, page_size,
-                                 kv_dtype=kv_dtype) is None \
+    fallback = triton if why_not(triton, device, model.attention, model.head_dim, dtype, page_size) is None \
         else SPECS["flex"]
     prefill = SPECS["flex"] if choice.prefill.name in FLASHINFER else choice.prefill
     decode = fallback if choice.decode.name in FLASHINFER else choice.decode
