@@ -125,7 +125,9 @@ OUT=${OUT:-/tmp/flexsgl-out}; mkdir -p "$OUT"
 steps=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do steps+=("$1"); shift; done
 [ $# -gt 0 ] && shift
 [ ${#steps[@]} -gt 0 ] || steps=(check)
-python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+# FLEXSGL_INSTALLED=1: installed already, as when two runs share one machine (one GPU each, CUDA_VISIBLE_DEVICES)
+[ -n "${FLEXSGL_INSTALLED:-}" ] || python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 1; }
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
   python -c "import flashinfer, sgl_kernel; print('flashinfer', flashinfer.__version__, 'sgl_kernel', sgl_kernel.__version__)"
