@@ -41,6 +41,23 @@ def test_interpreted_kernel_matches_float64(counts):
     check_kernel("cpu", torch.float32, 5, 64, 48, (32, 16), counts, 1e-5)
 
 
+@pytest.mark.usefixtures("triton_interpreter")
+def test_block_product_below_four_blocks_runs_the_kernel():
+    """Fp8Linear's block-scaled product at K of 2 blocks (where torch._scaled_mm's block recipe sums
+    wrongly) is the kernel over one group of every row, x as it is: against float64."""
+    from flexsgl.quant.fp8_linear import block_product
+
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    w = torch.randn(256, 256) * torch.rand(2, 2).add(0.1).repeat_interleave(128, 0).repeat_interleave(128, 1)
+    q, scale, deq = quantize(w, "block", (128, 128))
+    x, bias = torch.randn(5, 256), torch.randn(256)
+    out = block_product(x, q, scale, bias)
+    ref = x.double() @ deq.double().T + bias.double()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-5, f"seed={seed}: relative error {err:.2e}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 33, 2000])
 def test_kernel_in_bf16_on_gpu(tokens):

@@ -20,6 +20,7 @@ agreement is low whatever FP8 does. Run it on a trained checkpoint to judge FP8.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -70,6 +71,7 @@ def measure(model: str, fp8: dict, prompts: int, length: int, seed: int, engine:
         got.append(prompt_logits(llm, batch))
         llm.shutdown()
         del llm
+        gc.collect()  # the engine's reference cycles hold its pool and weights until collected
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return {"model": model, "fp8": fp8, "length": length, "seed": seed, **agreement(*got)}
@@ -85,7 +87,8 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=128, help="tokens per prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--max-total-tokens", type=int, help="as flexsgl's (default: the engine's sizing)")
+    ap.add_argument("--max-total-tokens", type=int,
+                    help="as flexsgl's (default: what the prompts fill, at least 8,192, so the two engines' pools fit side by side)")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args()
     fp8 = {k: v for k, v in (("quantization", a.quantization), ("kv_cache_dtype", a.kv_cache_dtype)) if v}
@@ -94,8 +97,7 @@ def main() -> None:
     if a.prompts < 1 or a.length < 1:
         ap.error("--prompts and --length take positive counts")
     engine = {"load_format": a.load_format, "tensor_parallel_size": a.tp}
-    if a.max_total_tokens:
-        engine["max_total_tokens"] = a.max_total_tokens
+    engine["max_total_tokens"] = a.max_total_tokens or max(a.prompts * (a.length + 1), 8192)
     res = measure(a.model, fp8, a.prompts, a.length, a.seed, engine)
     print(f"{a.model}, {' and '.join(f'{k}={v}' for k, v in fp8.items())} against the engine's dtype, "
           f"{res['prompts']} prompts of {a.length} tokens: mean KL {res['mean_kl']:.3e} nats "

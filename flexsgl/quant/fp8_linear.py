@@ -8,9 +8,12 @@ Two kinds of scales:
   `--quantization fp8`): activations quantized per token, `torch._scaled_mm` with rowwise scales;
 - one per 128 x 128 block, `weight_scale` `[N / 128, K / 128]` (block-wise checkpoints, DeepSeek-V3's
   and Qwen3-FP8's `weight_scale_inv`): activations quantized per token and group of 128 values, and
-  `torch._scaled_mm` with those blocks (cuBLAS's 1 x 128 by 128 x 128 recipe, on SM90). Whether this
-  product runs is asked of the GPU once, on a small product checked against the same one
-  dequantized (`block_gemm_runs`); where it does not, block-wise weights are dequantized as they load.
+  `torch._scaled_mm` with those blocks (cuBLAS's 1 x 128 by 128 x 128 recipe, on SM90) where K holds
+  a multiple of 4 blocks (SCALED_MM_K); at other K, flexsgl's block kernel
+  (flexsgl/kernels/block_fp8_experts.py, one group of every row) on the activations as they are.
+  Whether torch's product runs is asked of the GPU once, on a small product checked against the same
+  one dequantized (`block_gemm_runs`); where it does not, block-wise weights are dequantized as they
+  load.
 
 bfloat16 out either way. It stands where an nn.Linear stood: same in and out features, a `weight`
 whose weight loader fills it (in FP8), and `weight_scale`, filled with the weight
@@ -28,11 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flexsgl.kernels import block_fp8_experts
 from flexsgl.quant.fp8 import FP8, dequantize, quantize_blocks, quantize_groups, quantize_tokens
 
 # torch._scaled_mm takes FP8 operands whose dimensions are multiples of 16.
 ALIGN = 16
 BLOCK = (128, 128)  # the weight blocks torch._scaled_mm multiplies by
+# torch._scaled_mm sums 128 x 128 block-scaled products correctly where K holds a multiple of 4 blocks;
+# at K of 2 or 3 blocks it returned wrong sums without an error (an H200, torch 2.11, CUDA 13).
+SCALED_MM_K = 4 * BLOCK[1]
 
 
 def fp8_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -66,23 +73,29 @@ def checks_out(product, want: torch.Tensor) -> bool:
 
 @functools.cache
 def _block_product_checks_out(index: int) -> bool:
+    """torch._scaled_mm at K of 4 blocks, 32 rows."""
     device = torch.device("cuda", index)
     g = torch.Generator(device).manual_seed(0)
-    x = torch.randn(32, 256, device=device, generator=g).bfloat16()
-    weight, scale = quantize_blocks(torch.randn(256, 256, device=device, generator=g), BLOCK)
+    x = torch.randn(32, SCALED_MM_K, device=device, generator=g).bfloat16()
+    weight, scale = quantize_blocks(torch.randn(256, SCALED_MM_K, device=device, generator=g), BLOCK)
     xq, x_scale = quantize_groups(x, BLOCK[1])
-    x_rounded = (xq.float().view(32, 2, 128) * x_scale[..., None]).view(32, 256)
+    x_rounded = (xq.float().view(32, -1, BLOCK[1]) * x_scale[..., None]).view(32, SCALED_MM_K)
     want = x_rounded @ dequantize(weight, scale, "block", BLOCK).T
     return checks_out(lambda: block_product(x, weight, scale, None), want)
 
 
 def block_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """x `[M, K]` @ weight.T for an FP8 weight of 128 x 128 block `scale`, x quantized per token and
-    group of 128 (torch._scaled_mm takes the groups' scales M-major)."""
-    xq, x_scale = quantize_groups(x, BLOCK[1])
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale.t(),
-                           out_dtype=x.dtype)
+    """x `[M, K]` @ weight.T for an FP8 weight of 128 x 128 block `scale`: where K is a multiple of
+    SCALED_MM_K, x quantized per token and group of 128 and torch._scaled_mm (which takes the groups'
+    scales M-major); elsewhere flexsgl's block kernel, one group of every row, x as it is."""
+    if x.shape[1] % SCALED_MM_K:
+        ends = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        out = block_fp8_experts.block_fp8_experts(x, weight[None], scale[None], ends)
+    else:
+        xq, x_scale = quantize_groups(x, BLOCK[1])
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale.t(),
+                               out_dtype=x.dtype)
     return out if bias is None else out + bias
 
 
