@@ -40,6 +40,9 @@ BLOCK = (128, 128)  # the weight blocks torch._scaled_mm multiplies by
 # torch._scaled_mm sums 128 x 128 block-scaled products correctly where K holds a multiple of 4 blocks;
 # at K of 2 or 3 blocks it returned wrong sums without an error (an H200, torch 2.11, CUDA 13).
 SCALED_MM_K = 4 * BLOCK[1]
+# and at 1 and 7 rows it refused (CUBLAS_STATUS_NOT_SUPPORTED) where 32 and 300 ran: rows are padded to
+# a multiple of 4, at least 16
+SCALED_MM_ROWS = (4, 16)
 
 
 def fp8_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -73,29 +76,35 @@ def checks_out(product, want: torch.Tensor) -> bool:
 
 @functools.cache
 def _block_product_checks_out(index: int) -> bool:
-    """torch._scaled_mm at K of 4 blocks, 32 rows."""
+    """torch._scaled_mm at K of 4 blocks, 7 rows (padded) and 32."""
     device = torch.device("cuda", index)
     g = torch.Generator(device).manual_seed(0)
-    x = torch.randn(32, SCALED_MM_K, device=device, generator=g).bfloat16()
     weight, scale = quantize_blocks(torch.randn(256, SCALED_MM_K, device=device, generator=g), BLOCK)
-    xq, x_scale = quantize_groups(x, BLOCK[1])
-    x_rounded = (xq.float().view(32, -1, BLOCK[1]) * x_scale[..., None]).view(32, SCALED_MM_K)
-    want = x_rounded @ dequantize(weight, scale, "block", BLOCK).T
-    return checks_out(lambda: block_product(x, weight, scale, None), want)
+    for m in (7, 32):
+        x = torch.randn(m, SCALED_MM_K, device=device, generator=g).bfloat16()
+        xq, x_scale = quantize_groups(x, BLOCK[1])
+        x_rounded = (xq.float().view(m, -1, BLOCK[1]) * x_scale[..., None]).view(m, SCALED_MM_K)
+        want = x_rounded @ dequantize(weight, scale, "block", BLOCK).T
+        if not checks_out(lambda: block_product(x, weight, scale, None), want):
+            return False
+    return True
 
 
 def block_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """x `[M, K]` @ weight.T for an FP8 weight of 128 x 128 block `scale`: where K is a multiple of
     SCALED_MM_K, x quantized per token and group of 128 and torch._scaled_mm (which takes the groups'
-    scales M-major); elsewhere flexsgl's block kernel, one group of every row, x as it is."""
+    scales M-major, and M padded to SCALED_MM_ROWS); elsewhere flexsgl's block kernel, one group of
+    every row, x as it is."""
+    m = x.shape[0]
     if x.shape[1] % SCALED_MM_K:
-        ends = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        ends = torch.full((1,), m, dtype=torch.int32, device=x.device)
         out = block_fp8_experts.block_fp8_experts(x, weight[None], scale[None], ends)
     else:
-        xq, x_scale = quantize_groups(x, BLOCK[1])
+        rows = max(m, SCALED_MM_ROWS[1])
+        xq, x_scale = quantize_groups(F.pad(x, (0, 0, 0, rows + (-rows) % SCALED_MM_ROWS[0] - m)), BLOCK[1])
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale.t(),
-                               out_dtype=x.dtype)
+                               out_dtype=x.dtype)[:m]
     return out if bias is None else out + bias
 
 
