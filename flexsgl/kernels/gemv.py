@@ -13,12 +13,9 @@ scale per row or per 128 x 128 block) runs the same kernel at batch 1: it reads 
 widens them to float32 in registers, and multiplies each row's sum by its scale, or with block
 scales x by its row block's scale of each column block (a program's rows lie in one row block),
 with x as it is (bfloat16; at larger batches Fp8Linear quantizes activations for
-torch._scaled_mm). Its tiles are the bfloat16 ones in elements, so half the bytes. A float32
-accumulator with a register per element would cost an FP8 tile more registers than a bfloat16
-one, so with FP8 weights each thread sums its 16 consecutive products (a 16-byte load's worth)
-into one accumulator as they come (FP8_INNER): compiled for SM90 with the RMSNorm prologue, a
-16 x 512 FP8 tile takes 166 registers a thread, against 229 with a register per element (and
-bfloat16's 182), so three programs fit an SM where two did; 16 x 1024 still spills.
+torch._scaled_mm). Its tiles are the bfloat16 ones in elements, so half the bytes. With FP8
+weights each thread sums its 16 consecutive products (a 16-byte load's worth) into one float32
+accumulator as they come (FP8_INNER) rather than keeping an accumulator register per element.
 
 Everywhere but batch 1 on CUDA they are those PyTorch expressions. At batch 1 each is one kernel:
 the projection reads its whole weight to do two flops per element, so its time is the weight's
@@ -36,7 +33,11 @@ gate_up as x is read; bias and residual are added on the way out. At batch 2 the
 only matched cuBLAS and at 4 it lost, so batch 1 alone takes it. It runs inside a
 `torch.library` custom op, so compiled models treat it like the cuBLAS call it replaces. On SM90+
 it launches with PDL and loads its first weight slice before waiting on the kernel before it
-(launch.py), and `config_for` gives the tiles that were fastest inside that chain.
+(launch.py), and multiplies that slice ahead of the loop over the rest (`add_slice` serves both).
+With the slice chosen inside the loop (the prefetched one at k = 0, else a load) Triton keeps each
+FP8 byte in a register of its own and merges them every iteration: compiled for SM90, a 16 x 512
+FP8 tile's loop is 244 instructions a thread in 64 registers this way, 457 in 161 that way.
+`config_for` gives the tiles that were fastest inside that chain.
 """
 
 from __future__ import annotations
@@ -58,8 +59,32 @@ FP8_INNER = 16  # FP8 products summed 16 at a time, a 16-byte load's worth (modu
 
 @functools.cache
 def _kernel():
+    global add_slice  # Triton, its interpreter too, finds a kernel's helpers among the module's globals
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def add_slice(acc, squares, w, x_ptr, g_ptr, s_ptr, stride_sn, k, cols, K,
+                  PROLOGUE: tl.constexpr, SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INNER: tl.constexpr):
+        """The products of weight slice `w` (columns k + cols) with x's slice, added to acc (and x's
+        squares to squares, for RMSNorm)."""
+        k_ok = k + cols < K
+        x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:  # RMSNorm: weight now, 1 / rms at the end
+            squares += x * x
+            x *= tl.load(g_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
+        if PROLOGUE == 2:  # x holds gate; up follows it in the same row
+            up = tl.load(x_ptr + K + k + cols, mask=k_ok, other=0.0).to(tl.float32)
+            x = x / (1.0 + tl.exp(-x)) * up
+        if SCALE == 2:  # FP8 weights by SCALE_N x SCALE_K blocks: this row block's scale of each column
+            block_row = tl.program_id(0) * BLOCK_N // SCALE_N
+            x *= tl.load(s_ptr + block_row * stride_sn + (k + cols) // SCALE_K, mask=k_ok, other=0.0)
+        if INNER > 1:  # each INNER consecutive products summed as they come (module docstring)
+            acc += tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // INNER, INNER)), axis=2)
+        else:
+            acc += w.to(tl.float32) * x[None, :]
+        return acc, squares
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, out_ptr, N, K, stride_wn, eps,
@@ -79,35 +104,19 @@ def _kernel():
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K // INNER), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if PDL:  # the first weight slice loads while the previous kernel finishes (launch.py)
-            w_first = tl.load(w_ptrs, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
-                              eviction_policy="evict_first")
+        start = 0
+        if PDL:  # the first weight slice loads while the previous kernel finishes (launch.py), outside the loop
+            w = tl.load(w_ptrs, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0, eviction_policy="evict_first")
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        for k in range(0, K, BLOCK_K):
-            k_ok = k + cols < K
-            w_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & k_ok[None, :]
-            if PDL:
-                if k == 0:
-                    w = w_first
-                else:
-                    w = tl.load(w_ptrs + k, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_ptrs + k, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
-            if PROLOGUE == 1:  # RMSNorm: weight now, 1 / rms at the end
-                squares += x * x
-                x *= tl.load(g_ptr + k + cols, mask=k_ok, other=0.0).to(tl.float32)
-            if PROLOGUE == 2:  # x holds gate; up follows it in the same row
-                up = tl.load(x_ptr + K + k + cols, mask=k_ok, other=0.0).to(tl.float32)
-                x = x / (1.0 + tl.exp(-x)) * up
-            if SCALE == 2:  # FP8 weights by SCALE_N x SCALE_K blocks: this row block's scale of each column
-                block_row = tl.program_id(0) * BLOCK_N // SCALE_N
-                x *= tl.load(s_ptr + block_row * stride_sn + (k + cols) // SCALE_K, mask=k_ok, other=0.0)
-            if INNER > 1:  # each INNER consecutive products summed as they come (module docstring)
-                acc += tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // INNER, INNER)), axis=2)
-            else:
-                acc += w.to(tl.float32) * x[None, :]
+            acc, squares = add_slice(acc, squares, w, x_ptr, g_ptr, s_ptr, stride_sn, 0, cols, K, PROLOGUE, SCALE,
+                                     SCALE_N, SCALE_K, BLOCK_N, BLOCK_K, INNER)
+            start = BLOCK_K
+        for k in range(start, K, BLOCK_K):
+            w_mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & (k + cols < K)[None, :]
+            w = tl.load(w_ptrs + k, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc, squares = add_slice(acc, squares, w, x_ptr, g_ptr, s_ptr, stride_sn, k, cols, K, PROLOGUE, SCALE,
+                                     SCALE_N, SCALE_K, BLOCK_N, BLOCK_K, INNER)
         out = tl.sum(acc, axis=1)
         if PROLOGUE == 1:
             out *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
