@@ -2,8 +2,8 @@
 # The GPU work of one device call. Run from the repository root on a machine staged as
 # ../shared/gpu/README.md says (the kernels flexsgl overrides with, unpacked into /tmp/site): it
 # installs flexsgl offline, records the machine and its attention backends, then runs the named
-# steps in order, each under its own time limit, logs and JSON in $OUT, and prints each step's
-# headline lines last. A device call runs at most 600 s: pick steps whose limits (below) sum to
+# steps in order, each under its own time limit (logs and JSON packed into $OUT/gpu.tgz), and prints
+# each step's headline lines last. A device call runs at most 600 s: pick steps whose limits (below) sum to
 # less, e.g. `check`, `latency throughput`, `prefill suite-kernels`.
 #
 #   tests          the GPU tests (`pytest -m gpu`): all of them, or what follows `--`. All of them run past one
@@ -25,7 +25,7 @@
 #                  with --compile ("flex-compiled"), each on empty caches
 #                  (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and FLASHINFER_WORKSPACE_BASE in a fresh folder) and
 #                  again on what that run left: time to first token, ready time and the whole process's wall time
-#                  in a table; logs in $OUT/first-token-*.log.
+#                  in a table; logs in first-token-*.log.
 #                  A run of each on throw-away caches writes Python's bytecode first (see PYTHONPYCACHEPREFIX)
 #   prefill        flexsgl bench prefill, Qwen3-8B dummy, 4k and 16k prompts (--override flags in $OVERRIDES)
 #   flash-prefill  prefill on FlexAttention's FLASH backend (stage tools/stage_flash.sh first): the engine against HF
@@ -121,7 +121,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/pyth
 # transformers from source spends ~9 s compiling it (a cProfile of `generate` on an H200 host). A pip
 # install writes bytecode; here it goes to a folder of its own, filled by the first process.
 unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/flexsgl-pycache}
-OUT=${OUT:-/tmp/flexsgl-out}; mkdir -p "$OUT"
+# The steps write their logs and JSON into a folder of their own; what comes back from a device call is at
+# most 8 files, so $OUT receives them packed (gpu.tgz) beside the summary, after each step.
+RESULTS=${OUT:-/tmp/flexsgl-out}; OUT=$(mktemp -d); mkdir -p "$RESULTS"
+pack() { tar czf "$RESULTS/gpu.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$RESULTS/" 2>/dev/null; true; }
 steps=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do steps+=("$1"); shift; done
 [ $# -gt 0 ] && shift
 [ ${#steps[@]} -gt 0 ] || steps=(check)
@@ -336,6 +339,7 @@ for s in "${steps[@]}"; do
     *) echo "unknown step $s"; false ;;
   esac 2>&1 | quiet | tee "$OUT/$s.log"
   echo "== $s: rc ${PIPESTATUS[0]}, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  pack
 done
 echo; echo "== machine"; cat "$OUT/machine.txt"
 echo "== summary"; cat "$OUT/summary.txt"
