@@ -101,7 +101,7 @@ def block_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         ends = torch.full((1,), m, dtype=torch.int32, device=x.device)
         out = block_fp8_experts.block_fp8_experts(x, weight[None], scale[None], ends)
     else:
-        rows = max(m, SCALED_MM_ROWS[1])
+        rows = torch.sym_max(m, SCALED_MM_ROWS[1])  # no guard on M under dynamic shapes
         xq, x_scale = quantize_groups(F.pad(x, (0, 0, 0, rows + (-rows) % SCALED_MM_ROWS[0] - m)), BLOCK[1])
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale.t(),
                                out_dtype=x.dtype)[:m]
