@@ -5,7 +5,9 @@ a multiple of the tile and where it is not, N a multiple of the row block and no
 tile configuration the engine picks. On the GPU, compiled: bfloat16 and float16, and bfloat16
 launched with PDL (flexsgl/kernels/launch.py). On the CPU, through Triton's interpreter: float16
 and float32 (tests/conftest.py says why not bfloat16), on shapes small enough for it (it runs a
-program at a time in Python), without PDL, which it does not model. The output is poisoned with
+program at a time in Python); with PDL too, its grid-dependency waits stubbed out (the interpreter
+does not model them), so the first weight slice, loaded ahead and multiplied before the loop, is
+checked there as well. The output is poisoned with
 NaN first, so an unwritten element fails. 16-bit operands with a float32 accumulator land well
 under 1e-2. FP8 weights (float8_e4m3fn, a float32 scale per row) against float64 products of the
 same FP8 values and scales: bfloat16 x on the GPU, float32 x through the interpreter.
@@ -79,6 +81,25 @@ def test_fp8_weights_match_float64(n, k, prologue, extras, use_pdl):
 @pytest.mark.parametrize("prologue", list(PROLOGUES))
 def test_interpreted_fp8_weights_match_float64(n, k, prologue):
     check_kernel("cpu", n, k, prologue, True, torch.float32, use_pdl=False, fp8=True)
+
+
+@pytest.fixture
+def interpreted_pdl(monkeypatch):
+    """PDL's grid-dependency calls as no-ops, for kernels run by Triton's interpreter."""
+    import triton.language as tl
+
+    for name in ("gdc_wait", "gdc_launch_dependents"):
+        monkeypatch.setattr(tl.extra.cuda, name, lambda *args, **kwargs: None)
+
+
+@pytest.mark.usefixtures("triton_interpreter", "interpreted_pdl")
+@pytest.mark.parametrize("n,k", [(37, 300), (40, 1024), (6, 8200)])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_interpreted_kernel_with_pdl_matches_float64(n, k, fp8):
+    """With PDL the first slice takes its own path: all of a short K, or the first of several slices
+    (whole ones, or with a partial last)."""
+    for prologue in PROLOGUES:
+        check_kernel("cpu", n, k, prologue, True, torch.float32, use_pdl=True, fp8=fp8)
 
 
 # (N, K) of block-scaled FP8 weights: 128 x 128 blocks on the GPU (an 8B's qkv, o and down), smaller
