@@ -208,13 +208,14 @@ class EngineFuzz(RuleBasedStateMachine):
 
 
 def check_constrained(out, sp, stops: set[int], note: str) -> None:
-    """A constrained output's text follows its constraint: whole where the grammar ended it ("stop"),
-    a prefix of what it allows otherwise."""
+    """A constrained output's text follows its constraint: whole where the grammar ended it ("stop"
+    on no stop token), a prefix of what it allows otherwise (a stop token the grammar allowed may end
+    it first, or complete it: the text before that token is a prefix either way)."""
     ends_on_its_last = out.token_ids and (out.token_ids[-1] in stops or "allows no token" in (out.error or ""))
     ids = out.token_ids[:-1] if ends_on_its_last else out.token_ids
     assert all(t < 256 for t in ids), note  # the byte tokenizer's grammar vocabulary
     text = bytes(ids).decode("latin-1")
-    whole = out.finish_reason == "stop"
+    whole = out.finish_reason == "stop" and not ends_on_its_last
     if sp.structured_outputs.choice is not None:
         assert text in CHOICES if whole else any(c.startswith(text) for c in CHOICES), note
     else:
