@@ -171,8 +171,8 @@ for s in "${steps[@]}"; do
   LIMIT=${LIMITS[$s]:-300}; t0=$SECONDS
   echo "== $s (limit $LIMIT s)"
   case $s in
-    tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs "${@:-tests}" ;;
-    fp8) timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_fp8_gpu.py tests/test_fp8_kv_cache.py
+    tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs "${@:-tests}" ;;
+    fp8) timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py tests/test_fp8_kv_cache.py
          for q in "" "--quantization fp8" "--kv-cache-dtype fp8_e4m3"; do
            timeout 100 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override flex $q \
              --json "$OUT/fp8-throughput${q//[ -]/_}.json" 2>&1 | grep -E "^output tok/s" | sed "s|^|throughput ${q:-bf16}: |"
@@ -181,17 +181,17 @@ for s in "${steps[@]}"; do
            timeout 100 "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 2 $q \
              --json "$OUT/fp8-latency${q//[ -]/_}.json" 2>&1 | grep -E "TPOT" | sed "s|^|latency ${q:-bf16}: |"
          done ;;
-    fp8-tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_fp8_gpu.py \
+    fp8-tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
                  tests/test_fp8_kv_cache.py tests/test_moe.py tests/test_gemv.py tests/test_gpu_overrides.py \
                  tests/test_triton_decode.py tests/test_block_fp8_experts.py \
                  -k "fp8 or FP8 or block or overrides_read" ;;
-    fp8-kv) timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu_overrides.py \
+    fp8-kv) timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gpu_overrides.py \
               tests/test_triton_decode.py tests/test_fp8_kv_cache.py -k "fp8 or overrides_read"
          for q in "" "--kv-cache-dtype fp8_e4m3"; do  # auto's SM90 backends, named (auto takes flex for FP8)
            timeout 120 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override "$SM90_AUTO" $q \
              --json "$OUT/fp8-kv-throughput${q//[ -]/_}.json" 2>&1 | grep -E "^output tok/s" | sed "s|^|throughput ${q:-bf16}: |"
          done ;;
-    fp8-moe) timeout 150 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_moe.py tests/test_fp8_gpu.py \
+    fp8-moe) timeout 150 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_moe.py tests/test_fp8_gpu.py \
                -k "fp8 or FP8"
          for q in "" "--quantization fp8"; do
            timeout 100 "${BENCH[@]}" --workload latency --model deepseek-v2-lite --repeats 2 $q \
@@ -204,7 +204,7 @@ for s in "${steps[@]}"; do
            timeout 280 python tools/fp8_agreement.py --model $m --load-format dummy --quantization fp8 --prompts 256 \
              --json "$OUT/fp8-agreement-$m.json" 2>&1 | tail -3 | sed "s|^|agreement $m: |"
          done ;;
-    check) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gemv.py \
+    check) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gemv.py \
              tests/test_rope_store.py tests/test_gpu.py tests/test_gpu_overrides.py \
              -k "gemv or fused or batch_1 or tracks_hf or kernel_matches" ;;
     latency) timeout "$LIMIT" "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 2 ${OVERRIDES:-} \
@@ -255,7 +255,7 @@ for s in "${steps[@]}"; do
                  cat "$table" ;;
     prefill) timeout "$LIMIT" "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 ${OVERRIDES:-} \
                --json "$OUT/prefill.json" ;;
-    flash-prefill) timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu.py -k "flash_prefill or bf16_engine"
+    flash-prefill) timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gpu.py -k "flash_prefill or bf16_engine"
                timeout 200 "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 --page-size 128 \
                  --override auto --override flex --json "$OUT/prefill-128.json" ;;
     suite-kernels) suite kernels benchmarks/test_attention_kernels.py benchmarks/test_peers.py ;;
@@ -263,7 +263,7 @@ for s in "${steps[@]}"; do
     profile) timeout "$LIMIT" python tools/profile_step.py ${PROFILE_ARGS:---model qwen3-8b} --workload latency \
                --profile-steps 20 --profile-at decode:8 --rows 30 ;;
     gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ${GEMV_FP8:+--fp8} ;;
-    mla) timeout 320 python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_mla_attention.py tests/test_moe.py \
+    mla) timeout 320 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_mla_attention.py tests/test_moe.py \
            tests/test_triton_mla.py
          for b in 1 64; do
            timeout 130 "${BENCH[@]}" --workload latency --model deepseek-v2-lite --batch-size "$b" --input-len 512 \
@@ -273,9 +273,9 @@ for s in "${steps[@]}"; do
          done ;;
     serve) timeout "$LIMIT" "${BENCH[@]}" --workload serve --model qwen3-0.6b --request-rate 8,32,inf --override auto \
              --override flex --json "$OUT/serve.json" ;;
-    tp-tests) guard "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_tensor_parallel.py \
+    tp-tests) guard "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_tensor_parallel.py \
                 -k "${TP_TESTS_K:-not exit and not server_stop}" ;;
-    tp-exit) guard "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_tensor_parallel.py \
+    tp-exit) guard "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_tensor_parallel.py \
                -k "exit or server_stop" ;;
     tp-allreduce) guard "$LIMIT" python tools/allreduce_bench.py ;;
     tp-memory) sizes=$([ "$GPUS" -ge 4 ] && echo 2,4 || echo 2)
@@ -311,7 +311,7 @@ for s in "${steps[@]}"; do
                         | grep -E "output tok/s|TPOT|^  *auto" | sed "s|^|$run ${tree}: |"
                     done
                   done ;;
-    variants) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_attention_variants_gpu.py ;;
+    variants) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_attention_variants_gpu.py ;;
     mistral) for b in 1 32; do
                for ctx in 4096 32000; do
                  timeout $((ctx > 4096 ? 120 : 80)) "${BENCH[@]}" --workload latency --model mistral-7b --batch-size "$b" \
@@ -346,7 +346,8 @@ echo "== summary"; cat "$OUT/summary.txt"
 for s in "${steps[@]}"; do
   log="$OUT/$s.log"
   case $s in
-    tests|check|tp-tests|tp-exit) grep -E "passed|failed|error" "$log" | tail -3 ;;
+    tests|check|tp-tests|tp-exit|fp8-tests) grep -E "^FAILED" "$log" | cut -c1-300 | head -20
+                                  grep -E "passed|failed|error" "$log" | tail -3 ;;
     tp-allreduce|tp-memory) grep -E "^ *[0-9]+ |^(all-reduce|loading|engine|rank|gpu| +KB)" "$log" | tail -24 ;;
     tp-bench) sed -n '/^TP bench/,$p' "$log" ;;
     latency|throughput|repeat|prefill|mla|serve|serve-structured) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
