@@ -87,8 +87,8 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=128, help="tokens per prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--max-total-tokens", type=int,
-                    help="as flexsgl's (default: what the prompts fill, at least 8,192, so the two engines' pools fit side by side)")
+    ap.add_argument("--max-total-tokens", type=int, help="as flexsgl's (default: what the prompts fill, at "
+                    "least 8,192, so the two engines' pools fit side by side)")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args()
     fp8 = {k: v for k, v in (("quantization", a.quantization), ("kv_cache_dtype", a.kv_cache_dtype)) if v}

@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(PRESETS[args.model]["config"])
     rows = [int(m) for m in args.rows.split(",")]
-    # one compiled Fp8Linear.forward per projection and M: past dynamo's default of 8 the rest ran eager
+    # one compiled Fp8Linear.forward per projection and M: at dynamo's default limit (8) the rest would run eager
     torch._dynamo.config.recompile_limit = 8 * len(rows) * len(projections(cfg))
     block_runs = block_gemm_runs(torch.device("cuda"), torch.bfloat16)
     print(f"{args.model}: microseconds per product (CUDA graph), fp8 against bf16; 128 x 128 blocks "
