@@ -83,8 +83,7 @@ def _block_product_checks_out(index: int) -> bool:
     for m in (7, 32):
         x = torch.randn(m, SCALED_MM_K, device=device, generator=g).bfloat16()
         xq, x_scale = quantize_groups(x, BLOCK[1])
-        x_rounded = (xq.float().view(m, -1, BLOCK[1]) * x_scale[..., None]).view(m, SCALED_MM_K)
-        want = x_rounded @ dequantize(weight, scale, "block", BLOCK).T
+        want = dequantize(xq, x_scale, "block", (1, BLOCK[1])) @ dequantize(weight, scale, "block", BLOCK).T
         if not checks_out(lambda: block_product(x, weight, scale, None), want):
             return False
     return True
