@@ -75,13 +75,15 @@ def checkpoint(tmp_path_factory):
 
 
 def check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol: float, distinct: bool = True,
-                     neighbours: float = 2e-3, **options) -> LLM:
+                     neighbours: float = 2e-3, noise: float = 0.0, **options) -> LLM:
     """Each prompt alone on a fresh engine (its pages are then 1, 2, ... in order: position p sits in
     slot page_size + p). HF runs the prompt and the engine's tokens over the K/V the engine stored,
     dequantized with the checkpoint's scales: its logits are the engine's within `tol`, and (with
     `distinct`, where `tol` is far below FP8's rounding) far from the unquantized model's. The stored
     FP8 values are HF's own K/V quantized, but for the fraction `neighbours` of entries that float32
-    noise (bfloat16's, in a bfloat16 engine) rounded to the neighbouring FP8 value."""
+    noise (bfloat16's, in a bfloat16 engine) rounded to another FP8 value: one FP8 step away, or
+    (`noise`) up to that fraction of its head vector's largest entry away, as a bfloat16 projection,
+    norm and rotation leave a small entry's error proportional to its vector's size."""
     hf = HFOverStoredKV(path)
     rng = random.Random(seed)
     prompts = [[rng.randrange(plain_hf.config.vocab_size) for _ in range(n)] for n in LENGTHS]
@@ -116,7 +118,9 @@ def check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol: float, dist
                 differ = want != kept
                 assert differ.float().mean() < neighbours, f"layer {layer}: {int(differ.sum())} entries, seed={seed}"
                 # one FP8 step apart: 1/8 of the value for normals, 2**-9 below 2**-6 (subnormals)
-                assert torch.allclose(want[differ], kept[differ], rtol=0.13, atol=2.0**-9), f"layer {layer}, seed={seed}"
+                atol = 2.0**-9 + noise * (own / scale).abs().amax(-1, keepdim=True).expand_as(own)
+                apart = (want - kept).abs() - 0.13 * kept.abs() - atol
+                assert (apart[differ] <= 0).all(), f"layer {layer}: {apart.max().item():.3g} beyond, seed={seed}"
     return llm
 
 
@@ -191,17 +195,20 @@ def test_gpu_compiled_and_graphed_fp8_cache_matches_hf(checkpoint, monkeypatch, 
 @pytest.mark.parametrize("override", ["fa3", "fi", "fa3-prefill,fi-decode", "fa3-prefill,triton-decode"])
 def test_gpu_overrides_read_the_fp8_cache(tmp_path_factory, monkeypatch, override):
     """FA3, FlashInfer and triton-decode over the FP8 cache in the bfloat16 engine, compiled and
-    graphed: HF in float32 over the stored K/V within 3% of the largest logit (bfloat16's error, and
-    FA3's FP8 queries and probabilities)."""
+    graphed: HF in float32 over the stored K/V within 3% of the largest logit (bfloat16's error), or
+    12% where FA3 serves a step. FA3 reads FP8 K/V only with FP8 queries, and rounds its
+    probabilities to FP8 too: float32 attention that rounds both as FA3 does (emulated on the CPU)
+    moves these checkpoints' logits by up to 12% of the largest (75 prompts on 25 checkpoints). A
+    wrong scale or page is off by far more."""
     from tests.test_gpu_overrides import skip_unless_runs
 
     for name in override.split(","):
         skip_unless_runs(name)
     path, seed, scales, plain_hf = scaled_checkpoint(tmp_path_factory, head_dim=128)  # the kernels' head size
     # bfloat16's K/V, 2^-8 off float32's, round to FP8 (steps of 2^-3) as float32's would but for ~6%
-    llm = check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol=3e-2, distinct=False, neighbours=0.15,
-                           device="cuda", dtype="bfloat16", override=override, page_size=64, cuda_graph_bs=(1,),
-                           max_total_tokens=4096)
+    llm = check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol=0.12 if "fa3" in override else 3e-2,
+                           distinct=False, neighbours=0.15, noise=2.0**-6, device="cuda", dtype="bfloat16",
+                           override=override, page_size=64, cuda_graph_bs=(1,), max_total_tokens=4096)
     assert llm.runner.pool.k[0].dtype == FP8
 
 
