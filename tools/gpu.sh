@@ -48,6 +48,8 @@
 #                  `OVERRIDES="--override auto --override flex" tools/gpu.sh throughput`. Needs fastapi and
 #                  uvicorn, which the image lacks: stage them with tools/stage_serve.sh, carry .gpu/serve and
 #                  run its install.sh first
+#   fi-allreduce-build  start building FlashInfer's all-reduce kernels in the background (minutes), for the
+#                  TP steps to find built: run it in the call that finishes staging
 #   tp-tests       (2 or 4 GPUs) the TP GPU tests but the exit ones: TP=2 (and TP=4) against TP=1 on a Qwen3-8B-wide
 #                  dummy (bf16, compiled steps, CUDA graphs), every GQA override and MLA under TP=2, the
 #                  symmetric-memory all-reduce against NCCL, the tiny presets' greedy tokens (~450 s on a cold
@@ -111,6 +113,7 @@
 # pytest-benchmark writes its own JSON only at the end.
 #
 # Usage: FLEXSGL_COMMIT=<commit> bash tools/gpu.sh STEP... [-- PYTEST_ARGS...]
+#   (on two GPUs, tools/gpu_pair.sh runs two such lists at once, one per GPU)
 #   (the tree travels without .git, so the reports take the commit from FLEXSGL_COMMIT), e.g.
 #   bash tools/gpu.sh tests -- tests/test_triton_decode.py -k "not 8b"
 set -uo pipefail
@@ -138,7 +141,9 @@ steps=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do steps+=("$1"); shift; done
 } >"$OUT/machine.txt" 2>&1
 # Progress bars redraw with carriage returns: split them off, so the line a bar shares with the
 # next message does not take that message with it.
-quiet() { tr '\r' '\n' | grep -v -E "capturing|loaded |it/s\]|tok/s\]|^ *$"; }
+# Line-buffered throughout: a step cut at its limit (or the device call's) keeps every line it printed.
+LINES_NOW=$(command -v stdbuf >/dev/null && echo "stdbuf -oL")
+quiet() { $LINES_NOW tr '\r' '\n' | grep --line-buffered -v -E "capturing|loaded |it/s\]|tok/s\]|^ *$"; }
 SM90_AUTO="fa3-prefill,fi-decode,triton-decode<=64"
 BENCH=(python -m flexsgl.cli bench)  # the image's python: the console script pip writes there has no torch
 suite() {  # NAME, then pytest's arguments
@@ -161,16 +166,33 @@ TP_SIZES="1 2"; [ "$GPUS" -ge 4 ] && TP_SIZES="1 2 4"
 # PYTHONFAULTHANDLER=1), SIGKILL 20 s later.
 guard() { local limit=$1; shift; PYTHONFAULTHANDLER=1 setsid -w timeout -s ABRT -k 20 "$limit" "$@"; }
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
-# FlashInfer compiles its all-reduce kernels on first use (~5 min on 64 cores), and `auto` takes its
-# all-reduce only once they are built: build them once, ahead of the TP steps, where FlashInfer is staged.
-if printf '%s\n' "${steps[@]}" | grep -q '^tp-'; then
-  python -c "import flashinfer.comm" 2>/dev/null && { echo "== FlashInfer all-reduce kernels (built once)"
-    timeout 600 python -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" 2>&1 | tail -2; }
-fi
+# FlashInfer compiles its all-reduce kernels on first use (minutes: over 5 on 32 cores), and `auto` takes its
+# all-reduce only once they are built. The build runs in the background, never in a step's time: start it
+# with the step `fi-allreduce-build` as soon as FlashInfer is staged (its log: /tmp/fi-allreduce-build.log);
+# a TP step starts it where it has not started, and runs without FlashInfer's all-reduce until it is done.
+fi_allreduce_build() {
+  python -c "import flashinfer.comm" 2>/dev/null || { echo "FlashInfer is not staged: no all-reduce build"; return 0; }
+  if python -c "from flexsgl.distributed.nvlink_allreduce import flashinfer_comm_built as b; exit(0 if b() else 1)"; then
+    echo "FlashInfer's all-reduce kernels: built"
+  elif [ -f /tmp/fi-allreduce-build.log ]; then
+    echo "FlashInfer's all-reduce kernels: building since $(stat -c %y /tmp/fi-allreduce-build.log | cut -c12-19)"
+  else
+    setsid nohup python -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \
+      >/tmp/fi-allreduce-build.log 2>&1 < /dev/null &
+    echo "FlashInfer's all-reduce kernels: build started in the background"
+  fi
+}
+printf '%s\n' "${steps[@]}" | grep -q '^tp-' && fi_allreduce_build
+# A device call runs at most 600 s: each step's limit is cut to the time left before $CALL_S (default 580 s from
+# this script's start), so the summary always prints; a step with under a minute left is skipped.
+CALL_S=${CALL_S:-580}
 for s in "${steps[@]}"; do
-  LIMIT=${LIMITS[$s]:-300}; t0=$SECONDS
+  LIMIT=${LIMITS[$s]:-300}; t0=$SECONDS; left=$((CALL_S - SECONDS - 10))
+  if [ "$left" -lt 60 ]; then echo "== $s: skipped, $left s left of the call" | tee -a "$OUT/summary.txt"; continue; fi
+  [ "$LIMIT" -gt "$left" ] && LIMIT=$left
   echo "== $s (limit $LIMIT s)"
   case $s in
+    fi-allreduce-build) fi_allreduce_build ;;
     tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs "${@:-tests}" ;;
     fp8) timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py tests/test_fp8_kv_cache.py
          for q in "" "--quantization fp8" "--kv-cache-dtype fp8_e4m3"; do
