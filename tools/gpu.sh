@@ -90,6 +90,7 @@
 #                  graphed), then bench throughput of the Qwen3-0.6B dummy with flex: bf16, FP8 weights
 #                  (--quantization fp8), FP8 KV (--kv-cache-dtype fp8_e4m3); and bench latency of the Qwen3-8B
 #                  dummy at batch 1, bf16 and --quantization fp8, with their floors (~500 s on a cold cache)
+#   fp8-bench      the fp8 step's benchmarks alone (~300 s on a cold cache)
 #   fp8-tests      every FP8 GPU test in one run: Fp8Linear per row and per block, FP8 and block-wise checkpoints,
 #                  online fp8, the matrix-vector kernel on FP8 weights, FP8 experts (grouped, one-token, block), the
 #                  FP8 KV cache under flex and each override
@@ -99,9 +100,10 @@
 #   fp8-moe        the FP8 expert GPU tests (torch._scaled_grouped_mm, the one-token MoE layer, an FP8 Qwen3-MoE
 #                  checkpoint), then bench latency at batch 1 and throughput of the deepseek-v2-lite dummy, bf16
 #                  and --quantization fp8 (~500 s on a cold cache)
-#   fp8-gemm       tools/fp8_gemm_bench.py on the qwen3-8b projections: which FP8 product is fastest per M
+#   fp8-gemm       tools/fp8_gemm_bench.py on the qwen3-8b projections ($FP8_GEMM_MODEL: another preset's):
+#                  which FP8 product is fastest per M
 #   fp8-agreement  tools/fp8_agreement.py, 256 prompts, --quantization fp8 against bf16 on the qwen3-8b and
-#                  deepseek-v2-lite dummies
+#                  deepseek-v2-lite dummies ($FP8_AGREEMENT_MODELS: those named)
 #   kernel-matrix  benchmarks/attention_matrix.py for $MATRIX_ARGS (default --pages 64 --gqa 4, ~230 s; the
 #                  whole matrix, pages 16/64/128 and GQA 4/8, takes several calls: split it by --pages/--gqa).
 #                  FlexAttention's FLASH backend (flash-attn-4): stage it with tools/stage_flash.sh, then e.g.
@@ -156,7 +158,7 @@ declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=4
                    [tp-tests]=580 [tp-exit]=580 [tp-allreduce]=200 [tp-memory]=500 [tp-bench]=590
                    [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480
                    [serve-structured]=560 [fp8]=590 [fp8-kv]=580 [fp8-moe]=590 [fp8-agreement]=590 [fp8-gemm]=400
-                   [fp8-tests]=560)
+                   [fp8-tests]=560 [fp8-bench]=400)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
 TP_LATENCY=(--workload latency --batch-size 1 --input-len 512 --output-len 128 --repeats 2 --cuda-graph-bs 1)
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -194,7 +196,8 @@ for s in "${steps[@]}"; do
   case $s in
     fi-allreduce-build) fi_allreduce_build ;;
     tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs "${@:-tests}" ;;
-    fp8) timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py tests/test_fp8_kv_cache.py
+    fp8|fp8-bench) [ "$s" = fp8 ] && timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
+                     tests/test_fp8_kv_cache.py
          for q in "" "--quantization fp8" "--kv-cache-dtype fp8_e4m3"; do
            timeout 100 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override flex $q \
              --json "$OUT/fp8-throughput${q//[ -]/_}.json" 2>&1 | grep -E "^output tok/s" | sed "s|^|throughput ${q:-bf16}: |"
@@ -221,8 +224,8 @@ for s in "${steps[@]}"; do
            timeout 100 "${BENCH[@]}" --workload throughput --model deepseek-v2-lite $q \
              --json "$OUT/fp8-moe-throughput${q//[ -]/_}.json" 2>&1 | grep -E "^output tok/s" | sed "s|^|throughput ${q:-bf16}: |"
          done ;;
-    fp8-gemm) timeout "$LIMIT" python tools/fp8_gemm_bench.py --model qwen3-8b ;;
-    fp8-agreement) for m in qwen3-8b deepseek-v2-lite; do
+    fp8-gemm) timeout "$LIMIT" python tools/fp8_gemm_bench.py --model "${FP8_GEMM_MODEL:-qwen3-8b}" ;;
+    fp8-agreement) for m in ${FP8_AGREEMENT_MODELS:-qwen3-8b deepseek-v2-lite}; do
            timeout 280 python tools/fp8_agreement.py --model $m --load-format dummy --quantization fp8 --prompts 256 \
              --json "$OUT/fp8-agreement-$m.json" 2>&1 | tail -3 | sed "s|^|agreement $m: |"
          done ;;
@@ -372,6 +375,8 @@ for s in "${steps[@]}"; do
                                   grep -E "passed|failed|error" "$log" | tail -3 ;;
     tp-allreduce|tp-memory) grep -E "^ *[0-9]+ |^(all-reduce|loading|engine|rank|gpu| +KB)" "$log" | tail -24 ;;
     tp-bench) sed -n '/^TP bench/,$p' "$log" ;;
+    fp8|fp8-bench|fp8-kv|fp8-moe|fp8-agreement) grep -E "^FAILED|passed|failed|^(throughput|latency|agreement) " "$log" ;;
+    fp8-gemm) tail -30 "$log" ;;
     latency|throughput|repeat|prefill|mla|serve|serve-structured) grep -E "^process [0-9]|\[flexsgl\] [a-z0-9,<=@./ -]+: (output|TTFT)" "$log" | tail -8 ;;
     flash-prefill) grep -E "passed|failed|error|\[flexsgl\] [a-z0-9,<=@./ -]+: TTFT" "$log" | tail -6 ;;
     startup) grep -E "^(flex|auto) (cold|warm)" "$log" ;;
