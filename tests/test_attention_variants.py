@@ -87,7 +87,9 @@ def _reference_cases():
 REFERENCE = _reference_cases()
 
 
-def run_variant_case(name, specs, page_size, compiled=False, packs_prefill=True, seed=None, decode_full=True):
+def run_variant_case(name, specs, page_size, compiled=False, packs_prefill=True, seed=None, decode_full=True,
+                     flash_lists=False):
+    """flash_lists: block lists as for the FLASH backend (empty full-block lists, not none)."""
     seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -103,12 +105,15 @@ def run_variant_case(name, specs, page_size, compiled=False, packs_prefill=True,
            "win": [rng.randrange(1, 49) for _ in specs]}
     for param in ("prompt_len", "win"):
         if param in variants.request_tensors:
-            variants.request_tensors[param][fb.req_slots] = torch.tensor(ctx[param])
+            variants.request_tensors[param][fb.req_slots] = torch.tensor(ctx[param], dtype=torch.int32)
     backend = FlexAttentionBackend(pool, num_heads=HQ, compiled=compiled, variants=variants)
     backend.packs_prefill = packs_prefill
     if not decode_full:
         backend.decode_full_blocks = lambda batch: False
+    backend.flash_variants = flash_lists
     backend.prepare(fb)
+    if flash_lists:
+        assert not fb.attn.variants[bound.id].block_mask.full_kv_num_blocks.any(), "a mask_mod decides every block"
     pool.store(0, k.float(), v.float(), fb.out_slots)
     forward = FlexAttentionBackend.forward
     if compiled:
@@ -139,6 +144,14 @@ def test_variant_eager_matches_float64(name, case, page_size):
 ])
 def test_variant_compiled_matches_float64(name, case, packed):
     run_variant_case(name, CASES[case], 16, compiled=True, packs_prefill=packed)
+
+
+@pytest.mark.parametrize("name,case,packed", [("prefix_lm", "prefix-extend", False),
+                                               ("user_local_window", "ragged-prefill", True)])
+def test_variant_with_empty_full_block_lists_matches_float64(name, case, packed):
+    """A variant whose mask_mod decides every block, its prefill's block lists as the FLASH backend takes
+    them (an empty full-block list beside the partial one): compiled, the same attention."""
+    run_variant_case(name, CASES[case], 16, compiled=True, packs_prefill=packed, flash_lists=True)
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
@@ -259,3 +272,17 @@ def test_variants_resolve_from_their_names():
     both = V.resolve("sliding_window:window=8") & V.resolve("softcap:cap=2.5")
     assert both.features() == {"window": 8, "softcap": 2.5}
     assert V.resolve("tests.test_attention_variants:user_local_window").name == "user_local_window"
+
+
+def test_flash_log_sum_exp_scale_follows_torchs_own():
+    """flex.FLASH_LSE_SCALE undoes what this torch's flex_attention does to the FLASH backend's
+    log-sum-exp (sinks use it): before 2.13 it scales every backend's by ln 2, since then only the
+    base-2 ones'."""
+    import inspect
+
+    from torch.nn.attention import flex_attention as fa
+
+    from flexsgl.attention.flex import FLASH_LSE_SCALE
+
+    flash_left_alone = 'stats_are_log2=kernel_options["BACKEND"] != "FLASH"' in inspect.getsource(fa)
+    assert FLASH_LSE_SCALE == pytest.approx(1.0 if flash_left_alone else 1 / math.log(2))

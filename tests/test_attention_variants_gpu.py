@@ -1,6 +1,7 @@
 """Attention variants on the GPU: every shipped variant and the two written in
 tests/test_attention_variants.py, compiled, in bfloat16, with pages of 16 and 64, against float64
-attention; decode replayed from a CUDA graph (its block mask rebuilt inside the graph). And whole
+attention; decode replayed from a CUDA graph (its block mask rebuilt inside the graph); their prefill on
+FlexAttention's FLASH backend where flash-attn-4 is installed (FLEXSGL_FLASH_VARIANTS=1). And whole
 engines with per-layer variants, compiled with CUDA graphs, against the same engines run eagerly."""
 
 import random
@@ -11,6 +12,7 @@ import torch
 from flexsgl import LLM, SamplingParams
 from flexsgl.attention.bound_variant import VariantSet
 from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.flex_options import FLASH, FLASH_VARIANTS_ENV, flash_prefill_runs
 from flexsgl.attention.variants import alibi, sliding_window, softcap
 from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_variant_attention, random_paged_batch
@@ -21,13 +23,15 @@ pytestmark = pytest.mark.gpu
 D = 64  # the references' heads (their sinks, slopes and temperatures are per head), a GPU's head size
 
 
-def run_gpu_case(name, specs, page_size, graphed: bool, seed: int, packed: bool = True):
+def run_gpu_case(name, specs, page_size, graphed: bool, seed: int, packed: bool = True, head_dim: int = D,
+                 flash: bool = False):
+    """flash: prefill must run on FlexAttention's FLASH backend (the options the backend picks say so)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     variant, ref_visible, ref_score, sink = REFERENCE[name]
     dev = torch.device("cuda")
     pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
-    pool = KVPool(1, pages, page_size, HKV, D, torch.bfloat16, dev)
+    pool = KVPool(1, pages, page_size, HKV, head_dim, torch.bfloat16, dev)
     pool.k[0].normal_(), pool.v[0].normal_()
     fb, q, k, v, dense = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, HQ, dev,
                                             torch.bfloat16, rng)
@@ -36,9 +40,11 @@ def run_gpu_case(name, specs, page_size, graphed: bool, seed: int, packed: bool 
     ctx = {"prompt_len": [rng.randrange(1, p + n + 1) for p, n in specs], "win": [rng.randrange(1, 49) for _ in specs]}
     for param in ("prompt_len", "win"):
         if param in variants.request_tensors:
-            variants.request_tensors[param][fb.req_slots] = torch.tensor(ctx[param], device=dev)
+            variants.request_tensors[param][fb.req_slots] = torch.tensor(ctx[param], dtype=torch.int32, device=dev)
     backend = FlexAttentionBackend(pool, num_heads=HQ, compiled=True, variants=variants)
     backend.packs_prefill = packed
+    if flash:
+        assert (backend.variant_packed_options if packed else backend.variant_kernel_options) == FLASH
     pool.store(0, k.to(dev, torch.bfloat16), v.to(dev, torch.bfloat16), fb.out_slots)
     qd = q.to(dev, torch.bfloat16)
     sink_t = bound.layer_sink(None)
@@ -79,6 +85,19 @@ def test_variant_prefill_compiled_matches_float64(name, page_size, case, packed)
     """Each case compiles afresh (seconds on the GPU): prefill over the step's K/V packed into rows
     with pages of 16, over the pages with cached prefixes with pages of 64."""
     run_gpu_case(name, CASES[case], page_size, graphed=False, seed=random.randrange(1 << 30), packed=packed)
+
+
+@pytest.mark.parametrize("name", list(REFERENCE))
+@pytest.mark.parametrize("page_size,case,packed", [(16, "ragged-prefill", True), (128, "prefix-extend", False)])
+def test_variant_prefill_on_the_flash_backend_matches_float64(name, page_size, case, packed, monkeypatch):
+    """With FLEXSGL_FLASH_VARIANTS=1, where prefill runs on FlexAttention's FLASH backend (flash-attn-4
+    installed; head_dim 128, bf16, KV blocks of 128: packed rows, or pages of 128), every variant's
+    prefill runs there, compiled with dynamic shapes as the engine compiles it."""
+    if not flash_prefill_runs(128, 128, torch.bfloat16):
+        pytest.skip("FlexAttention's FLASH backend needs flash-attn-4 and an SM90 or SM100 GPU")
+    monkeypatch.setenv(FLASH_VARIANTS_ENV, "1")
+    run_gpu_case(name, CASES[case], page_size, graphed=False, seed=random.randrange(1 << 30), packed=packed,
+                 head_dim=128, flash=True)
 
 
 @pytest.mark.parametrize("model,attention,page_size", [

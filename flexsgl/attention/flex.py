@@ -15,15 +15,22 @@ attention layer's, model/decoder.py); elsewhere, and for packed rows, the step's
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+from torch.torch_version import TorchVersion
 
 from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.attention.flex_meta import FlexMeta, FlexMetaBuilder
 from flexsgl.attention.flex_ops import flex_decode, with_sink
-from flexsgl.attention.flex_options import packed_prefill_options, prefill_options, triton_prefill_options
+from flexsgl.attention.flex_options import FLASH, packed_prefill_options, prefill_options, variant_prefill_options
 from flexsgl.cache.pool import KVPool
+
+# flex_attention's log-sum-exp: torch before 2.13 multiplies every backend's by ln 2 (Triton's kernels
+# keep it in base 2), FLASH's too, which flash-attn-4 gives in base e already; this undoes that.
+FLASH_LSE_SCALE = 1.0 if TorchVersion(torch.__version__) >= "2.13" else 1 / math.log(2)
 
 
 class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
@@ -37,12 +44,13 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
         cuda = pool.device.type == "cuda"
         self.kernel_options = self.cuda_kernel_options() if cuda else None
         self.packed_kernel_options = self.packed_cuda_kernel_options() if cuda and self.packs_prefill else None
-        # A variant's mods run on the Triton kernels (flex_options.triton_prefill_options says why)
+        # A variant's mods run on the Triton kernels but on request (flex_options.variant_prefill_options)
         self.variant_kernel_options = self.variant_packed_options = None
         if cuda and self.variants:
             dim, dtype = self.kv_shape()[1], self.pool.k[0].dtype
-            self.variant_kernel_options = triton_prefill_options(dim, self.pool.page_size, dtype)
-            self.variant_packed_options = triton_prefill_options(dim, 64, dtype)
+            self.variant_kernel_options = variant_prefill_options(dim, self.pool.page_size, dtype)
+            self.variant_packed_options = variant_prefill_options(dim, self.pool.page_size, dtype, packed=True)
+            self.flash_variants = FLASH in (self.variant_kernel_options, self.variant_packed_options)
 
     def cuda_kernel_options(self) -> dict:
         """Options of flex's main kernel on CUDA (compiled prefill; the CPU takes none)."""
@@ -148,7 +156,8 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
                                  scale=scale, enable_gqa=hq != k.shape[1], kernel_options=options,
                                  return_aux=None if sink is None else AuxRequest(lse=True))
             if sink is not None:
-                out = with_sink(*out, sink)
+                out, aux = out
+                out = with_sink(out, aux.lse * (FLASH_LSE_SCALE if options == FLASH else 1.0), sink)
         elif self.compiled:  # a sink on the CPU, whose compiled flex returns no log-sum-exp: the mask alone
             out = _scores_written_out(qb.transpose(1, 2), k, v, *_dense_from_mods(meta, nb, hq, nq, k.shape[2], q.device),
                                       scale, sink)

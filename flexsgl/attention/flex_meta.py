@@ -101,6 +101,7 @@ class FlexMetaBuilder:
 
     heads_as_rows = False  # compiled decode on the main kernel lays a request's heads out as rows (FlexMeta)
     packs_prefill = True  # compiled prefill reads the step's K/V copied into rows (FlexMeta.kv_rows)
+    flash_variants = False  # variants' prefill runs on the FLASH backend, which wants full-block lists
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False, variants=None):
         """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
@@ -178,17 +179,19 @@ class FlexMetaBuilder:
         align, ps = (Q_BLOCK if self.compiled else 1), self.pool.page_size
         req, index, first_block, n_real, n_blocks = query_blocks(fb, align)
         first, last = block_positions(fb, req, index, first_block, align)
-        # int32 like the page table and page_pos: the FLASH backend's mask_mod code keeps one integer type
+        # Every integer a mask reads is int32, like the page table and page_pos: the FLASH backend's
+        # mask_mod code keeps one integer type.
         mask_state = [req.int(), first.int()]
-        seq_last = fb.seq_lens.long() - 1
+        seq_last = (fb.seq_lens - 1).int()
         if bound is None:
             mask_mod, score_mod = packed_paged_causal(fb.page_table, *mask_state, self.page_pos, ps, align), None
         else:
             mask_mod, score_mod = packed_paged_variant(bound, fb.page_table, *mask_state, seq_last, self.page_pos,
-                                                       fb.req_slots, ps, align)
+                                                       fb.req_slots.int(), ps, align)
         if not self.compiled:  # a block is a token, in packed order: the queries are a plain view
             return self._dense_meta(fb, mask_mod, (1, n_blocks), compact, score_mod)
-        blocks = kv_blocks(fb.page_table, ps, req, first, last, index < n_real, *block_rules(bound, seq_last[req]))
+        blocks = self._full_listed(kv_blocks(fb.page_table, ps, req, first, last, index < n_real,
+                                             *block_rules(bound, seq_last[req])))
         rows = packed_rows(fb, first_block, align)
         return self._meta(fb, [x if x is None else x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
                           mask_state, align, score_mod=score_mod)
@@ -214,17 +217,26 @@ class FlexMetaBuilder:
         width = n_kv if dev.type == "cpu" else max(-(-n // Q_BLOCK) for n in fb.host_seq_lens)
         table = (kv_first[:, None] + torch.arange(width, device=dev)).clamp_(max=n_kv - 1).int()
         seq_last = seq_lens - 1
-        blocks = [x if x is None else x[None, None] for x in
-                  kv_blocks(table, Q_BLOCK, req, first, last, index < n_real, *block_rules(bound, seq_last[req]))]
+        blocks = [x if x is None else x[None, None] for x in self._full_listed(
+                  kv_blocks(table, Q_BLOCK, req, first, last, index < n_real, *block_rules(bound, seq_last[req])))]
         mask_state = [(kv_first[req] * Q_BLOCK).int(), first.int()]  # int32: see _prefill_meta
         if bound is None:
             mask_mod, score_mod = packed_causal(*mask_state, Q_BLOCK), None
         else:
-            mask_mod, score_mod = packed_rows_variant(bound, req, *mask_state, seq_last, fb.req_slots, Q_BLOCK)
+            mask_mod, score_mod = packed_rows_variant(bound, req.int(), *mask_state, seq_last.int(),
+                                                      fb.req_slots.int(), Q_BLOCK)
         block_mask = BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=(Q_BLOCK, Q_BLOCK), mask_mod=mask_mod,
                                               seq_lengths=(n_blocks * Q_BLOCK, n_kv * Q_BLOCK), compute_q_blocks=False)
         return FlexMeta(block_mask, (1, n_blocks * Q_BLOCK), packed_rows(fb, first_block, Q_BLOCK), mask_state,
                         kv_rows=kv_rows, score_mod=score_mod)
+
+    def _full_listed(self, blocks: tuple) -> tuple:
+        """A prefill's block lists (kv_blocks'), with empty full-block lists where there are none and
+        the FLASH backend runs variants: its lowering refuses a mask without them."""
+        num_partial, partial_idx, num_full, _ = blocks
+        if num_full is None and self.flash_variants:
+            return num_partial, partial_idx, torch.zeros_like(num_partial), torch.zeros_like(partial_idx)
+        return blocks
 
     def _dense_meta(self, fb: ForwardBatch, mask_mod, query_shape, compact: bool, score_mod=None) -> FlexMeta:
         """Not compiled: the mask_mod evaluated over every (query, key) pair once per step, which

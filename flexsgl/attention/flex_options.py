@@ -10,7 +10,7 @@ the splits small_tile_splits picks. Prefill (run inside the compiled decoder lay
 128: 64x64 tiles, 4 warps, 3 stages, with TMA loads at head_dim 128, pages of 64, bf16/fp16 on
 SM90. With flash-attn-4 installed, prefill over KV blocks of 128 (the step's K/V packed into rows,
 flex_meta.py, or pages of 128) runs on FlexAttention's FLASH backend instead, which takes less time
-than the Triton kernel there (not an attention variant's: triton_prefill_options says why). MLA's
+than the Triton kernel there (an attention variant's only on request: variant_prefill_options). MLA's
 latent decode (one KV head of 576 dims): latent_decode_options. The KV tile must divide a page.
 """
 
@@ -19,10 +19,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import os
 
 import torch
 
 MIN_SPLITS, FEW_PROGRAMS = 16, 32
+FLASH = {"BACKEND": "FLASH"}  # FlexAttention's FLASH backend (flash-attn-4's CuTe DSL kernel)
 SMALL_TILE, SMALL_TILE_MAX_SPLITS = 32, 64
 SMALL_TILE_FEW_PROGRAMS, SMALL_TILE_MANY_PROGRAMS = 512, 4096
 LARGE_HEAD_DIM, LATENT_SPLITS = 256, 32
@@ -81,18 +83,29 @@ def prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
     """Kernel options for prefill on CUDA: FlexAttention's FLASH backend where it runs
     (flash_prefill_runs), else its Triton main kernel."""
     if flash_prefill_runs(head_dim, page_size, dtype):
-        return {"BACKEND": "FLASH"}
+        return dict(FLASH)
     return triton_prefill_options(head_dim, page_size, dtype)
 
 
+def variant_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype, packed: bool = False) -> dict:
+    """Kernel options for an attention variant's prefill on CUDA, over pages or (`packed`) over the
+    step's K/V packed into rows: the FLASH backend where prefill runs there and
+    FLEXSGL_FLASH_VARIANTS=1, else the Triton kernel (as plain prefill's). Opt-in: on two H200s
+    (flash-attn-4 4.0.0b19, torch 2.11) 14 of 19 variant cases failed there, on three faults flexsgl
+    has addressed since and not yet rerun on a GPU: int64 integers in the masks (now int32), no
+    full-block lists where a mask_mod decides every block (now empty ones: flex_meta.py), and
+    FLASH's log-sum-exp scaled as Triton's (flex.py undoes it for sinks)."""
+    flash = os.environ.get(FLASH_VARIANTS_ENV) == "1"
+    if flash and flash_prefill_runs(head_dim, FLASH_KV_TILE if packed else page_size, dtype):
+        return dict(FLASH)
+    return triton_prefill_options(head_dim, 64 if packed else page_size, dtype)
+
+
+FLASH_VARIANTS_ENV = "FLEXSGL_FLASH_VARIANTS"
+
+
 def triton_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
-    """Options of flex's Triton main kernel for prefill on CUDA. Attention variants always run on it:
-    their mods reach the FLASH lowering with the ints they close over as constants
-    (bound_variant.VariantMods), but over flexsgl's layouts, which index int64 tensors of the step
-    inside the mods and list blocks without full ones, flash-attn-4's kernels (4.0.0b19, torch 2.11)
-    fail to compile most of them ("Type mismatch, store Int64 to Tensor with element type Int32";
-    "block mask but without full blocks is not supported") and give wrong outputs for others
-    (docs/BENCHMARKS.md)."""
+    """Options of flex's Triton main kernel for prefill on CUDA."""
     options = {"BLOCK_N": math.gcd(page_size, 64)}
     if head_dim <= 128:
         options.update(BLOCK_M=64, num_warps=4, num_stages=3)
@@ -109,7 +122,7 @@ def packed_prefill_options(head_dim: int, dtype: torch.dtype) -> dict:
     loads at head_dim 128 in half precision on SM90: the fastest of the option sets timed on packed
     rows, docs/BENCHMARKS.md)."""
     if flash_prefill_runs(head_dim, FLASH_KV_TILE, dtype):
-        return {"BACKEND": "FLASH"}
+        return dict(FLASH)
     return prefill_options(head_dim, 64, dtype)
 
 
@@ -120,7 +133,7 @@ def flash_prefill_runs(head_dim: int, page_size: int, dtype: torch.dtype) -> boo
     """Whether prefill runs on the FLASH backend (flash-attn-4's CuTe DSL kernel): where flash-attn-4 is
     installed, on SM90 and SM100, in bf16 and fp16, at head_dim 128 (the dim measured), and with
     pages of FLASH_KV_TILE tokens, as its block sparsity needs a BlockMask KV block (a page) equal
-    to its KV tile. Plain causal prefill only: attention variants take triton_prefill_options."""
+    to its KV tile. Attention variants: variant_prefill_options."""
     return (page_size == FLASH_KV_TILE and head_dim == 128 and dtype in (torch.bfloat16, torch.float16)
             and torch.cuda.get_device_capability()[0] in (9, 10) and _flash_installed())
 

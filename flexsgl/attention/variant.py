@@ -49,10 +49,12 @@ class VariantError(ValueError):
 
 @dataclass(frozen=True)
 class PerRequest:
-    """A value per request: `SamplingParams(attention_params={name: value})`, else `default`."""
+    """A value per request: `SamplingParams(attention_params={name: value})`, else `default`. Integers
+    are int32 by default, the type of every integer flex's masks read (FlexAttention's FLASH lowering
+    keeps one integer type)."""
 
     default: float | int
-    dtype: torch.dtype = torch.int64
+    dtype: torch.dtype = torch.int32
 
     def value(self, given) -> float | int:
         return self.default if given is None else given
@@ -62,7 +64,7 @@ class PerRequest:
 class PromptLength:
     """The request's prompt length (tokens): per request, set by the engine."""
 
-    dtype: torch.dtype = torch.int64
+    dtype: torch.dtype = torch.int32
 
 
 @dataclass(frozen=True, eq=False)
