@@ -16,7 +16,7 @@ tokens, handed out in shuffled order as the engine's allocator does.
 
 Backends: flex compiled (decode through its per-batch-size op, prefill compiled per shape;
 `flex-flash`: prefill through FlexAttention's FLASH backend, flash-attn-4's CuTe DSL kernel, staged
-by tools/stage_flash.sh), each
+by tools/stage_flash.sh, a window's too), each
 kernel override the registry lets run here (fa3, fi-decode, triton-decode), and SDPA over the same
 K/V gathered into contiguous per-request tensors (the dense lower bound, gather not timed). `fa4`:
 flash-attn-4's kernel called directly on the same pages, prefill only (the FLASH backend's ceiling).
@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexsgl.attention.base import ForwardBatch  # noqa: E402
 from flexsgl.attention.bound_variant import VariantSet  # noqa: E402
+from flexsgl.attention.flex_options import FLASH  # noqa: E402
 from flexsgl.attention.variants import sliding_window  # noqa: E402
 from flexsgl.attention.registry import SPECS, backend_class, sm_version, why_not  # noqa: E402
 from flexsgl.bench import copy_bandwidth  # noqa: E402
@@ -194,7 +195,7 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv, window: int | None = None):
     variants = None if window is None else VariantSet([sliding_window(window)], hq, 0, hq, len(specs) + 1,
                                                       torch.device("cuda"))
     bound = None if variants is None else variants.layers[0]
-    if window is not None and name not in ("flex", "fa3", "fa3-prefill"):
+    if window is not None and name not in ("flex", "flex-flash", "fa3", "fa3-prefill"):
         return "it runs no window here"
     fb.req_slots = torch.arange(len(specs), device="cuda")
     if name == "sdpa":
@@ -215,8 +216,10 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv, window: int | None = None):
     if reason:
         return reason
     backend = cls(pool, num_heads=hq, compiled=True, variants=variants)
-    if flash:
-        backend.kernel_options = backend.packed_kernel_options = {"BACKEND": "FLASH"}
+    if flash:  # a window's prefill too (FLEXSGL_FLASH_VARIANTS=1's options)
+        backend.kernel_options = backend.packed_kernel_options = dict(FLASH)
+        backend.variant_kernel_options = backend.variant_packed_options = dict(FLASH)
+        backend.flash_variants = True
     fb.backend = backend
     backend.prepare(fb)
     fn = lambda: backend.forward(q, pool.layer_cache(0), fb, bound)  # noqa: E731

@@ -78,6 +78,8 @@
 #                  at 4k and 32k tokens of context: decode TPOT at 32k against 4k
 #   window-kernels benchmarks/attention_matrix.py --window 4096: flex's windowed decode and prefill beside FA3's
 #                  window_size, pages of 64, GQA 4, decode at batch 1 and 32 with 4k and 32k contexts
+#                  ($WINDOW_BACKENDS: others, e.g. flex,flex-flash,fa3 with flash-attn-4 staged: flex-flash is
+#                  the window's prefill on FlexAttention's FLASH backend)
 #   variant-cost   a user's variant (alibi, a score_mod; and a mask_mod with a window) against plain causal
 #                  attention: bench throughput of the Qwen3-0.6B dummy, flex
 #   families       bench throughput of the gemma-2-9b dummy (softcap and windows), flex and fa3; bench latency of
@@ -345,7 +347,8 @@ for s in "${steps[@]}"; do
                done
              done ;;
     window-kernels) timeout "$LIMIT" python benchmarks/attention_matrix.py --window 4096 --pages 64 --gqa 4 \
-                      --batches 1,32 --contexts 4096,32768 --backends flex,fa3 --json "$OUT/window-kernels.json" ;;
+                      --batches 1,32 --contexts 4096,32768 --backends "${WINDOW_BACKENDS:-flex,fa3}" \
+                      --json "$OUT/window-kernels.json" ;;
     variant-cost) for att in none alibi "tests.test_attention_variants:user_local_window"; do
                     flag=(); [ "$att" = none ] || flag=(--attention "$att")
                     timeout 130 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override flex "${flag[@]}" \
