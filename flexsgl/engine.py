@@ -106,13 +106,13 @@ class LLM:
             self.runner.wait = self._channel.wait
             self._channel.release = self.runner.release_graphs  # before leaving the process group
             self._finalizer = weakref.finalize(self, self._channel.close)
-        takes = tuple(n for v in self.resolved.variants if v is not None for n, p in v.params.items()
-                      if isinstance(p, PerRequest))
+        takes = {n: not p.dtype.is_floating_point for v in self.resolved.variants if v is not None
+                 for n, p in v.params.items() if isinstance(p, PerRequest)}
         structured = None
         if self.tokenizer is None:
             structured = f"model {self.src.name!r} has no tokenizer"
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity,
-                                       tuple(dict.fromkeys(takes)), self.scheduler.held_tokens, structured)
+                                       takes, self.scheduler.held_tokens, structured)
         self.grammars = grammar.GrammarQueue(self.tokenizer, mcfg.vocab_size)  # requests waiting for their grammar
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._next_id = 0  # above every id added (abort tells a finished request from an unknown one)

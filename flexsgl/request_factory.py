@@ -84,14 +84,15 @@ def check_prompt(prompt, index: int) -> str | list[int]:
 
 class RequestFactory:
     def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int,
-                 attention_params: tuple[str, ...] = (), held_tokens: int | None = None,
+                 attention_params: dict[str, bool] | None = None, held_tokens: int | None = None,
                  no_structured_outputs: str | None = None):
         """`config`: the model's ModelConfig; `capacity`: KV pages a request may ever use;
-        `attention_params`: the per-request parameters the engine's attention variants take;
+        `attention_params`: the per-request parameters the engine's attention variants take, each with
+        whether it takes whole numbers only;
         `held_tokens`: the most KV slots a request holds at once (refusal);
         `no_structured_outputs`: why this engine cannot take structured outputs (None: it can)."""
         self.model_name, self.config, self.tokenizer = model_name, config, tokenizer
-        self.page_size, self.capacity, self.attention_params = page_size, capacity, attention_params
+        self.page_size, self.capacity, self.attention_params = page_size, capacity, attention_params or {}
         self.held_tokens, self.no_structured_outputs = held_tokens, no_structured_outputs
         self._ids = itertools.count()
 
@@ -125,6 +126,11 @@ class RequestFactory:
             takes = f"it takes {', '.join(self.attention_params)}" if self.attention_params else "it takes none"
             raise SamplingParamsError(f"attention_params of prompt {index} name {unknown[0]!r}, which no attention "
                                       f"variant of this engine takes ({takes}).")
+        fractional = [(k, v) for k, v in (sampling.attention_params or {}).items()
+                      if self.attention_params[k] and not float(v).is_integer()]
+        if fractional:
+            raise SamplingParamsError(f"attention_params of prompt {index} give {fractional[0][0]} "
+                                      f"{fractional[0][1]!r}, and it takes whole numbers.")
         if any(t >= vocab for t, _ in sampling.logit_bias):
             raise SamplingParamsError(f"logit_bias of prompt {index} names ids outside the vocabulary [0, {vocab}).")
         if sampling.structured_outputs is not None:

@@ -286,3 +286,51 @@ def test_flash_log_sum_exp_scale_follows_torchs_own():
 
     flash_left_alone = 'stats_are_log2=kernel_options["BACKEND"] != "FLASH"' in inspect.getsource(fa)
     assert FLASH_LSE_SCALE == pytest.approx(1.0 if flash_left_alone else 1 / math.log(2))
+
+
+def per_request_window() -> AttentionVariant:
+    """A sliding window whose size each request gives (`attention_params={"w": W}`), at most 64."""
+    def mask(b, h, q_pos, kv_pos, p):
+        return q_pos - kv_pos < p.w[b]
+
+    return AttentionVariant("per_request_window", mask_mod=mask, window=64, params={"w": PerRequest(64)})
+
+
+def test_per_request_parameters_reach_each_request(tmp_path, monkeypatch):
+    """Through the engine (plan, upload, the variant's request tensors): requests given different
+    windows in one batch each get the logits and tokens of an engine whose every request has that
+    window as a fixed one (sliding_window, which the HF parity tests check), on a random checkpoint."""
+    from flexsgl import LLM, SamplingParams
+    from tests.hf_models import capture_logits, make_checkpoint
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    make_checkpoint("qwen3", tmp_path, seed)
+    prompts = [[rng.randrange(1, 320) for _ in range(rng.randrange(30, 90))] for _ in range(3)]
+    windows = [rng.randrange(2, 24) for _ in prompts]
+    opts = dict(device="cpu", max_total_tokens=4096, page_size=16)
+    greedy = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    per_request = LLM(str(tmp_path), attention=per_request_window(), **opts)
+    with monkeypatch.context() as patch:
+        seen = capture_logits(per_request, patch)
+        got = per_request.generate(prompts, [SamplingParams(**greedy, attention_params={"w": w}) for w in windows])
+    for prompt, w, out in zip(prompts, windows, got):
+        fixed = LLM(str(tmp_path), attention=V.sliding_window(w), **opts)
+        with monkeypatch.context() as patch:
+            ref_seen = capture_logits(fixed, patch)
+            want = fixed.generate([prompt], SamplingParams(**greedy))[0]
+        ours, ref = torch.stack(seen[out.request_id]), torch.stack(ref_seen[want.request_id])
+        rel = ((ours - ref).abs().max(-1).values / ref.abs().max(-1).values).max().item()
+        assert rel < 1e-4 and out.token_ids == want.token_ids, f"window {w}: {rel:.2e}, seed={seed}"
+
+
+def test_a_whole_number_parameter_refuses_a_fraction():
+    from flexsgl import LLM, SamplingParams
+    from flexsgl.errors import SamplingParamsError
+
+    assert PerRequest(48).dtype == torch.int32 and PerRequest(0.5).dtype == torch.float32
+    llm = LLM("tiny", attention=per_request_window(), load_format="dummy", device="cpu", max_total_tokens=1024)
+    with pytest.raises(SamplingParamsError, match=r"give w 2\.5, and it takes whole numbers"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, attention_params={"w": 2.5}))
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, attention_params={"w": 2.0}))[0]
+    assert out.error is None

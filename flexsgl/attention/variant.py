@@ -49,12 +49,17 @@ class VariantError(ValueError):
 
 @dataclass(frozen=True)
 class PerRequest:
-    """A value per request: `SamplingParams(attention_params={name: value})`, else `default`. Integers
-    are int32 by default, the type of every integer flex's masks read (FlexAttention's FLASH lowering
-    keeps one integer type)."""
+    """A value per request: `SamplingParams(attention_params={name: value})`, else `default`. Its
+    dtype, unless given: float32 for a float default, else int32, the type of every integer flex's
+    masks read (FlexAttention's FLASH lowering keeps one integer type). An integer parameter takes
+    whole numbers only (a request giving another is refused)."""
 
     default: float | int
-    dtype: torch.dtype = torch.int32
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", torch.float32 if isinstance(self.default, float) else torch.int32)
 
     def value(self, given) -> float | int:
         return self.default if given is None else given
