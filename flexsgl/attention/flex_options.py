@@ -25,6 +25,7 @@ import torch
 
 MIN_SPLITS, FEW_PROGRAMS = 16, 32
 FLASH = {"BACKEND": "FLASH"}  # FlexAttention's FLASH backend (flash-attn-4's CuTe DSL kernel)
+FLASH_VARIANTS_ENV = "FLEXSGL_FLASH_VARIANTS"  # "1": variants' prefill on FLASH too (variant_prefill_options)
 SMALL_TILE, SMALL_TILE_MAX_SPLITS = 32, 64
 SMALL_TILE_FEW_PROGRAMS, SMALL_TILE_MANY_PROGRAMS = 512, 4096
 LARGE_HEAD_DIM, LATENT_SPLITS = 256, 32
@@ -90,18 +91,15 @@ def prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
 def variant_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype, packed: bool = False) -> dict:
     """Kernel options for an attention variant's prefill on CUDA, over pages or (`packed`) over the
     step's K/V packed into rows: the FLASH backend where prefill runs there and
-    FLEXSGL_FLASH_VARIANTS=1, else the Triton kernel (as plain prefill's). Opt-in: on two H200s
-    (flash-attn-4 4.0.0b19, torch 2.11) 14 of 19 variant cases failed there, on three faults flexsgl
-    has addressed since and not yet rerun on a GPU: int64 integers in the masks (now int32), no
-    full-block lists where a mask_mod decides every block (now empty ones: flex_meta.py), and
-    FLASH's log-sum-exp scaled as Triton's (flex.py undoes it for sinks)."""
+    FLEXSGL_FLASH_VARIANTS=1, else the Triton kernel (as plain prefill's). On FLASH a variant's masks
+    read int32 integers only, a mask_mod that decides every block comes with empty full-block lists
+    (flex_meta.py), and a sink reads the log-sum-exp in base e (flex.py), as that backend needs; it
+    is opt-in for variants until the GPU tests have checked them there (docs/BENCHMARKS.md)."""
     flash = os.environ.get(FLASH_VARIANTS_ENV) == "1"
     if flash and flash_prefill_runs(head_dim, FLASH_KV_TILE if packed else page_size, dtype):
         return dict(FLASH)
     return triton_prefill_options(head_dim, 64 if packed else page_size, dtype)
 
-
-FLASH_VARIANTS_ENV = "FLEXSGL_FLASH_VARIANTS"
 
 
 def triton_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
