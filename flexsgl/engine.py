@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 
 from flexsgl.cache.pool import PageAllocator
 from flexsgl.attention.layer_variants import kv_window
-from flexsgl.attention.variant import PerRequest
+from flexsgl.attention.request_variants import RequestVariants
 from flexsgl.config import EngineConfig
 from flexsgl.engine_core import build_core, prepare
 from flexsgl.generation_config import default_sampling
@@ -99,20 +99,21 @@ class LLM:
         self.outputs = OutputProcessor(self.tokenizer)  # text, stop decisions, callbacks
         self.default_sampling = default_sampling(self.src)
         self.allocator = PageAllocator(core.num_pages)
+        variants = RequestVariants(self.resolved.variants)
         self.scheduler = Scheduler(cfg.page_size, self.allocator, cfg.max_num_batched_tokens,
-                                   cfg.max_running_requests, kv_window(self.resolved.variants), cfg.prefill_first)
+                                   cfg.max_running_requests, kv_window(self.resolved.variants), cfg.prefill_first,
+                                   variants.whole_prompt)
         if self._channel is not None:
             self.runner.tp = self._channel
             self.runner.wait = self._channel.wait
             self._channel.release = self.runner.release_graphs  # before leaving the process group
             self._finalizer = weakref.finalize(self, self._channel.close)
-        takes = {n: not p.dtype.is_floating_point for v in self.resolved.variants if v is not None
-                 for n, p in v.params.items() if isinstance(p, PerRequest)}
         structured = None
         if self.tokenizer is None:
             structured = f"model {self.src.name!r} has no tokenizer"
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity,
-                                       takes, self.scheduler.held_tokens, structured)
+                                       variants, self.scheduler.held_tokens, structured,
+                                       cfg.max_num_batched_tokens if variants.whole_prompt else None)
         self.grammars = grammar.GrammarQueue(self.tokenizer, mcfg.vocab_size)  # requests waiting for their grammar
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._next_id = 0  # above every id added (abort tells a finished request from an unknown one)

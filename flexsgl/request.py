@@ -64,7 +64,8 @@ class Request:
     """One prompt's life in the engine (host-side bookkeeping), in three parts.
 
     What was asked, fixed once the request is made: the prompt, the sampling parameters, EOS ids,
-    the context (`max_len`), the noise seed, and for a sample of n its `index` and `leader`.
+    the context (`max_len`), the noise seed, for a sample of n its `index` and `leader`, and the
+    prefix cache partition its K/V belong to (`cache_salt`, flexsgl/attention/request_variants.py).
 
     Scheduling state, the scheduler's (the runner reads `pages`, `slot` and `fill_ids`): `fill_ids`
     are the tokens to prefill when (re)admitted, the prompt or, after a preemption, the prompt plus
@@ -87,6 +88,7 @@ class Request:
     index: int = 0  # which of its prompt's n samples
     leader: Request | None = None  # sample 0 of its group, whose cached prompt pages it waits for
     rng_seed: int = field(default_factory=lambda: secrets.randbits(62))
+    cache_salt: object = None  # None: its K/V serve every request with the same tokens
     # Scheduling state
     state: State = State.WAITING
     fill_ids: list[int] = field(default_factory=list)

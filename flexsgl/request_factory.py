@@ -12,6 +12,7 @@ import itertools
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
+from flexsgl.attention.request_variants import RequestVariants
 from flexsgl.cache.pool import KVPool
 from flexsgl.errors import InputError, PromptError, SamplingParamsError, short_repr
 from flexsgl.request import Request
@@ -84,21 +85,23 @@ def check_prompt(prompt, index: int) -> str | list[int]:
 
 class RequestFactory:
     def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int,
-                 attention_params: dict[str, bool] | None = None, held_tokens: int | None = None,
-                 no_structured_outputs: str | None = None):
+                 variants: RequestVariants | None = None, held_tokens: int | None = None,
+                 no_structured_outputs: str | None = None, whole_prompt_tokens: int | None = None):
         """`config`: the model's ModelConfig; `capacity`: KV pages a request may ever use;
-        `attention_params`: the per-request parameters the engine's attention variants take, each with
-        whether it takes whole numbers only;
+        `variants`: what the engine's attention variants take from a request (None: nothing);
         `held_tokens`: the most KV slots a request holds at once (refusal);
-        `no_structured_outputs`: why this engine cannot take structured outputs (None: it can)."""
+        `no_structured_outputs`: why this engine cannot take structured outputs (None: it can);
+        `whole_prompt_tokens`: the longest prompt where prompts are prefilled in one step (refusal)."""
         self.model_name, self.config, self.tokenizer = model_name, config, tokenizer
-        self.page_size, self.capacity, self.attention_params = page_size, capacity, attention_params or {}
+        self.page_size, self.capacity = page_size, capacity
+        self.variants = RequestVariants([]) if variants is None else variants
         self.held_tokens, self.no_structured_outputs = held_tokens, no_structured_outputs
+        self.whole_prompt_tokens = whole_prompt_tokens
         self._ids = itertools.count()
 
     def __reduce__(self):
         return RequestFactory, (self.model_name, self.config, self.tokenizer, self.page_size, self.capacity,
-                                self.attention_params, self.held_tokens, self.no_structured_outputs)
+                                self.variants, self.held_tokens, self.no_structured_outputs, self.whole_prompt_tokens)
 
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> Request:
         """Check one prompt and its sampling parameters and turn them into a Request (not queued);
@@ -121,13 +124,14 @@ class RequestFactory:
                               "leaving no room for a new token.")
         if any(t >= vocab for t in sampling.stop_token_ids):
             raise SamplingParamsError(f"stop_token_ids of prompt {index} hold ids outside the vocabulary [0, {vocab}).")
-        unknown = sorted(set(sampling.attention_params or ()) - set(self.attention_params))
+        takes = self.variants.params
+        unknown = sorted(set(sampling.attention_params or ()) - set(takes))
         if unknown:
-            takes = f"it takes {', '.join(self.attention_params)}" if self.attention_params else "it takes none"
+            takes = f"it takes {', '.join(takes)}" if takes else "it takes none"
             raise SamplingParamsError(f"attention_params of prompt {index} name {unknown[0]!r}, which no attention "
                                       f"variant of this engine takes ({takes}).")
         fractional = [(k, v) for k, v in (sampling.attention_params or {}).items()
-                      if self.attention_params[k] and not float(v).is_integer()]
+                      if self.variants.whole_numbers(k) and not float(v).is_integer()]
         if fractional:
             raise SamplingParamsError(f"attention_params of prompt {index} give {fractional[0][0]} "
                                       f"{fractional[0][1]!r}, and it takes whole numbers.")
@@ -138,14 +142,15 @@ class RequestFactory:
         eos = self.config.eos_token_ids
         if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos = (self.tokenizer.eos_token_id,)
-        return Request(next(self._ids), ids, sampling, eos, ctx)
+        return Request(next(self._ids), ids, sampling, eos, ctx,
+                       cache_salt=self.variants.salt(ids, sampling.attention_params))
 
     def make_requests(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> list[Request]:
         """make_request for each of sampling.n samples: sample 0 leads (its prompt pages go to the
         prefix cache once computed) and the others wait for it, then reuse those pages."""
         first = self.make_request(prompt, sampling, index)
         rest = [Request(next(self._ids), first.prompt_ids, sampling, first.eos_ids, first.max_len, index=i,
-                        leader=first) for i in range(1, sampling.n)]
+                        leader=first, cache_salt=first.cache_salt) for i in range(1, sampling.n)]
         first.shares_prompt = bool(rest)
         return [first, *rest]
 
@@ -160,17 +165,23 @@ class RequestFactory:
 
     def refusal(self, req: Request) -> str | None:
         """Why `req` can never run here (longer than the context or the whole KV cache), or None."""
-        return refusal(req, self.page_size, self.capacity, self.held_tokens)
+        return refusal(req, self.page_size, self.capacity, self.held_tokens, self.whole_prompt_tokens)
 
 
-def refusal(req: Request, page_size: int, capacity: int, held_tokens: int | None = None) -> str | None:
-    """Why `req` can never run: longer than the context, or needing more pages at once than the whole
+def refusal(req: Request, page_size: int, capacity: int, held_tokens: int | None = None,
+            whole_prompt_tokens: int | None = None) -> str | None:
+    """Why `req` can never run: longer than the context, needing more pages at once than the whole
     cache holds (held_tokens: the most KV slots a request holds at once where every layer attends
-    within a window, flexsgl/scheduler.py; None: its whole length)."""
+    within a window, flexsgl/scheduler.py; None: its whole length), or a prompt longer than a step
+    where the attention needs it prefilled in one (whole_prompt_tokens: a step's tokens there)."""
     ctx = req.max_len
     if req.target_len > ctx:
         return (f"the prompt ({req.prompt_len} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) "
                 f"exceeds the model's context of {ctx} tokens")
+    if whole_prompt_tokens is not None and req.prompt_len > whole_prompt_tokens:
+        return (f"the prompt ({req.prompt_len} tokens) is longer than a prefill step ({whole_prompt_tokens} "
+                f"tokens, max_num_batched_tokens), and this engine's attention sees each prompt whole, so it "
+                f"prefills a prompt in one step")
     need = KVPool.num_pages_for(req.target_len if held_tokens is None else min(req.target_len, held_tokens),
                                 page_size)
     if need > capacity:

@@ -42,13 +42,16 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, page_size: int, allocator: PageAllocator, max_batch_tokens: int, max_running: int,
-                 kv_window: int | None = None, prefill_first: bool = False):
+                 kv_window: int | None = None, prefill_first: bool = False, whole_prompts: bool = False):
         """kv_window: where every layer attends only to its last kv_window keys, pages wholly behind
         the window of a request's next query go back to the pool as it proceeds. prefill_first: a
         decode step runs only when no prompt can be prefilled (else a decode step follows each
-        prefill step while requests decode)."""
+        prefill step while requests decode). whole_prompts: a prompt is prefilled in one step, never
+        in chunks (the attention sees each prompt whole: flexsgl/attention/request_variants.py).
+        A request's K/V reach the prefix cache under its cache_salt, and serve only that salt."""
         self.kv_window = kv_window
         self.prefill_first = prefill_first
+        self.whole_prompts = whole_prompts
         # The most KV slots a request holds at once with a window: the window, a prefill chunk, and the
         # pages they straddle (None: its whole length)
         self.held_tokens = None if kv_window is None else kv_window + max_batch_tokens + 2 * page_size
@@ -67,7 +70,8 @@ class Scheduler:
 
     def refusal(self, req: Request) -> str | None:
         """Why `req` can never run here, or None."""
-        return refusal(req, self.ps, self.allocator.capacity, self.held_tokens)
+        return refusal(req, self.ps, self.allocator.capacity, self.held_tokens,
+                       self.max_batch_tokens if self.whole_prompts else None)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -125,7 +129,8 @@ class Scheduler:
         else:
             n_full = min(len(computed) // self.ps, start + len(own))
             cached = prefix + own[:n_full - start]
-            self.allocator.free(self.cache.insert(computed[:n_full * self.ps], cached) + own[n_full - start:])
+            self.allocator.free(self.cache.insert(computed[:n_full * self.ps], cached, r.cache_salt)
+                                + own[n_full - start:])
         r.dropped_pages = r.shared_pages = 0
         if r.prefix_node is not None:
             self.cache.unlock(r.prefix_node)
@@ -174,7 +179,10 @@ class Scheduler:
                 break  # a sample of n waits for its leader's prompt pages to reach the prefix cache
             r.fill_ids = r.all_ids
             # Compute at least one token; a request that wants its prompt's log-probabilities computes it all.
-            pages, node = self.cache.match([] if r.prompt_logprobs is not None else r.fill_ids[: len(r.fill_ids) - 1])
+            pages, node = self.cache.match([] if r.prompt_logprobs is not None else r.fill_ids[: len(r.fill_ids) - 1],
+                                           r.cache_salt)
+            if self.whole_prompts and r.prompt_len - len(pages) * self.ps > budget:
+                break  # its prompt waits for a step it fits in whole
             first_chunk = min(len(r.fill_ids) - len(pages) * self.ps, budget)
             need = KVPool.num_pages_for(len(pages) * self.ps + first_chunk, self.ps) - len(pages)
             matched_evictable = sum(len(n.pages) for n in _path(node) if n.ref == 0)  # locked once admitted
@@ -232,7 +240,8 @@ class Scheduler:
         if behind <= start:
             return
         new, prefix = r.pages[start:behind], self._held_prefix(r)
-        self.allocator.free(new if prefix is None else self.cache.insert(r.all_ids[:behind * self.ps], prefix + new))
+        self.allocator.free(new if prefix is None else
+                            self.cache.insert(r.all_ids[:behind * self.ps], prefix + new, r.cache_salt))
         r.pages[start:behind] = [DUMMY_PAGE] * (behind - start)
         r.dropped_pages = behind
         self.counters["window_pages_freed"] += behind - start
@@ -243,7 +252,7 @@ class Scheduler:
         n = max(r.dropped_pages, r.shared_pages)
         if r.dropped_pages <= r.shared_pages:
             return r.pages[:n]
-        held, _ = self.cache.match(r.all_ids[:n * self.ps])
+        held, _ = self.cache.match(r.all_ids[:n * self.ps], r.cache_salt)
         return held if len(held) == n else None
 
     def _preempt(self, r: Request) -> None:
@@ -284,8 +293,8 @@ class Scheduler:
             return  # preempted with this token in flight (its release cached what it computed), or its
             # prompt's first pages are gone behind the window
         tokens = r.prompt_ids[: n_full * self.ps]
-        self.cache.insert(tokens, r.pages[:n_full])  # a page the tree already holds in another stays r's own
-        _, node = self.cache.match(tokens)
+        self.cache.insert(tokens, r.pages[:n_full], r.cache_salt)  # a page the tree holds in another stays r's own
+        _, node = self.cache.match(tokens, r.cache_salt)
         self.cache.lock(node)
         if r.prefix_node is not None:
             self.cache.unlock(r.prefix_node)

@@ -334,3 +334,70 @@ def test_a_whole_number_parameter_refuses_a_fraction():
         llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, attention_params={"w": 2.5}))
     out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, attention_params={"w": 2.0}))[0]
     assert out.error is None
+
+
+def _fresh_logits(path, attention, prompt, greedy, monkeypatch, given=None):
+    """`prompt`'s logits and tokens on an engine of its own: no cache to hit, one prefill step."""
+    from flexsgl import LLM, SamplingParams
+    from tests.hf_models import capture_logits
+
+    llm = LLM(str(path), attention=attention, device="cpu", max_total_tokens=4096, page_size=16)
+    with monkeypatch.context() as patch:
+        seen = capture_logits(llm, patch)
+        out = llm.generate([prompt], SamplingParams(**greedy, attention_params=given))[0]
+    return torch.stack(seen[out.request_id]), out.token_ids
+
+
+@pytest.mark.parametrize("case", ["prefix-lm", "per-request-window"])
+def test_prefix_cache_reuses_only_kv_computed_alike(tmp_path, monkeypatch, case):
+    """A token's K/V after the first layer depend on the attention before it: under prefix-LM on the
+    whole prompt, under a per-request window on the window. Requests sharing a cached prefix with
+    one that computed it otherwise get a fresh engine's logits all the same, those that computed it
+    alike reuse it, and prefix-LM prompts are never split across steps (a budget of 64 tokens for
+    prompts of 20-60, queued together). Reference: each request on an engine of its own."""
+    from flexsgl import LLM, SamplingParams
+    from tests.hf_models import capture_logits, make_checkpoint
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    make_checkpoint("qwen3", tmp_path, seed)
+    base = [rng.randrange(1, 320) for _ in range(40)]
+    tail = lambda: [rng.randrange(1, 320) for _ in range(rng.randrange(1, 20))]  # noqa: E731
+    if case == "prefix-lm":
+        attention, given = V.prefix_lm(), [None] * 5
+        prompts = [base, base + tail(), base + tail(), base[:20] + tail(), list(base)]
+    else:
+        attention, given = per_request_window(), [{"w": 4}, {"w": 20}, {"w": 4}, None, {"w": 64}]
+        prompts = [base, base + tail(), base + tail(), base + tail(), base + tail()]
+    greedy = dict(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(tmp_path), attention=attention, device="cpu", max_total_tokens=4096, page_size=16,
+              max_num_batched_tokens=64)
+    # prefix-LM's requests but the first queued together (whole prompts in a shared budget); the
+    # windows' one at a time, so each finds the pages of those before it in the cache
+    calls = [[0], [1, 2, 3, 4]] if case == "prefix-lm" else [[i] for i in range(5)]
+    outs = []
+    with monkeypatch.context() as patch:
+        seen = capture_logits(llm, patch)
+        for call in calls:
+            outs += llm.generate([prompts[i] for i in call],
+                                 [SamplingParams(**greedy, attention_params=given[i]) for i in call])
+    for i, out in enumerate(outs):
+        ref, tokens = _fresh_logits(tmp_path, attention, prompts[i], greedy, monkeypatch, given[i])
+        ours = torch.stack(seen[out.request_id])
+        rel = ((ours - ref).abs().max(-1).values / ref.abs().max(-1).values).max().item()
+        assert rel < 1e-4 and out.token_ids == tokens, f"{case} request {i}: {rel:.2e}, seed={seed}"
+    # Prefix-LM: only the same prompt again reuses (all of it); a window: the same window again
+    # (request 2 after 0), and the default given or not (4 after 3).
+    hits = [o.cached_tokens for o in outs]
+    want = [0, 0, 0, 0, 32] if case == "prefix-lm" else [0, 0, 32, 0, 32]
+    assert hits == want, f"{case}: cached tokens {hits}, seed={seed}"
+
+
+def test_a_prompt_longer_than_a_step_is_refused_where_prompts_are_seen_whole():
+    from flexsgl import LLM, SamplingParams
+
+    llm = LLM("tiny", attention=V.prefix_lm(), load_format="dummy", device="cpu", max_total_tokens=1024,
+              max_num_batched_tokens=16)
+    long, short = llm.generate([list(range(1, 30)), list(range(1, 10))], SamplingParams(max_new_tokens=3))
+    assert long.finish_reason == "refused" and "longer than a prefill step (16 tokens" in long.error
+    assert short.error is None and len(short.token_ids) == 3

@@ -57,6 +57,23 @@ def test_split_then_sibling_insert():
     c.check()
 
 
+def test_salts_partition_the_tree():
+    """K/V cached under one salt serve that salt's requests only; the unsalted tree is one more
+    partition. Splits and eviction keep each node under its own key."""
+    c = RadixCache(2)
+    assert c.insert([A, B, C, D], [10, 11]) == []
+    assert c.insert([A, B, C, D], [20, 21], salt="s") == []  # the same tokens, other K/V: both kept
+    assert c.match([A, B, C, D])[0] == [10, 11] and c.match([A, B, C, D], salt="s")[0] == [20, 21]
+    assert c.match([A, B, C, D], salt="t") == ([], c.root)
+    pages, node = c.match([A, B, X, Y], salt="s")  # splits the salted edge
+    assert pages == [20] and node.edge == ("s", (A, B)) and c.root.children[("s", (A, B))] is node
+    assert c.insert([A, B, X, Y], [30, 31], salt="s") == [30]
+    assert c.match([A, B, X, Y], salt="s")[0] == [20, 31] and c.match([A, B, X, Y])[0] == [10]
+    c.check()
+    assert sorted(c.evict(10)) == [10, 11, 20, 21, 31] and c.root.children == {}
+    c.check()
+
+
 def test_evict_least_recently_used_leaf_first():
     c = RadixCache(2)
     c.insert([1, 1], [1])
@@ -122,8 +139,9 @@ PS, NUM_PAGES = 2, 40
 
 
 class SchedulerLike(RuleBasedStateMachine):
-    """live[i] = (tokens, locked node, matched pages, own pages): own pages are the ones the request
-    allocated and has not handed to the cache yet. holds[p] is the token prefix page p's KV stands for."""
+    """live[i] = (tokens, salt, locked node, matched pages, own pages): own pages are the ones the request
+    allocated and has not handed to the cache yet. holds[p] is the salt and token prefix page p's KV
+    stands for (a page serves requests of its own salt only)."""
 
     @initialize(seed=st.none() | st.integers(0, 2**32 - 1))
     def setup(self, seed):
@@ -131,19 +149,20 @@ class SchedulerLike(RuleBasedStateMachine):
         self.cache = RadixCache(PS)
         self.live, self.holds, self.seen = [], {}, []
 
-    def check_pages(self, pages, tokens, what):
+    def check_pages(self, pages, tokens, salt, what):
         for k, p in enumerate(pages):
-            assert self.holds.get(p) == tuple(tokens[: (k + 1) * PS]), f"{what}: page {p} at {k} of {tokens}"
+            assert self.holds.get(p) == (salt, tuple(tokens[: (k + 1) * PS])), f"{what}: page {p} at {k} of {tokens}"
 
-    @rule(tokens=st.lists(st.integers(0, 2), max_size=20), reuse=st.none() | st.integers(0, 99))
-    def request(self, tokens, reuse):
+    @rule(tokens=st.lists(st.integers(0, 2), max_size=20), reuse=st.none() | st.integers(0, 99),
+          salt=st.sampled_from([None, None, "a", "b"]))
+    def request(self, tokens, reuse, salt):
         if reuse is not None and self.seen:  # often extend a prefix of an earlier request
             prev = self.seen[reuse % len(self.seen)]
             tokens = (prev[: reuse % (len(prev) + 1)] + tokens)[:20]
         self.seen.append(tokens)
-        matched, node = self.cache.match(tokens)
+        matched, node = self.cache.match(tokens, salt)
         assert not set(matched) & set(self.alloc._free), f"match of {tokens} returned free pages"
-        self.check_pages(matched, tokens, "match")
+        self.check_pages(matched, tokens, salt, "match")
         self.cache.lock(node)
         need = -(-len(tokens) // PS) - len(matched)
         if need > self.alloc.num_free:
@@ -153,21 +172,21 @@ class SchedulerLike(RuleBasedStateMachine):
             return
         own = self.alloc.alloc(need)
         for k, p in enumerate(own, start=len(matched)):
-            self.holds[p] = tuple(tokens[: (k + 1) * PS])
-        self.live.append((tokens, node, matched, own))
+            self.holds[p] = (salt, tuple(tokens[: (k + 1) * PS]))
+        self.live.append((tokens, salt, node, matched, own))
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99))
     def finish(self, i):
-        tokens, node, matched, own = self.live.pop(i % len(self.live))
+        tokens, salt, node, matched, own = self.live.pop(i % len(self.live))
         whole = len(tokens) // PS
-        dups = self.cache.insert(tokens, matched + own)
+        dups = self.cache.insert(tokens, matched + own, salt)
         assert set(dups) <= set(own[: whole - len(matched)]), f"insert {tokens}: odd duplicates {dups}"
         self.alloc.free(dups + own[whole - len(matched):])
         self.cache.unlock(node)
-        pages, _ = self.cache.match(tokens)  # just inserted, nothing evicted since
+        pages, _ = self.cache.match(tokens, salt)  # just inserted, nothing evicted since
         assert len(pages) == whole, f"{tokens} was inserted but only {len(pages)} pages match"
-        self.check_pages(pages, tokens, "match after insert")
+        self.check_pages(pages, tokens, salt, "match after insert")
 
     @rule(k=st.integers(0, 10))
     def evict(self, k):
@@ -186,17 +205,18 @@ class SchedulerLike(RuleBasedStateMachine):
         assert len(everything) == len(set(everything)), "free, cached and live pages overlap"
         assert set(everything) == set(range(NUM_PAGES)) - {DUMMY_PAGE}, "a page leaked"
         assert 0 <= self.cache.num_evictable <= self.cache.num_pages == len(tree)
-        for _, node, matched, _ in self.live:
+        for _, _, node, matched, _ in self.live:
             assert set(matched) <= set(tree), "a locked page left the tree"
-        stack = [(self.cache.root, ())]  # every cached page holds the prefix its tree path spells
+        # every cached page holds the prefix its tree path spells, under the salt its root edge names
+        stack = [(ch, (), ch.edge[0] if ch.edge != ch.key[:PS] else None) for ch in self.cache.root.children.values()]
         while stack:
-            n, prefix = stack.pop()
+            n, prefix, salt = stack.pop()
             assert n.ref >= 0
             prefix += n.key
             start = len(prefix) // PS - len(n.pages)
             for k, p in enumerate(n.pages, start=start):
-                assert self.holds.get(p) == prefix[: (k + 1) * PS], f"page {p} sits at the wrong prefix"
-            stack += [(ch, prefix) for ch in n.children.values()]
+                assert self.holds.get(p) == (salt, prefix[: (k + 1) * PS]), f"page {p} sits at the wrong prefix"
+            stack += [(ch, prefix, salt) for ch in n.children.values()]
 
 
 TestSchedulerLike = SchedulerLike.TestCase

@@ -1,4 +1,8 @@
-"""Radix prefix cache over page-aligned token keys.
+"""Radix prefix cache over page-aligned token keys, partitioned by salt.
+
+A request's K/V serve only requests of the same salt (None for most; flexsgl/attention/
+request_variants.py says which requests have one): the root's children are keyed by the salt with
+the first page's tokens, so every path below holds one salt's K/V.
 
 Invariants (checked by `check()`, which the property tests call after every operation):
 - Every edge holds whole pages: len(node.key) == len(node.pages) * page_size > 0 (root excepted).
@@ -17,11 +21,12 @@ _clock = itertools.count()
 
 
 class Node:
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_use")
+    __slots__ = ("key", "pages", "children", "parent", "edge", "ref", "last_use")
 
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: "Node | None"):
-        self.key, self.pages, self.parent = key, pages, parent
-        self.children: dict[tuple[int, ...], Node] = {}
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: "Node | None", edge: tuple = ()):
+        """edge: this node's key in its parent's children (RadixCache._edge)."""
+        self.key, self.pages, self.parent, self.edge = key, pages, parent, edge
+        self.children: dict[tuple, Node] = {}
         self.ref = 0
         self.last_use = next(_clock)
 
@@ -37,12 +42,18 @@ class RadixCache:
     def _first(self, tokens) -> tuple[int, ...]:
         return tuple(tokens[: self.ps])
 
-    def match(self, tokens: list[int]) -> tuple[list[int], Node]:
-        """Pages of the longest cached prefix of `tokens` made of whole pages, and its last node.
-        A partly matching edge is split at the last matching page boundary."""
+    def _edge(self, parent: Node, tokens, salt) -> tuple:
+        """The key in `parent`'s children of a child whose tokens start with `tokens`: its first page's
+        tokens, with the salt in front under the root."""
+        first = self._first(tokens)
+        return (salt, first) if parent is self.root and salt is not None else first
+
+    def match(self, tokens: list[int], salt=None) -> tuple[list[int], Node]:
+        """Pages of the longest prefix of `tokens` made of whole pages that `salt`'s requests cached,
+        and its last node. A partly matching edge is split at the last matching page boundary."""
         node, pages, i = self.root, [], 0
         while len(tokens) - i >= self.ps:
-            child = node.children.get(self._first(tokens[i:]))
+            child = node.children.get(self._edge(node, tokens[i:], salt))
             if child is None:
                 break
             n = self._common_pages(child.key, tokens[i:])
@@ -64,24 +75,26 @@ class RadixCache:
     def _split(self, node: Node, n_pages: int) -> Node:
         """Cut `node` after n_pages pages; returns the new upper part."""
         cut = n_pages * self.ps
-        upper = Node(node.key[:cut], node.pages[:n_pages], node.parent)
+        upper = Node(node.key[:cut], node.pages[:n_pages], node.parent, node.edge)
         upper.ref, upper.last_use = node.ref, node.last_use
-        node.parent.children[self._first(node.key)] = upper
+        node.parent.children[node.edge] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
-        upper.children[self._first(node.key)] = node
+        node.edge = self._first(node.key)
+        upper.children[node.edge] = node
         return upper
 
-    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
-        """Cache `pages` as holding `tokens` (whole pages only). Returns the given pages that were
-        not taken because the tree already holds those tokens in other pages (free them)."""
+    def insert(self, tokens: list[int], pages: list[int], salt=None) -> list[int]:
+        """Cache `pages` as holding `tokens` (whole pages only) for `salt`'s requests. Returns the given
+        pages that were not taken because the tree already holds those tokens in other pages (free them)."""
         n_full = min(len(tokens) // self.ps, len(pages))
         tokens, pages = tokens[: n_full * self.ps], pages[:n_full]
         node, i, duplicates = self.root, 0, []
         while i < len(tokens):
-            child = node.children.get(self._first(tokens[i:]))
+            edge = self._edge(node, tokens[i:], salt)
+            child = node.children.get(edge)
             if child is None:
-                new = Node(tuple(tokens[i:]), pages[i // self.ps:], node)
-                node.children[new.key[: self.ps]] = new
+                new = Node(tuple(tokens[i:]), pages[i // self.ps:], node, edge)
+                node.children[edge] = new
                 self.num_pages += len(new.pages)
                 self.num_evictable += len(new.pages) if new.ref == 0 else 0
                 return duplicates
@@ -118,7 +131,7 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             freed += leaf.pages
             parent = leaf.parent
-            del parent.children[self._first(leaf.key)]
+            del parent.children[leaf.edge]
             self.num_pages -= len(leaf.pages)
             self.num_evictable -= len(leaf.pages)
             if parent is not self.root and not parent.children and parent.ref == 0:
@@ -153,7 +166,9 @@ class RadixCache:
                 assert len(node.key) == len(node.pages) * self.ps > 0, "edge is not whole pages"
                 assert node.parent.ref >= node.ref, "a lock does not cover its root path"
                 evictable += len(node.pages) if node.ref == 0 else 0
-            for first, child in node.children.items():
-                assert child.parent is node and child.key[: self.ps] == first
+            for edge, child in node.children.items():
+                first = child.key[: self.ps]
+                assert child.parent is node and child.edge == edge, "a child under another key"
+                assert edge == first or (node is self.root and edge[1:] == (first,)), "a key not its first page"
             stack.extend(node.children.values())
         assert evictable == self.num_evictable, "evictable page count drifted"

@@ -1,0 +1,46 @@
+"""What an engine's attention variants take from each request, and what they mean for reusing its K/V.
+
+A request may give the variants' per-request parameters (`PerRequest`) through
+`SamplingParams.attention_params`; an integer parameter takes whole numbers only.
+
+The prefix cache hands a request the K/V another computed for the same tokens. That is right only
+where both computed them alike, and a token's K/V after the first layer depend on every earlier
+layer's attention:
+- plain causal attention, and causal variants that read no request's values: on the tokens up to
+  it alone, so every request shares with every other;
+- a per-request parameter: on its value too, so a request shares only with requests that give the
+  same values (those that give none, or the defaults, share with each other);
+- a variant that is not causal or reads the prompt's length (prefix-LM: the prompt sees itself both
+  ways): on the whole prompt, so a request shares only with requests of the same prompt. Its prompt
+  must also be prefilled in one step, as a chunk of it would attend without the chunks after it.
+
+`salt` is the prefix cache's partition for a request's K/V (flexsgl/cache/radix.py): None where it
+shares with every request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from flexsgl.attention.variant import AttentionVariant, PerRequest, PromptLength
+
+
+class RequestVariants:
+    def __init__(self, per_layer: Sequence[AttentionVariant | None]):
+        variants = [v for v in per_layer if v is not None]
+        self.params: dict[str, PerRequest] = {n: p for v in variants for n, p in v.params.items()
+                                              if isinstance(p, PerRequest)}
+        # whether a prompt token's K/V depend on the prompt after it
+        self.whole_prompt = any(not v.causal or any(isinstance(p, PromptLength) for p in v.params.values())
+                                for v in variants)
+
+    def whole_numbers(self, name: str) -> bool:
+        return not self.params[name].dtype.is_floating_point
+
+    def salt(self, prompt_ids: Sequence[int], given: dict | None) -> Hashable | None:
+        """The prefix cache partition of a request with this prompt and these attention_params
+        (module docstring)."""
+        values = tuple(sorted((k, v) for k, v in (given or {}).items() if v != self.params[k].default))
+        if self.whole_prompt:
+            return "prompt", tuple(prompt_ids), values
+        return ("params", values) if values else None
