@@ -101,7 +101,6 @@ def variant_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype, p
     return triton_prefill_options(head_dim, 64 if packed else page_size, dtype)
 
 
-
 def triton_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
     """Options of flex's Triton main kernel for prefill on CUDA."""
     options = {"BLOCK_N": math.gcd(page_size, 64)}
