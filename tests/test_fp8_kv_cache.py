@@ -197,9 +197,9 @@ def test_gpu_overrides_read_the_fp8_cache(tmp_path_factory, monkeypatch, overrid
     """FA3, FlashInfer and triton-decode over the FP8 cache in the bfloat16 engine, compiled and
     graphed: HF in float32 over the stored K/V within 3% of the largest logit (bfloat16's error), or
     12% where FA3 serves a step. FA3 reads FP8 K/V only with FP8 queries, and rounds its
-    probabilities to FP8 too: float32 attention that rounds both as FA3 does (emulated on the CPU)
-    moves these checkpoints' logits by up to 12% of the largest (75 prompts on 25 checkpoints). A
-    wrong scale or page is off by far more."""
+    probabilities to FP8 too: float32 attention that rounds both as FA3 does moves these checkpoints'
+    logits by up to 12% of the largest (`python tools/fa3_fp8_rounding.py`, on the CPU). A wrong
+    scale or page is off by far more."""
     from tests.test_gpu_overrides import skip_unless_runs
 
     for name in override.split(","):
