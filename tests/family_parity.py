@@ -16,7 +16,7 @@ import random
 import torch
 
 from flexsgl import LLM, SamplingParams
-from tests.hf_models import capture_logits, hf_reference
+from tests.hf_models import capture_logits, hf_reference, logits_rel_error
 
 STEPS = 32
 PAGE = 16
@@ -63,7 +63,7 @@ def check_outputs(hf, llm, seen, prompts, outs, seed, what: str) -> None:
         assert outs[i].token_ids == ref_tokens, f"{what}: prompt {i} (len {len(prompt)}), seed={seed}"
         ours = torch.stack(seen[outs[i].request_id])
         assert ours.shape == ref_logits.shape, f"{what}: seed={seed}"
-        rel = ((ours - ref_logits).abs().max(-1).values / ref_logits.abs().max(-1).values).max().item()
+        rel = logits_rel_error(ours, ref_logits)
         assert rel < 1e-4, f"{what}: prompt {i}: logits relative error {rel:.2e}, seed={seed}"
 
 

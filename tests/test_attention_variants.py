@@ -296,32 +296,40 @@ def per_request_window() -> AttentionVariant:
     return AttentionVariant("per_request_window", mask_mod=mask, window=64, params={"w": PerRequest(64)})
 
 
+def _fresh_logits(path, attention, prompt, greedy, monkeypatch, given=None):
+    """`prompt`'s logits and tokens on an engine of its own: no cache to hit, one prefill step."""
+    from flexsgl import LLM, SamplingParams
+    from tests.hf_models import capture_logits
+
+    llm = LLM(str(path), attention=attention, device="cpu", max_total_tokens=4096, page_size=16)
+    with monkeypatch.context() as patch:
+        seen = capture_logits(llm, patch)
+        out = llm.generate([prompt], SamplingParams(**greedy, attention_params=given))[0]
+    return torch.stack(seen[out.request_id]), out.token_ids
+
+
 def test_per_request_parameters_reach_each_request(tmp_path, monkeypatch):
     """Through the engine (plan, upload, the variant's request tensors): requests given different
     windows in one batch each get the logits and tokens of an engine whose every request has that
     window as a fixed one (sliding_window, which the HF parity tests check), on a random checkpoint."""
     from flexsgl import LLM, SamplingParams
-    from tests.hf_models import capture_logits, make_checkpoint
+    from tests.hf_models import capture_logits, logits_rel_error, make_checkpoint
 
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     make_checkpoint("qwen3", tmp_path, seed)
     prompts = [[rng.randrange(1, 320) for _ in range(rng.randrange(30, 90))] for _ in range(3)]
     windows = [rng.randrange(2, 24) for _ in prompts]
-    opts = dict(device="cpu", max_total_tokens=4096, page_size=16)
     greedy = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    per_request = LLM(str(tmp_path), attention=per_request_window(), **opts)
+    per_request = LLM(str(tmp_path), attention=per_request_window(), device="cpu", max_total_tokens=4096,
+                      page_size=16)
     with monkeypatch.context() as patch:
         seen = capture_logits(per_request, patch)
         got = per_request.generate(prompts, [SamplingParams(**greedy, attention_params={"w": w}) for w in windows])
     for prompt, w, out in zip(prompts, windows, got):
-        fixed = LLM(str(tmp_path), attention=V.sliding_window(w), **opts)
-        with monkeypatch.context() as patch:
-            ref_seen = capture_logits(fixed, patch)
-            want = fixed.generate([prompt], SamplingParams(**greedy))[0]
-        ours, ref = torch.stack(seen[out.request_id]), torch.stack(ref_seen[want.request_id])
-        rel = ((ours - ref).abs().max(-1).values / ref.abs().max(-1).values).max().item()
-        assert rel < 1e-4 and out.token_ids == want.token_ids, f"window {w}: {rel:.2e}, seed={seed}"
+        ref, tokens = _fresh_logits(tmp_path, V.sliding_window(w), prompt, greedy, monkeypatch)
+        rel = logits_rel_error(torch.stack(seen[out.request_id]), ref)
+        assert rel < 1e-4 and out.token_ids == tokens, f"window {w}: {rel:.2e}, seed={seed}"
 
 
 def test_a_whole_number_parameter_refuses_a_fraction():
@@ -336,18 +344,6 @@ def test_a_whole_number_parameter_refuses_a_fraction():
     assert out.error is None
 
 
-def _fresh_logits(path, attention, prompt, greedy, monkeypatch, given=None):
-    """`prompt`'s logits and tokens on an engine of its own: no cache to hit, one prefill step."""
-    from flexsgl import LLM, SamplingParams
-    from tests.hf_models import capture_logits
-
-    llm = LLM(str(path), attention=attention, device="cpu", max_total_tokens=4096, page_size=16)
-    with monkeypatch.context() as patch:
-        seen = capture_logits(llm, patch)
-        out = llm.generate([prompt], SamplingParams(**greedy, attention_params=given))[0]
-    return torch.stack(seen[out.request_id]), out.token_ids
-
-
 @pytest.mark.parametrize("case", ["prefix-lm", "per-request-window"])
 def test_prefix_cache_reuses_only_kv_computed_alike(tmp_path, monkeypatch, case):
     """A token's K/V after the first layer depend on the attention before it: under prefix-LM on the
@@ -356,7 +352,7 @@ def test_prefix_cache_reuses_only_kv_computed_alike(tmp_path, monkeypatch, case)
     alike reuse it, and prefix-LM prompts are never split across steps (a budget of 64 tokens for
     prompts of 20-60, queued together). Reference: each request on an engine of its own."""
     from flexsgl import LLM, SamplingParams
-    from tests.hf_models import capture_logits, make_checkpoint
+    from tests.hf_models import capture_logits, logits_rel_error, make_checkpoint
 
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -383,8 +379,7 @@ def test_prefix_cache_reuses_only_kv_computed_alike(tmp_path, monkeypatch, case)
                                  [SamplingParams(**greedy, attention_params=given[i]) for i in call])
     for i, out in enumerate(outs):
         ref, tokens = _fresh_logits(tmp_path, attention, prompts[i], greedy, monkeypatch, given[i])
-        ours = torch.stack(seen[out.request_id])
-        rel = ((ours - ref).abs().max(-1).values / ref.abs().max(-1).values).max().item()
+        rel = logits_rel_error(torch.stack(seen[out.request_id]), ref)
         assert rel < 1e-4 and out.token_ids == tokens, f"{case} request {i}: {rel:.2e}, seed={seed}"
     # Prefix-LM: only the same prompt again reuses (all of it); a window: the same window again
     # (request 2 after 0), and the default given or not (4 after 3).
