@@ -113,7 +113,7 @@ class LLM:
             structured = f"model {self.src.name!r} has no tokenizer"
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity,
                                        variants, self.scheduler.held_tokens, structured,
-                                       cfg.max_num_batched_tokens if variants.whole_prompt else None)
+                                       self.scheduler.whole_prompt_tokens)
         self.grammars = grammar.GrammarQueue(self.tokenizer, mcfg.vocab_size)  # requests waiting for their grammar
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._next_id = 0  # above every id added (abort tells a finished request from an unknown one)

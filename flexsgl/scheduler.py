@@ -51,7 +51,8 @@ class Scheduler:
         A request's K/V reach the prefix cache under its cache_salt, and serve only that salt."""
         self.kv_window = kv_window
         self.prefill_first = prefill_first
-        self.whole_prompts = whole_prompts
+        # The longest prompt where prompts are prefilled whole (None: any, in chunks)
+        self.whole_prompt_tokens = max_batch_tokens if whole_prompts else None
         # The most KV slots a request holds at once with a window: the window, a prefill chunk, and the
         # pages they straddle (None: its whole length)
         self.held_tokens = None if kv_window is None else kv_window + max_batch_tokens + 2 * page_size
@@ -70,8 +71,7 @@ class Scheduler:
 
     def refusal(self, req: Request) -> str | None:
         """Why `req` can never run here, or None."""
-        return refusal(req, self.ps, self.allocator.capacity, self.held_tokens,
-                       self.max_batch_tokens if self.whole_prompts else None)
+        return refusal(req, self.ps, self.allocator.capacity, self.held_tokens, self.whole_prompt_tokens)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -181,7 +181,7 @@ class Scheduler:
             # Compute at least one token; a request that wants its prompt's log-probabilities computes it all.
             pages, node = self.cache.match([] if r.prompt_logprobs is not None else r.fill_ids[: len(r.fill_ids) - 1],
                                            r.cache_salt)
-            if self.whole_prompts and r.prompt_len - len(pages) * self.ps > budget:
+            if self.whole_prompt_tokens is not None and r.prompt_len - len(pages) * self.ps > budget:
                 break  # its prompt waits for a step it fits in whole
             first_chunk = min(len(r.fill_ids) - len(pages) * self.ps, budget)
             need = KVPool.num_pages_for(len(pages) * self.ps + first_chunk, self.ps) - len(pages)
