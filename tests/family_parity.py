@@ -16,7 +16,7 @@ import random
 import torch
 
 from flexsgl import LLM, SamplingParams
-from tests.hf_models import capture_logits, hf_reference, logits_rel_error
+from tests.hf_models import assert_matches_hf, capture_logits, hf_reference
 
 STEPS = 32
 PAGE = 16
@@ -58,13 +58,9 @@ def rounding_margin(hf, sequences: list[list[int]]) -> float:
 
 def check_outputs(hf, llm, seen, prompts, outs, seed, what: str) -> None:
     for i, prompt in enumerate(prompts):
-        ref_tokens, ref_logits = hf_reference(hf, prompt, STEPS)
         assert outs[i].finish_reason == "length", f"{what}: seed={seed}"
-        assert outs[i].token_ids == ref_tokens, f"{what}: prompt {i} (len {len(prompt)}), seed={seed}"
-        ours = torch.stack(seen[outs[i].request_id])
-        assert ours.shape == ref_logits.shape, f"{what}: seed={seed}"
-        rel = logits_rel_error(ours, ref_logits)
-        assert rel < 1e-4, f"{what}: prompt {i}: logits relative error {rel:.2e}, seed={seed}"
+        assert_matches_hf(hf, prompt, outs[i].token_ids, seen[outs[i].request_id],
+                          f"{what}: prompt {i} (len {len(prompt)}), seed={seed}", steps=STEPS)
 
 
 def well_drawn(path, make_hf, prompts_of, steps: int = STEPS):
@@ -96,9 +92,7 @@ def check_two_ranks(path, monkeypatch, make_hf, window: int, steps: int = 8) -> 
         out = two.generate(prompts, sampling)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
     for prompt, o in zip(prompts, out):
-        tokens, logits = hf_reference(hf, prompt, steps)
-        assert o.token_ids == tokens, f"seed={seed}"
-        torch.testing.assert_close(torch.stack(seen[o.request_id]), logits, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+        assert_matches_hf(hf, prompt, o.token_ids, seen[o.request_id], f"seed={seed}", steps=steps)
 
 
 def check_family(tmp_path, monkeypatch, make_hf, window: int, compile: bool = False, **options) -> LLM:

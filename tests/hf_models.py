@@ -47,6 +47,7 @@ def logits_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def hf_reference(hf, prompt, steps):
+    """HF's greedy continuation of `prompt` (`steps` tokens, generate's own loop) and its logits at each step."""
     with torch.no_grad():
         ids = torch.tensor([prompt])  # an explicit mask: generate would take token 0 for padding
         gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
@@ -55,15 +56,26 @@ def hf_reference(hf, prompt, steps):
     return gen, logits
 
 
-def assert_matches_hf(hf, prompt, out, seen, what: str, tol: float = 1e-4) -> None:
-    """An engine's greedy output `out` for `prompt` (its logits captured in `seen`: capture_logits)
-    against HF's greedy run of as many tokens: the same tokens, and every step's logits within `tol`
-    of HF's, relative to the step's largest; `what` names the case (and its seed) in a failure."""
-    ref_tokens, ref_logits = hf_reference(hf, prompt, len(out.token_ids))
-    assert out.token_ids == ref_tokens, what
-    ours = torch.stack(seen[out.request_id]).to(ref_logits.dtype)
-    rel = logits_rel_error(ours, ref_logits)
-    assert rel < tol, f"{what}: logits relative error {rel:.2e}"
+def assert_matches_hf(hf, prompt, tokens: list[int], logits=None, what: str = "", tol: float = 1e-4,
+                      steps: int | None = None) -> None:
+    """`tokens`, an engine's greedy continuation of `prompt` (`steps` of them when given), against HF's
+    forward over prompt + tokens: each token HF's argmax at its step, or short of it by at most `tol` of
+    the step's largest logit (a near-tie that float rounding settles either way, after which both
+    continuations are right); and `logits` (one row per token, a tensor or a list of them), when given,
+    within `tol` of HF's, relative to each step's largest. `what` names the case (and its seed)."""
+    assert tokens and (steps is None or len(tokens) == steps), f"{what}: {len(tokens)} tokens, not {steps}"
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    scale = ref.abs().max(-1).values
+    short = (ref.max(-1).values - ref.gather(-1, torch.tensor(tokens)[:, None])[:, 0]) / scale
+    step = int(short.argmax())
+    assert short[step] <= tol, (f"{what}: step {step} chose token {tokens[step]}, HF's argmax is "
+                                f"{int(ref[step].argmax())}, {short[step]:.2e} of the step's largest logit above it")
+    if logits is not None:
+        ours = (torch.stack(list(logits)) if not torch.is_tensor(logits) else logits).to(ref.dtype)
+        assert ours.shape == ref.shape, f"{what}: logits of shape {tuple(ours.shape)}, HF's {tuple(ref.shape)}"
+        rel = logits_rel_error(ours, ref)
+        assert rel < tol, f"{what}: logits relative error {rel:.2e}"
 
 
 def make_deepseek_checkpoint(path, seed: int, q_lora_rank: int | None = None, topk_method: str = "greedy",

@@ -10,11 +10,10 @@ import random
 import re
 
 import pytest
-import torch
 
 from flexsgl import LLM, SamplingParams
 from flexsgl.kernels import gemv, latent_query, moe_layer
-from tests.hf_models import capture_logits, hf_reference, make_deepseek_checkpoint, logits_rel_error
+from tests.hf_models import assert_matches_hf, capture_logits, make_deepseek_checkpoint
 
 STEPS = 32
 
@@ -42,11 +41,8 @@ def test_deepseek_v2_matches_hf(tmp_path, monkeypatch, q_lora_rank, topk_method,
     outs2 = llm.generate(second, greedy)
     assert sum(o.cached_tokens for o in outs2) >= page_size * len(second), f"no prefix-cache hits, seed={seed}"
     for prompt, out in zip(first + second, outs + outs2):
-        ref_tokens, ref_logits = hf_reference(hf, prompt, STEPS)
-        assert out.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens, seed={seed}"
-        ours = torch.stack(seen[out.request_id])
-        rel = logits_rel_error(ours, ref_logits)
-        assert rel < 1e-4, f"prompt of {len(prompt)} tokens: logits relative error {rel:.2e}, seed={seed}"
+        assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id], f"prompt of {len(prompt)} tokens, seed={seed}",
+                          steps=STEPS)
 
 
 @pytest.mark.usefixtures("triton_interpreter")
@@ -69,11 +65,7 @@ def test_batch_one_decode_kernels_match_hf(tmp_path, monkeypatch):
     out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
     assert len(routed) == 7 * 2, "decode's MoE layers did not run as one launch each"  # 7 steps, 2 layers
     assert sum(stored) >= 7 * 3, "decode's latents were not stored in the query's launch"  # 7 steps, 3 layers
-    ref_tokens, ref_logits = hf_reference(hf, prompt, 8)
-    assert out.token_ids == ref_tokens, f"seed={seed}"
-    ours = torch.stack(seen[out.request_id])
-    rel = logits_rel_error(ours, ref_logits)
-    assert rel < 1e-4, f"logits relative error {rel:.2e}, seed={seed}"
+    assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id], f"seed={seed}", steps=8)
 
 
 def test_compiled_mla_through_graph_buffers_matches_hf(tmp_path):
@@ -90,7 +82,7 @@ def test_compiled_mla_through_graph_buffers_matches_hf(tmp_path):
     llm.runner.capture_graphs([2, 4], emulate=True)
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=s, temperature=0.0) for s in steps])
     for p, s, o in zip(prompts, steps, outs):
-        assert o.token_ids == hf_reference(hf, p, s)[0], f"seed={seed}"
+        assert_matches_hf(hf, p, o.token_ids, what=f"seed={seed}", steps=s)
 
 
 def test_latent_pool_sizes_and_decode_floor():

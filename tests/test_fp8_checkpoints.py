@@ -57,7 +57,8 @@ def check_matches_hf(dst, ref, monkeypatch, seed, steps=STEPS):
     seen = capture_logits(llm, monkeypatch)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))
     for i, prompt in enumerate(prompts):
-        assert_matches_hf(hf, prompt, outs[i], seen, f"prompt {i} (len {len(prompt)}), seed={seed}")
+        assert_matches_hf(hf, prompt, outs[i].token_ids, seen[outs[i].request_id],
+                          f"prompt {i} (len {len(prompt)}), seed={seed}")
 
 
 def run_batch_1_kernels(monkeypatch):
@@ -80,7 +81,7 @@ def check_two_prompts(tmp_path, monkeypatch, seed):
     seen = capture_logits(llm, monkeypatch)
     for prompt in ([rng.randrange(320)], [rng.randrange(320) for _ in range(9)]):
         out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
-        assert_matches_hf(hf, prompt, out, seen, f"prompt of {len(prompt)}, seed={seed}")
+        assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id], f"prompt of {len(prompt)}, seed={seed}")
 
 
 @pytest.mark.parametrize("arch, fmt, ignore", [
@@ -173,7 +174,7 @@ def test_fp8_projections_at_batch_1_run_the_kernel_and_match_hf(tmp_path, monkey
     seen = capture_logits(llm, monkeypatch)
     out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
     assert sum(scaled) == 8 * 2 * 3, f"FP8 launches: {sum(scaled)}, seed={seed}"  # 8 steps, 2 layers: qkv, o, gate_up
-    assert_matches_hf(hf, prompt, out, seen, f"seed={seed}")
+    assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id], f"seed={seed}")
 
 
 @pytest.mark.parametrize("rank,size", [(0, 1), (0, 2), (1, 2)])
@@ -329,7 +330,7 @@ def test_fp8_experts_at_batch_1_run_the_moe_layer_and_match_hf(tmp_path, monkeyp
     seen = capture_logits(llm, monkeypatch)
     out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
     assert scaled == [True] * 8 * 2, f"MoE launches on FP8 experts: {scaled}, seed={seed}"  # 8 steps, 2 MoE layers
-    assert_matches_hf(hf, prompt, out, seen, f"seed={seed}")
+    assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id], f"seed={seed}")
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -113,7 +113,7 @@ def test_a_sharded_checkpoint_loads(tmp_path, monkeypatch):
     llm = LLM(str(tmp_path), device="cpu", page_size=16)
     seen = capture_logits(llm, monkeypatch)
     out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
-    assert_matches_hf(hf, prompt, out, seen, f"seed={seed}")
+    assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id], f"seed={seed}")
 
 
 @pytest.mark.parametrize("grouped", [True, False])

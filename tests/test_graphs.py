@@ -17,7 +17,7 @@ from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.registry import BackendSpec
 from flexsgl.cli import generate_config
 from flexsgl.model.source import resolve as resolve_source
-from tests.hf_models import hf_reference, make_checkpoint
+from tests.hf_models import assert_matches_hf, make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,7 @@ def test_decode_through_graph_buffers_matches_hf(checkpoint, monkeypatch, compil
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=s, temperature=0.0) for s in steps])
     assert replays >= max(steps) - 1, f"seed={seed}"  # every decode step went through the static buffers
     for p, s, o in zip(prompts, steps, outs):
-        want, _ = hf_reference(hf, p, s)
-        assert o.token_ids == want, f"seed={seed}"
+        assert_matches_hf(hf, p, o.token_ids, what=f"seed={seed}", steps=s)
 
 
 def test_sampled_rows_through_graph_buffers_match_the_direct_path(checkpoint):
@@ -80,7 +79,7 @@ def test_sampled_rows_through_graph_buffers_match_the_direct_path(checkpoint):
         outs[graphed] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False], f"seed={seed}"
     for p, sp, o in zip(prompts[:3], params[:3], outs[True][:3]):
-        assert o == hf_reference(hf, p, sp.max_new_tokens)[0], f"seed={seed}"
+        assert_matches_hf(hf, p, o, what=f"seed={seed}", steps=sp.max_new_tokens)
 
 
 def test_graph_sizes_beyond_max_running_are_refused(checkpoint):
@@ -141,8 +140,7 @@ def test_small_batch_decode_backend_serves_its_sizes(checkpoint, monkeypatch):
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=s, temperature=0.0) for s in steps])
     assert SmallBatchFlex.served and max(SmallBatchFlex.served) <= 2, f"seed={seed}"
     for p, s, o in zip(prompts, steps, outs):
-        want, _ = hf_reference(hf, p, s)
-        assert o.token_ids == want, f"seed={seed}"
+        assert_matches_hf(hf, p, o.token_ids, what=f"seed={seed}", steps=s)
 
 
 @pytest.mark.parametrize("prompts, n, max_running, sizes", [
@@ -180,4 +178,4 @@ def test_generate_captures_only_the_batch_sizes_its_prompts_reach(checkpoint, pr
     outs = llm.generate(texts, SamplingParams(max_new_tokens=steps, temperature=0.0, n=n))
     assert unreplayed == 0 and max(replayed) == sizes[-1], f"seed={seed}"
     for i, o in enumerate(outs):
-        assert o.token_ids == hf_reference(hf, texts[i // n], steps)[0], f"seed={seed}"
+        assert_matches_hf(hf, texts[i // n], o.token_ids, what=f"seed={seed}", steps=steps)

@@ -12,7 +12,7 @@ import torch
 
 from flexsgl import LLM, SamplingParams
 from flexsgl.kernels import rope_store
-from tests.hf_models import capture_logits, hf_reference, make_checkpoint, logits_rel_error
+from tests.hf_models import assert_matches_hf, capture_logits, make_checkpoint
 
 STEPS = 40
 
@@ -68,10 +68,6 @@ def check_against_hf(tmp_path, monkeypatch, arch, tie, page_size, max_batch_toke
     seen = capture_logits(llm, monkeypatch)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0))
     for i, prompt in enumerate(prompts):
-        ref_tokens, ref_logits = hf_reference(hf, prompt, steps)
         assert outs[i].finish_reason == "length", f"seed={seed}"
-        assert outs[i].token_ids == ref_tokens, f"prompt {i} (len {len(prompt)}), seed={seed}"
-        ours = torch.stack(seen[outs[i].request_id])
-        assert ours.shape == ref_logits.shape
-        rel = logits_rel_error(ours, ref_logits)
-        assert rel < 1e-4, f"prompt {i}: logits relative error {rel:.2e}, seed={seed}"
+        assert_matches_hf(hf, prompt, outs[i].token_ids, seen[outs[i].request_id],
+                          f"prompt {i} (len {len(prompt)}), seed={seed}", steps=steps)

@@ -17,7 +17,7 @@ from flexsgl.kernels import gemv, moe_layer
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.presets import PRESETS
 from tests.family_parity import check_family, check_two_ranks
-from tests.hf_models import capture_logits, hf_reference, logits_rel_error
+from tests.hf_models import assert_matches_hf, capture_logits
 
 PROMPT_WINDOW = 40  # sizes check_family's prompts (Qwen3-MoE has no window)
 
@@ -93,11 +93,7 @@ def test_batch_one_decode_kernels_match_hf(tmp_path, monkeypatch):
     out = llm.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
     assert len(launches) == 7 * 2, "decode's MoE layers did not run as one launch each"  # 7 steps, 2 MoE layers
     assert all(router is not None for router in launches), "the routing did not run inside the launch"
-    ref_tokens, ref_logits = hf_reference(hf, prompt, 8)
-    assert out.token_ids == ref_tokens, f"seed={seed}"
-    ours = torch.stack(seen[out.request_id])
-    rel = logits_rel_error(ours, ref_logits)
-    assert rel < 1e-4, f"logits relative error {rel:.2e}, seed={seed}"
+    assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id], f"seed={seed}", steps=8)
 
 
 def test_compiled_dense_and_moe_layers_compile_once_each_and_match_hf(tmp_path, monkeypatch):
@@ -116,11 +112,7 @@ def test_compiled_dense_and_moe_layers_compile_once_each_and_match_hf(tmp_path, 
     prompt = [rng.randrange(hf.config.vocab_size) for _ in range(rng.randrange(3, 40))]
     out = llm.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
     assert graphs["unique_graphs"] - before == 4, f"seed={seed}"  # (prefill, decode) x (dense, MoE)
-    ref_tokens, ref_logits = hf_reference(hf, prompt, 6)
-    assert out.token_ids == ref_tokens, f"seed={seed}"
-    ours = torch.stack(seen[out.request_id])
-    rel = logits_rel_error(ours, ref_logits)
-    assert rel < 1e-4, f"logits relative error {rel:.2e}, seed={seed}"
+    assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id], f"seed={seed}", steps=6)
 
 
 @pytest.mark.parametrize("layers,step,mlp_only", [(4, 1, []), (6, 2, [3]), (5, 1, [0, 4]), (4, 3, []), (2, 1, [0, 1])])

@@ -23,7 +23,7 @@ from flexsgl.distributed.worker import agree
 from flexsgl.errors import EngineDeadError, RankFailedError, TensorParallelError
 from flexsgl.model.source import resolve
 import flexsgl.runner
-from tests.hf_models import capture_logits, hf_reference, make_checkpoint
+from tests.hf_models import assert_matches_hf, capture_logits, make_checkpoint
 
 PAGE = 16
 # Small pages and prefill chunks: prompts share cached pages and prefill in several steps.
@@ -259,9 +259,7 @@ def test_mla_checkpoint_loaded_shard_by_shard_matches_hf(tmp_path, monkeypatch, 
         out = two.generate(prompts, greedy(6))
     assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
     for prompt, o in zip(prompts, out):
-        tokens, logits = hf_reference(hf, prompt, 6)
-        assert o.token_ids == tokens, f"seed={seed}"
-        torch.testing.assert_close(torch.stack(seen[o.request_id]), logits, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+        assert_matches_hf(hf, prompt, o.token_ids, seen[o.request_id], f"seed={seed}", steps=6)
 
 
 def test_structured_outputs_follow_their_constraints_as_one_rank():
@@ -326,9 +324,7 @@ def test_checkpoint_loaded_shard_by_shard_matches_hf(tmp_path, monkeypatch):
         out = two.generate(prompts, greedy(6))
     assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
     for prompt, o in zip(prompts, out):
-        tokens, logits = hf_reference(hf, prompt, 6)
-        assert o.token_ids == tokens, f"seed={seed}"
-        torch.testing.assert_close(torch.stack(seen[o.request_id]), logits, rtol=1e-4, atol=1e-4)
+        assert_matches_hf(hf, prompt, o.token_ids, seen[o.request_id], f"seed={seed}", steps=6)
 
 
 def test_four_ranks_replicate_kv_heads_and_a_killed_rank_stops_the_engine():
@@ -1081,9 +1077,7 @@ def test_all_reduce_carrying_the_norms_gives_hfs_tokens_and_logits(tmp_path, mon
     out = llm.generate(prompts, greedy(6))
     assert any(n <= 4 for n in calls) and max(calls) <= 4, f"seed={seed}"  # decode steps took it, long chunks did not
     for prompt, o in zip(prompts, out):
-        tokens, logits = hf_reference(hf, prompt, 6)
-        assert o.token_ids == tokens, f"seed={seed}"
-        torch.testing.assert_close(torch.stack(seen[o.request_id]), logits, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
+        assert_matches_hf(hf, prompt, o.token_ids, seen[o.request_id], f"seed={seed}", steps=6)
 
 
 def test_second_group_of_a_name_does_without_symmetric_memory(monkeypatch):
