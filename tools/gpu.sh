@@ -117,7 +117,7 @@
 # pytest-benchmark writes its own JSON only at the end.
 #
 # Usage: FLEXSGL_COMMIT=<commit> bash tools/gpu.sh STEP... [-- PYTEST_ARGS...]
-#   (on two GPUs, tools/gpu_pair.sh runs two such lists at once, one per GPU)
+#   (on a multi-GPU machine, tools/gpu_each.sh runs one such list on each GPU at once)
 #   (the tree travels without .git, so the reports take the commit from FLEXSGL_COMMIT), e.g.
 #   bash tools/gpu.sh tests -- tests/test_triton_decode.py -k "not 8b"
 set -uo pipefail
@@ -129,9 +129,13 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/pyth
 # install writes bytecode; here it goes to a folder of its own, filled by the first process.
 unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/flexsgl-pycache}
 # The steps write their logs and JSON into a folder of their own; what comes back from a device call is at
-# most 8 files, so $OUT receives them packed (gpu.tgz) beside the summary, after each step.
+# most 8 files, so $OUT receives them packed (gpu.tgz) beside the summary, after each step. A caller that
+# keeps this script's whole output beside gpu.tgz (FLEXSGL_LOG_KEPT=1: tools/gpu_each.sh) gets no summary copy.
 RESULTS=${OUT:-/tmp/flexsgl-out}; OUT=$(mktemp -d); mkdir -p "$RESULTS"
-pack() { tar czf "$RESULTS/gpu.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$RESULTS/" 2>/dev/null; true; }
+pack() {
+  tar czf "$RESULTS/gpu.tgz" -C "$OUT" . && [ -z "${FLEXSGL_LOG_KEPT:-}" ] && cp "$OUT/summary.txt" "$RESULTS/" 2>/dev/null
+  true
+}
 steps=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do steps+=("$1"); shift; done
 [ $# -gt 0 ] && shift
 [ ${#steps[@]} -gt 0 ] || steps=(check)
