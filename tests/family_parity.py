@@ -3,7 +3,7 @@ CPU), through the engine paths attention variants change: prompts longer than th
 batch, pages of 16, chunked prefill whose chunks cross the window, a prefix-cache hit, and
 preemption with recompute. Every step's logits (each prompt's last token, then each decode step)
 within 1e-4 relative error of HF's over the same sequence, and 32 greedy tokens equal to HF's
-generate.
+(assert_matches_hf).
 
 A draw whose HF run holds a near-tie (two experts a router ranks within ROUNDING_MARGIN of each
 other at the top-k boundary, or two tokens as close at the top of the logits) is drawn again: which

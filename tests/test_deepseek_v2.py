@@ -2,8 +2,9 @@
 transformers' own DeepseekV2ForCausalLM on tiny random checkpoints (float32, CPU).
 
 Every step's logits (prefill's last token, then each decode step) are compared with HF over the
-same sequence, and greedy tokens with HF's generate: ragged batches, shuffled pages, chunked
-prefill, and a second round of prompts that extend the first round's, served from the prefix cache.
+same sequence, and each greedy token with HF's argmax there (tests/hf_models.assert_matches_hf):
+ragged batches, shuffled pages, chunked prefill, and a second round of prompts that extend the
+first round's, served from the prefix cache.
 """
 
 import random
@@ -41,8 +42,8 @@ def test_deepseek_v2_matches_hf(tmp_path, monkeypatch, q_lora_rank, topk_method,
     outs2 = llm.generate(second, greedy)
     assert sum(o.cached_tokens for o in outs2) >= page_size * len(second), f"no prefix-cache hits, seed={seed}"
     for prompt, out in zip(first + second, outs + outs2):
-        assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id], f"prompt of {len(prompt)} tokens, seed={seed}",
-                          steps=STEPS)
+        assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id],
+                          f"prompt of {len(prompt)} tokens, seed={seed}", steps=STEPS)
 
 
 @pytest.mark.usefixtures("triton_interpreter")

@@ -1,8 +1,8 @@
 """flexsgl against HF transformers' own Qwen3ForCausalLM and LlamaForCausalLM (float32, CPU).
 
 Checks every step's logits (prefill's last token, then each decode step) against HF run over the
-same sequence, and greedy tokens against HF's own generate, on a batch of prompts of different
-lengths, with KV pages handed out in shuffled order.
+same sequence, and each greedy token against HF's argmax there (assert_matches_hf), on a batch of
+prompts of different lengths, with KV pages handed out in shuffled order.
 """
 
 import random
