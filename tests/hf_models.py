@@ -47,7 +47,8 @@ def logits_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def hf_reference(hf, prompt, steps):
-    """HF's greedy continuation of `prompt` (`steps` tokens, generate's own loop) and its logits at each step."""
+    """HF's greedy continuation of `prompt` (`steps` tokens, generate's own loop) and its logits at
+    each step."""
     with torch.no_grad():
         ids = torch.tensor([prompt])  # an explicit mask: generate would take token 0 for padding
         gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
