@@ -35,9 +35,10 @@
 #   suite-engine   benchmarks/test_engine.py for the backends $SUITE_BACKENDS selects (a -k expression;
 #                  default fa3, fi and fa3-prefill,fi-decode). A row with flex prefill spends ~60 s
 #                  compiling prefill: run the flex rows on their own, SUITE_BACKENDS=flex (~400 s)
-#   profile        tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step ($PROFILE_ARGS: other
-#                  model and override, e.g. "--model deepseek-v2-lite --override fi-mla --max-total-tokens 65536";
-#                  FLEXSGL_PDL=0 for a per-kernel breakdown)
+#   profile        tools/profile_step.py: the kernels of a Qwen3-8B batch-1 decode step ($PROFILE_ARGS: any of its
+#                  options, given last so they win, e.g. "--model deepseek-v2-lite --override fi-mla
+#                  --max-total-tokens 65536", or "--model qwen3-0.6b --workload throughput --quantization fp8
+#                  --profile-steps 3 --profile-at decode:100"; FLEXSGL_PDL=0 for a per-kernel breakdown)
 #   gemv           tools/gemv_bench.py --chain-sweep: an 8B's projections from one graph, tiles per projection;
 #                  GEMV_FP8=1 adds --fp8: the kernel on FP8 weights against torch._scaled_mm at one row
 #   mla            the MLA GPU tests (flex MLA, fi-mla and triton-mla against float64 and HF, grouped bf16 MoE),
@@ -291,8 +292,8 @@ for s in "${steps[@]}"; do
                  --override auto --override flex --json "$OUT/prefill-128.json" ;;
     suite-kernels) suite kernels benchmarks/test_attention_kernels.py benchmarks/test_peers.py ;;
     suite-engine) suite engine benchmarks/test_engine.py -k "${SUITE_BACKENDS:-fa3 or (fi and not decode)}" ;;
-    profile) timeout "$LIMIT" python tools/profile_step.py ${PROFILE_ARGS:---model qwen3-8b} --workload latency \
-               --profile-steps 20 --profile-at decode:8 --rows 30 ;;
+    profile) timeout "$LIMIT" python tools/profile_step.py --model qwen3-8b --workload latency \
+               --profile-steps 20 --profile-at decode:8 --rows 30 ${PROFILE_ARGS:-} ;;  # the last of an option wins
     gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ${GEMV_FP8:+--fp8} ;;
     mla) timeout 320 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_mla_attention.py tests/test_moe.py \
            tests/test_triton_mla.py
