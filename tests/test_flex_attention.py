@@ -45,12 +45,16 @@ def test_flex_on_every_served_shape(d, gqa, dtype):
 
 def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager_extent=False, compiled=False,
                      hq=4, hkv=2, d=16, backend_cls=FlexAttentionBackend, seed=None, full_blocks=True,
-                     packs_prefill=True, pool_pages=None, kv_dtype=None, query_rounding=None):
+                     packs_prefill=True, pool_pages=None, kv_dtype=None, query_rounding=None, atol_of_v=0.0,
+                     mean_atol=None):
     """Store a random paged batch's K/V in the pool, run `backend_cls` on it (through `forward`, or
     its own when None) and check it against float64 attention; returns its output. The same seed
     gives the same batch. pool_pages: the pool's size (default: the batch's pages and 5 more), over
     which the batch's pages are shuffled. kv_dtype: the pool's (an FP8 cache), K and V drawn as
-    its values; query_rounding: what the backend does to the queries first, done to the reference's."""
+    its values; query_rounding: what the backend does to the queries first, done to the reference's.
+    atol_of_v: added to atol as that fraction of the largest |V| attended (a kernel that rounds its
+    probabilities to relative precision e is off by at most e * max|V|); mean_atol: a bound on the
+    mean absolute error as well."""
     seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -76,7 +80,11 @@ def run_backend_case(specs, page_size, forward, device, dtype, rtol, atol, eager
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=compiled):
         out = (forward or type(backend).forward)(backend, cast(q), pool.layer_cache(0), fb)
     ref = dense_attention(q if query_rounding is None else query_rounding(q), dense, specs)
+    atol += atol_of_v * max(dv.abs().max().item() for _, dv in dense)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=atol, msg=lambda m: f"seed={seed}: {m}")
+    if mean_atol is not None:
+        mean = (out.double().cpu() - ref).abs().mean().item()
+        assert mean < mean_atol, f"seed={seed}: mean absolute error {mean:.3g}, bound {mean_atol}"
     return out
 
 

@@ -75,7 +75,8 @@ def checkpoint(tmp_path_factory):
 
 
 def check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol: float, distinct: bool = True,
-                     neighbours: float = 2e-3, noise: float = 0.0, **options) -> LLM:
+                     neighbours: float = 2e-3, noise: float = 0.0, entrywise_layers: int | None = None,
+                     **options) -> LLM:
     """Each prompt alone on a fresh engine (its pages are then 1, 2, ... in order: position p sits in
     slot page_size + p). HF runs the prompt and the engine's tokens over the K/V the engine stored,
     dequantized with the checkpoint's scales: its logits are the engine's within `tol`, and (with
@@ -83,7 +84,12 @@ def check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol: float, dist
     FP8 values are HF's own K/V quantized, but for the fraction `neighbours` of entries that float32
     noise (bfloat16's, in a bfloat16 engine) rounded to another FP8 value: one FP8 step away, or
     (`noise`) up to that fraction of its head vector's largest entry away, as a bfloat16 projection,
-    norm and rotation leave a small entry's error proportional to its vector's size."""
+    norm and rotation leave a small entry's error proportional to its vector's size. That holds
+    entry by entry in the first `entrywise_layers` layers (all when None). Deeper in a bfloat16
+    engine, each layer's K/V comes from the attention before it, which differs from HF's by the
+    kernel's own rounding: there, the stored values' least-squares scale against HF's quantized ones
+    is within 5% of 1 (a wrong scale is off by the ratio of two) and their relative distance under
+    0.25 (an FP8 step is at most 1/8 of a value; another position's K/V is ~1.4 away)."""
     hf = HFOverStoredKV(path)
     rng = random.Random(seed)
     prompts = [[rng.randrange(plain_hf.config.vocab_size) for _ in range(n)] for n in LENGTHS]
@@ -115,6 +121,12 @@ def check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol: float, dist
             for own, kept, scale in zip(hf.own[layer], stored[layer], (k_scale, v_scale)):
                 top = torch.finfo(FP8).max
                 want = (own / scale).clamp(-top, top).to(FP8).float()
+                if entrywise_layers is not None and layer >= entrywise_layers:
+                    fit = ((kept * want).sum() / (want * want).sum()).item()
+                    far = ((kept - want).norm() / want.norm()).item()
+                    assert abs(fit - 1) < 0.05 and far < 0.25, \
+                        f"layer {layer}: scale {fit:.3f}, distance {far:.3f}, seed={seed}"
+                    continue
                 differ = want != kept
                 assert differ.float().mean() < neighbours, f"layer {layer}: {int(differ.sum())} entries, seed={seed}"
                 # one FP8 step apart: 1/8 of the value for normals, 2**-9 below 2**-6 (subnormals)
