@@ -13,8 +13,9 @@ scale per row or per 128 x 128 block) runs the same kernel at batch 1: it reads 
 widens them to float32 in registers, and multiplies each row's sum by its scale, or with block
 scales x by its row block's scale of each column block (a program's rows lie in one row block),
 with x as it is (bfloat16; at larger batches Fp8Linear quantizes activations for
-torch._scaled_mm). Its tiles are the bfloat16 ones in elements, so half the bytes. With FP8
-weights each thread sums its 16 consecutive products (a 16-byte load's worth) into one float32
+torch._scaled_mm). Its tiles are its own (FP8_TILES, the fastest over an 8B's projections in
+`tools/gemv_bench.py --fp8`): twice the bfloat16 tiles' row length and 8 warps, as each row holds half
+the bytes. With FP8 weights each thread sums its 16 consecutive products (a 16-byte load's worth) into one float32
 accumulator as they come (FP8_INNER) rather than keeping an accumulator register per element.
 
 Everywhere but batch 1 on CUDA they are those PyTorch expressions. At batch 1 each is one kernel:
@@ -131,13 +132,18 @@ def _kernel():
     return gemv_kernel
 
 
-def config_for(n: int, k: int) -> tuple[int, int, int, int]:
+FP8_TILES = (8, 2048, 8, 2)  # FP8 weights' tiles, every projection (module docstring)
+
+
+def config_for(n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight: the best tiles for an 8B's
     projections timed where the engine runs them, chained as a layer with PDL
     (`tools/gemv_bench.py --chain-sweep`; tiles picked with each projection timed alone lose there),
-    and lm_head's from the sweep alone. FP8 weights take the same tiles (module docstring)."""
+    and lm_head's from the sweep alone. fp8: FP8 weights, FP8_TILES."""
     if n >= 65536:
         return 8, 512, 4, 1  # lm_head
+    if fp8:
+        return FP8_TILES
     if k >= 8192:
         return 4, 512, 4, 3  # long rows (down_proj)
     if n >= 16384:
@@ -158,7 +164,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     contiguous (blocks that divide the weight, bn a multiple of the tile's rows; None: weights in x's
     dtype). use_pdl: launch with programmatic dependent launch (default: launch.pdl's answer for the device)."""
     n, k = weight.shape
-    block_n, block_k, warps, stages = config or config_for(n, k)
+    block_n, block_k, warps, stages = config or config_for(n, k, weight.dtype == FP8)
     use_pdl = pdl(x.device) if use_pdl is None else use_pdl
     mode, scale_n, scale_k = NO_SCALE, 1, 1
     if scale is not None and scale.dim() == 2:
