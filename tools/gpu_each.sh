@@ -9,6 +9,8 @@
 # (CUDA_VISIBLE_DEVICES) and a folder, $OUT/gpuN/, of two files: its whole output (log.txt) and its
 # packed results (gpu.tgz); four runs fill the 8 files a device call brings back. Every run keeps
 # gpu.sh's deadline (CALL_S), so every summary prints before the device call ends.
+# A gpu.sh step run in the same device call before these (fi-allreduce-build) writes into $OUT too,
+# and its files take some of the 8: give it OUT=/tmp/... of its own.
 # A run's word may start with variables for that run alone:
 #
 #   bash tools/gpu_each.sh "tests -- tests/test_fp8_kv_cache.py -k 'fp8 or block'" "GEMV_FP8=1 gemv latency"
@@ -23,6 +25,8 @@ export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 RESULTS=${OUT:-/tmp/flexsgl-out}; mkdir -p "$RESULTS"
 python -m pip install -q --no-deps --no-build-isolation -e . >/tmp/flexsgl-install.log 2>&1 \
   || { cat /tmp/flexsgl-install.log; exit 1; }
+python -c "import flashinfer, sgl_kernel" 2>/dev/null \
+  || echo "FlashInfer and sgl_kernel do not import here (stage them: ../shared/gpu/README.md): their tests skip"
 args=("$@"); pids=()
 for gpu in "${!args[@]}"; do
   eval "words=(${args[$gpu]})"  # the shell's quoting: -k "fp8 or block" stays one argument
