@@ -58,3 +58,16 @@ def pytest_runtest_makereport(item, call):
                 seeds.setdefault(f"{entry.name}: {name}={value}", None)
     if seeds:
         report.sections.append(("seeds drawn", "\n".join(seeds)))
+
+
+def pytest_runtest_logreport(report):
+    """With FLEXSGL_FAILURES_FILE set (tools/gpu.sh sets it per step), each failure is appended to that
+    file as it happens, its message and seeds: a run cut at a time limit keeps what failed and why,
+    where pytest would have printed it only at the end."""
+    path = os.environ.get("FLEXSGL_FAILURES_FILE")
+    if not path or not report.failed:
+        return
+    lines = report.longreprtext.splitlines()[-60:]
+    seeds = [text for title, text in report.sections if title == "seeds drawn"]
+    with open(path, "a") as f:
+        f.write("\n".join([f"==== {report.nodeid} ({report.when})", *lines, *seeds, ""]))

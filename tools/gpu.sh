@@ -74,7 +74,9 @@
 #   base-compare   the throughput and latency steps' runs for a baseline tree in $BASE (a checkout of an earlier
 #                  commit carried beside this one, e.g. .gpu/base) and for this tree, alternately, in one call
 #   variants       the attention-variant GPU tests: every variant in bf16 with pages of 16 and 64 (decode in a CUDA
-#                  graph), FA3's window/softcap/sinks, engines with per-layer variants graphed against eager
+#                  graph), FA3's window/softcap/sinks, engines with per-layer variants graphed against eager, and
+#                  with flash-attn-4 staged each variant's prefill on the FLASH backend (92 tests, ~640 s on a cold
+#                  compile cache: run them in parts, $VARIANTS_K a pytest -k expression, "flash" then "not flash")
 #   mistral        bench latency of the mistral-7b dummy (a 4,096-key window on every layer), flex, batch 1 and 32
 #                  at 4k and 32k tokens of context: decode TPOT at 32k against 4k
 #   window-kernels benchmarks/attention_matrix.py --window 4096: flex's windowed decode and prefill beside FA3's
@@ -112,7 +114,9 @@
 #                  FlexAttention's FLASH backend (flash-attn-4): stage it with tools/stage_flash.sh, then e.g.
 #                  MATRIX_ARGS="--phases prefill --pages 128 --gqa 4 --backends flex,flex-flash,fa3"
 #
-# The suite steps stop with SIGINT at their limit; a compile it interrupts fails as
+# The test steps stop with SIGINT at their limit, so that pytest prints what failed so far (the TP
+# steps with SIGABRT, for every process's stacks); each failure is also written as it happens to
+# $OUT/STEP.failures.txt. The suite steps stop with SIGINT too; a compile it interrupts fails as
 # BackendCompilerFailed ("Attempted to unset ProxyTorchDispatchMode"), which hides the SIGINT. They
 # also write each benchmark as it finishes to $OUT/benchmarks-*.jsonl (benchmarks/conftest.py), as
 # pytest-benchmark writes its own JSON only at the end.
@@ -163,7 +167,7 @@ suite() {  # NAME, then pytest's arguments
 declare -A LIMITS=([tests]=580 [flash-prefill]=420 [startup]=420 [first-token]=420 [check]=420 [latency]=270 [throughput]=300 [repeat]=590 [prefill]=240
                    [suite-kernels]=330 [suite-engine]=570 [profile]=200 [gemv]=240 [kernel-matrix]=560 [mla]=590 [serve]=560
                    [tp-tests]=580 [tp-exit]=580 [tp-allreduce]=200 [tp-memory]=500 [tp-bench]=590
-                   [base-compare]=560 [variants]=400 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480
+                   [base-compare]=560 [variants]=580 [mistral]=420 [window-kernels]=300 [variant-cost]=420 [families]=480
                    [serve-structured]=560 [fp8]=590 [fp8-kv]=580 [fp8-moe]=590 [fp8-agreement]=590 [fp8-gemm]=400
                    [fp8-tests]=560 [fp8-bench]=400)
 # Short latency runs for the TP steps: one capture size, few repeats (TPOT at batch 1).
@@ -199,11 +203,12 @@ for s in "${steps[@]}"; do
   LIMIT=${LIMITS[$s]:-300}; t0=$SECONDS; left=$((CALL_S - SECONDS - 10))
   if [ "$left" -lt 60 ]; then echo "== $s: skipped, $left s left of the call" | tee -a "$OUT/summary.txt"; continue; fi
   [ "$LIMIT" -gt "$left" ] && LIMIT=$left
+  export FLEXSGL_FAILURES_FILE="$OUT/$s.failures.txt"  # each test failure as it happens (tests/conftest.py)
   echo "== $s (limit $LIMIT s)"
   case $s in
     fi-allreduce-build) fi_allreduce_build ;;
-    tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs "${@:-tests}" ;;
-    fp8|fp8-bench) [ "$s" = fp8 ] && timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
+    tests) timeout -s INT -k 30 "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs "${@:-tests}" ;;
+    fp8|fp8-bench) [ "$s" = fp8 ] && timeout -s INT -k 30 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
                      tests/test_fp8_kv_cache.py
          for q in "" "--quantization fp8" "--kv-cache-dtype fp8_e4m3"; do
            timeout 100 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override flex $q \
@@ -213,17 +218,17 @@ for s in "${steps[@]}"; do
            timeout 100 "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 2 $q \
              --json "$OUT/fp8-latency${q//[ -]/_}.json" 2>&1 | grep -E "TPOT" | sed "s|^|latency ${q:-bf16}: |"
          done ;;
-    fp8-tests) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
+    fp8-tests) timeout -s INT -k 30 "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
                  tests/test_fp8_kv_cache.py tests/test_moe.py tests/test_gemv.py tests/test_gpu_overrides.py \
                  tests/test_triton_decode.py tests/test_block_fp8_experts.py \
                  -k "fp8 or FP8 or block or overrides_read" ;;
-    fp8-kv) timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gpu_overrides.py \
+    fp8-kv) timeout -s INT -k 30 300 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gpu_overrides.py \
               tests/test_triton_decode.py tests/test_fp8_kv_cache.py -k "fp8 or overrides_read"
          for q in "" "--kv-cache-dtype fp8_e4m3"; do  # auto's SM90 backends, named (auto takes flex for FP8)
            timeout 120 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override "$SM90_AUTO" $q \
              --json "$OUT/fp8-kv-throughput${q//[ -]/_}.json" 2>&1 | grep -E "^output tok/s" | sed "s|^|throughput ${q:-bf16}: |"
          done ;;
-    fp8-moe) timeout 150 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_moe.py tests/test_fp8_gpu.py \
+    fp8-moe) timeout -s INT -k 30 150 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_moe.py tests/test_fp8_gpu.py \
                -k "fp8 or FP8"
          for q in "" "--quantization fp8"; do
            timeout 100 "${BENCH[@]}" --workload latency --model deepseek-v2-lite --repeats 2 $q \
@@ -236,7 +241,7 @@ for s in "${steps[@]}"; do
            timeout 280 python tools/fp8_agreement.py --model $m --load-format dummy --quantization fp8 --prompts 256 \
              --json "$OUT/fp8-agreement-$m.json" 2>&1 | tail -3 | sed "s|^|agreement $m: |"
          done ;;
-    check) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gemv.py \
+    check) timeout -s INT -k 30 "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gemv.py \
              tests/test_rope_store.py tests/test_gpu.py tests/test_gpu_overrides.py \
              -k "gemv or fused or batch_1 or tracks_hf or kernel_matches" ;;
     latency) timeout "$LIMIT" "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 2 ${OVERRIDES:-} \
@@ -287,7 +292,7 @@ for s in "${steps[@]}"; do
                  cat "$table" ;;
     prefill) timeout "$LIMIT" "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 ${OVERRIDES:-} \
                --json "$OUT/prefill.json" ;;
-    flash-prefill) timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gpu.py -k "flash_prefill or bf16_engine"
+    flash-prefill) timeout -s INT -k 30 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gpu.py -k "flash_prefill or bf16_engine"
                timeout 200 "${BENCH[@]}" --workload prefill --model qwen3-8b --max-num-batched-tokens 16384 --page-size 128 \
                  --override auto --override flex --json "$OUT/prefill-128.json" ;;
     suite-kernels) suite kernels benchmarks/test_attention_kernels.py benchmarks/test_peers.py ;;
@@ -295,7 +300,7 @@ for s in "${steps[@]}"; do
     profile) timeout "$LIMIT" python tools/profile_step.py --model qwen3-8b --workload latency \
                --profile-steps 20 --profile-at decode:8 --rows 30 ${PROFILE_ARGS:-} ;;  # the last of an option wins
     gemv) timeout "$LIMIT" python tools/gemv_bench.py --chain-sweep ${GEMV_FP8:+--fp8} ;;
-    mla) timeout 320 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_mla_attention.py tests/test_moe.py \
+    mla) timeout -s INT -k 30 320 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_mla_attention.py tests/test_moe.py \
            tests/test_triton_mla.py
          for b in 1 64; do
            timeout 130 "${BENCH[@]}" --workload latency --model deepseek-v2-lite --batch-size "$b" --input-len 512 \
@@ -343,7 +348,8 @@ for s in "${steps[@]}"; do
                         | grep -E "output tok/s|TPOT|^  *auto" | sed "s|^|$run ${tree}: |"
                     done
                   done ;;
-    variants) timeout "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_attention_variants_gpu.py ;;
+    variants) timeout -s INT -k 30 "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_attention_variants_gpu.py \
+                -k "${VARIANTS_K:-}" ;;
     mistral) for b in 1 32; do
                for ctx in 4096 32000; do
                  timeout $((ctx > 4096 ? 120 : 80)) "${BENCH[@]}" --workload latency --model mistral-7b --batch-size "$b" \
@@ -379,8 +385,10 @@ echo "== summary"; cat "$OUT/summary.txt"
 for s in "${steps[@]}"; do
   log="$OUT/$s.log"
   case $s in
-    tests|check|tp-tests|tp-exit|fp8-tests) grep -E "^FAILED" "$log" | cut -c1-300 | head -20
-                                  grep -E "passed|failed|error" "$log" | tail -3 ;;
+    tests|check|tp-tests|tp-exit|fp8-tests|variants) grep -E "^FAILED" "$log" | cut -c1-300 | head -20
+                                  grep -E "passed|failed|error" "$log" | tail -3
+                                  # a run cut at its limit prints no summary: its failures as they came
+                                  grep -E "^====|^E " "$OUT/$s.failures.txt" 2>/dev/null | cut -c1-300 | head -30 ;;
     tp-allreduce|tp-memory) grep -E "^ *[0-9]+ |^(all-reduce|loading|engine|rank|gpu| +KB)" "$log" | tail -24 ;;
     tp-bench) sed -n '/^TP bench/,$p' "$log" ;;
     fp8|fp8-bench|fp8-kv|fp8-moe|fp8-agreement) grep -E "^FAILED|passed|failed|^(throughput|latency|agreement) " "$log" ;;
