@@ -53,8 +53,9 @@
 #                  TP steps to find built: run it in the call that finishes staging
 #   tp-tests       (2 or 4 GPUs) the TP GPU tests but the exit ones: TP=2 (and TP=4) against TP=1 on a Qwen3-8B-wide
 #                  dummy (bf16, compiled steps, CUDA graphs), every GQA override and MLA under TP=2, the
-#                  symmetric-memory all-reduce against NCCL, the tiny presets' greedy tokens (~450 s on a cold
-#                  compile cache; $TP_TESTS_K, a pytest -k expression, picks a part)
+#                  symmetric-memory all-reduce against NCCL, the tiny presets' greedy tokens (18 tests, ~700 s on a
+#                  cold compile cache: run them in parts, $TP_TESTS_K a pytest -k expression, e.g. "tiny" then
+#                  "not tiny and not exit and not server_stop"; names as the ids spell them, "gpt-oss")
 #   tp-exit        (2 GPUs) the TP exit tests: with NCCL, compiled steps and CUDA graphs, every exit path (normal
 #                  end, shutdown(), a killed rank, Ctrl-C, SIGTERM to rank 0, `flexsgl generate --tp 2`, the
 #                  server's stop) ends every process within 60 s (~250-400 s)
