@@ -14,9 +14,10 @@ widens them to float32 in registers, and multiplies each row's sum by its scale,
 scales x by its row block's scale of each column block (a program's rows lie in one row block),
 with x as it is (bfloat16; at larger batches Fp8Linear quantizes activations for
 torch._scaled_mm). Its tiles are its own (FP8_TILES, the fastest over an 8B's projections in
-`tools/gemv_bench.py --fp8`): twice the bfloat16 tiles' row length and 8 warps, as each row holds half
-the bytes. With FP8 weights each thread sums its 16 consecutive products (a 16-byte load's worth) into one float32
-accumulator as they come (FP8_INNER) rather than keeping an accumulator register per element.
+`tools/gemv_bench.py --fp8`): 8 rows of 2,048 bytes with 8 warps, where bfloat16's read 4-16 rows
+of 1,024 bytes with 4. With FP8 weights each thread sums its 16 consecutive products (a 16-byte
+load's worth) into one float32 accumulator as they come (FP8_INNER) rather than keeping an
+accumulator register per element.
 
 Everywhere but batch 1 on CUDA they are those PyTorch expressions. At batch 1 each is one kernel:
 the projection reads its whole weight to do two flops per element, so its time is the weight's
