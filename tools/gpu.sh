@@ -212,10 +212,10 @@ for s in "${steps[@]}"; do
     fp8|fp8-bench) [ "$s" = fp8 ] && timeout -s INT -k 30 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
                      tests/test_fp8_kv_cache.py
          for q in "" "--quantization fp8" "--kv-cache-dtype fp8_e4m3"; do
+           run="fp8-throughput${q//[ -]/_}"
            timeout 160 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override flex $q \
-             --json "$OUT/fp8-throughput${q//[ -]/_}.json" >"$OUT/fp8-throughput${q//[ -]/_}.log" 2>&1 \
-             || echo "throughput ${q:-bf16}: exit $? (124: cut at 160 s; fp8-throughput${q//[ -]/_}.log)"
-           grep -E "^output tok/s" "$OUT/fp8-throughput${q//[ -]/_}.log" | sed "s|^|throughput ${q:-bf16}: |"
+             --json "$OUT/$run.json" >"$OUT/$run.log" 2>&1 || echo "throughput ${q:-bf16}: exit $? (124: cut at 160 s; $run.log)"
+           grep -E "^output tok/s" "$OUT/$run.log" | sed "s|^|throughput ${q:-bf16}: |"
          done
          for q in "" "--quantization fp8"; do
            timeout 100 "${BENCH[@]}" --workload latency --model qwen3-8b --repeats 2 $q \
