@@ -43,8 +43,11 @@ def run_gpu_case(name, specs, page_size, graphed: bool, seed: int, packed: bool 
             variants.request_tensors[param][fb.req_slots] = torch.tensor(ctx[param], dtype=torch.int32, device=dev)
     backend = FlexAttentionBackend(pool, num_heads=HQ, compiled=True, variants=variants)
     backend.packs_prefill = packed
-    if flash:
-        assert (backend.variant_packed_options if packed else backend.variant_kernel_options) == FLASH
+    if flash:  # the options the step reads: a plain causal layer's are plain prefill's (flex.attention)
+        if bound.plain:
+            assert (backend.packed_kernel_options if packed else backend.kernel_options) == FLASH
+        else:
+            assert (backend.variant_packed_options if packed else backend.variant_kernel_options) == FLASH
     pool.store(0, k.to(dev, torch.bfloat16), v.to(dev, torch.bfloat16), fb.out_slots)
     qd = q.to(dev, torch.bfloat16)
     sink_t = bound.layer_sink(None)
