@@ -218,7 +218,7 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv, window: int | None = None):
     backend = cls(pool, num_heads=hq, compiled=True, variants=variants)
     if flash:  # a window's prefill too (FLEXSGL_FLASH_VARIANTS=1's options)
         backend.kernel_options = backend.packed_kernel_options = dict(FLASH)
-        backend.variant_kernel_options = backend.variant_packed_options = dict(FLASH)
+        backend.variant_options = {vid: (dict(FLASH), dict(FLASH)) for vid in backend.variant_options}
         backend.flash_variants = True
     fb.backend = backend
     backend.prepare(fb)

@@ -288,6 +288,30 @@ def test_flash_log_sum_exp_scale_follows_torchs_own():
     assert FLASH_LSE_SCALE == pytest.approx(1.0 if flash_left_alone else 1 / math.log(2))
 
 
+def test_flash_keeps_only_the_mods_its_code_generator_computes_correctly():
+    """flash_mods.flash_miscompiles names the one construct the FLASH backend got wrong on an H200
+    (`user_head_temperature`'s torch.where between two numbers: 0.49 from float64) and passes what it
+    computed correctly there: every shipped variant and the other test variants, the same bias
+    written as a product, a choice between a score and a number, and a mask's choice of booleans;
+    and refuses the construct wherever it appears: with a captured 0-dim tensor, inside a mask."""
+    from flexsgl.attention.flash_mods import flash_miscompiles
+
+    refused = {name for name, (variant, *_) in REFERENCE.items() if flash_miscompiles(variant) is not None}
+    assert refused == {"user_head_temperature"}
+    assert "torch.where" in flash_miscompiles(REFERENCE["user_head_temperature"][0])
+    one5 = torch.tensor(1.5)
+    cases = {
+        "bias as a product": (lambda s, b, h, q, kv: s + (kv == 0).to(torch.float32) * 1.5, None, False),
+        "score or a number": (lambda s, b, h, q, kv: torch.where(kv == 0, s, 0.0), None, False),
+        "boolean mask": (None, lambda b, h, q, kv: torch.where(q - kv < 5, True, False), False),
+        "captured constant": (lambda s, b, h, q, kv: s + torch.where(kv == 0, one5, 0.0), None, True),
+        "numbers inside a mask": (None, lambda b, h, q, kv: torch.where(kv == 0, 2, 1) > q, True),
+    }
+    for name, (score, mask, wrong) in cases.items():
+        variant = AttentionVariant(name, score_mod=score, mask_mod=mask)
+        assert (flash_miscompiles(variant) is not None) == wrong, name
+
+
 def per_request_window() -> AttentionVariant:
     """A sliding window whose size each request gives (`attention_params={"w": W}`), at most 64."""
     def mask(b, h, q_pos, kv_pos, p):

@@ -23,6 +23,7 @@ from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 from torch.torch_version import TorchVersion
 
 from flexsgl.attention.base import AttentionBackend, ForwardBatch
+from flexsgl.attention.flash_mods import flash_refusal
 from flexsgl.attention.flex_meta import FlexMeta, FlexMetaBuilder
 from flexsgl.attention.flex_ops import flex_decode, with_sink
 from flexsgl.attention.flex_options import FLASH, packed_prefill_options, prefill_options, variant_prefill_options
@@ -44,13 +45,16 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
         cuda = pool.device.type == "cuda"
         self.kernel_options = self.cuda_kernel_options() if cuda else None
         self.packed_kernel_options = self.packed_cuda_kernel_options() if cuda and self.packs_prefill else None
-        # A variant's mods run on the Triton kernels but on request (flex_options.variant_prefill_options)
-        self.variant_kernel_options = self.variant_packed_options = None
+        # Each variant's prefill options, over pages and over packed rows: the Triton kernel, or FLASH
+        # on request where its mods compile correctly there (flex_options.variant_prefill_options)
+        self.variant_options: dict[int, tuple[dict, dict]] = {}
         if cuda and self.variants:
             dim, dtype = self.kv_shape()[1], self.pool.k[0].dtype
-            self.variant_kernel_options = variant_prefill_options(dim, self.pool.page_size, dtype)
-            self.variant_packed_options = variant_prefill_options(dim, self.pool.page_size, dtype, packed=True)
-            self.flash_variants = FLASH in (self.variant_kernel_options, self.variant_packed_options)
+            for bound in self.variants:
+                refused = flash_refusal(bound.variant)
+                self.variant_options[bound.id] = tuple(
+                    variant_prefill_options(dim, self.pool.page_size, dtype, packed, refused) for packed in (False, True))
+            self.flash_variants = any(FLASH in both for both in self.variant_options.values())
 
     def cuda_kernel_options(self) -> dict:
         """Options of flex's main kernel on CUDA (compiled prefill; the CPU takes none)."""
@@ -106,8 +110,8 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
             scale = variant.scale
         if not plain:
             meta = meta.variants[variant.id]
-            if options is None and self.compiled:
-                options = self.variant_kernel_options if meta.kv_rows is None else self.variant_packed_options
+            if options is None and self.variant_options:  # on CUDA (the CPU's kernel takes none)
+                options = self.variant_options[variant.id][meta.kv_rows is not None]
         if fb.mode == "decode" and self.decode_op:
             bm = meta.block_mask
             return flex_decode(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,

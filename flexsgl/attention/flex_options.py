@@ -88,14 +88,17 @@ def prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
     return triton_prefill_options(head_dim, page_size, dtype)
 
 
-def variant_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype, packed: bool = False) -> dict:
+def variant_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype, packed: bool = False,
+                            flash_refused: str | None = None) -> dict:
     """Kernel options for an attention variant's prefill on CUDA, over pages or (`packed`) over the
-    step's K/V packed into rows: the FLASH backend where prefill runs there and
-    FLEXSGL_FLASH_VARIANTS=1, else the Triton kernel (as plain prefill's). On FLASH a variant's masks
-    read int32 integers only, a mask_mod that decides every block comes with empty full-block lists
-    (flex_meta.py), and a sink reads the log-sum-exp in base e (flex.py), as that backend needs; it
-    is opt-in for variants until the GPU tests have checked them there (docs/BENCHMARKS.md)."""
-    flash = os.environ.get(FLASH_VARIANTS_ENV) == "1"
+    step's K/V packed into rows: the FLASH backend where prefill runs there,
+    FLEXSGL_FLASH_VARIANTS=1 and the variant's mods are ones FLASH compiles correctly
+    (`flash_refused` None: flash_mods.py), else the Triton kernel (as plain prefill's). On FLASH a
+    variant's masks read int32 integers only, a mask_mod that decides every block comes with empty
+    full-block lists (flex_meta.py), and a sink reads the log-sum-exp in base e (flex.py), as that
+    backend needs. It is opt-in for variants: the GPU tests check each variant's prefill there
+    against float64, but no engine with variants has yet been checked against HF on FLASH."""
+    flash = os.environ.get(FLASH_VARIANTS_ENV) == "1" and flash_refused is None
     if flash and flash_prefill_runs(head_dim, FLASH_KV_TILE if packed else page_size, dtype):
         return dict(FLASH)
     return triton_prefill_options(head_dim, 64 if packed else page_size, dtype)
