@@ -38,6 +38,30 @@ def test_a_gpu_cache_takes_its_fraction_of_the_free_memory_less_a_steps_activati
                            "could fill 8,388,608")  # 4 x 16384 pages x 64 tokens x 2
 
 
+def test_a_gpu_cache_stays_within_what_flexs_decode_kernel_reads_in_one_pass(monkeypatch):
+    """The flex-decoding kernel's 32-bit offsets reach 2^31 - 1 elements of a layer's K (or V): TINY's
+    2 heads x 32 dims make that 33,554,431 slots, fewer than 0.9 of 80 GiB holds at 512 bytes a
+    token. The pool keeps to whole pages of them, its dummy page included: flex_ops reads it in one
+    pass, and a page more in two."""
+    from flexsgl.attention.flex_ops import shard_pages
+
+    model = with_context(1 << 20)
+    rc = EngineConfig(override="flex", max_running_requests=64, page_size=64,
+                      mem_fraction_static=0.9).resolve(model, GPU)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * GiB, 80 * GiB))
+    slots = rc.attention.max_pool_tokens(model)
+    assert slots == (2**31 - 1) // 64 == 33_554_431  # 524,287 whole pages of 64 and 63 slots
+    size = sizing.kv_pool_size(rc, model, kernel_slots=slots)
+    assert (size.tokens, size.pages) == (524_286 * 64, 524_287)  # with the dummy page
+    held = sizing.kv_tokens_from_memory(rc, model, 80 * GiB, 2, 0)
+    assert size.reason == (f"the most the decode kernel reads in one pass (the memory holds {held:,}); 64 running "
+                           f"requests at the model's 1,048,576-token context could fill 134,217,728")
+    pool = torch.empty(size.pages * 64, 2, 32, device="meta")  # the pool as built: one kernel reads all of it
+    assert shard_pages(pool, pool, 64) == size.pages
+    bigger = torch.empty((size.pages + 1) * 64, 2, 32, device="meta")  # a page more: two kernels
+    assert shard_pages(bigger, bigger, 64) < size.pages + 1
+
+
 @pytest.mark.parametrize("context, page_size, running, pages", [
     (4096, 64, 4, 4 * 64 * 2),  # 64 pages a request, twice over
     (1000, 64, 3, 3 * 16 * 2),  # a request of 1000 tokens takes 16 whole pages of 64

@@ -60,7 +60,7 @@ class AttentionBackend(ABC):
     compile for every shape, no scratch, no limit on the pool, the latents attended as they are).
     Constructed as `Backend(pool, num_heads=..., compiled=..., variants=...)`; the registry (registry.py)
     declares what it needs (phases, GPUs, packages, head sizes, dtypes, attention kinds) before it
-    is built, and asks the class itself `unsupported` and `prefill_scratch_bytes`.
+    is built, and asks the class itself `unsupported`, `prefill_scratch_bytes` and `max_pool_tokens`.
 
     A backend only reads the KV pool: the model's attention layers store each step's K/V through
     their store path (flexsgl/cache/store.py) before they call `forward`.
@@ -93,6 +93,12 @@ class AttentionBackend(ABC):
         """Bytes a prefill step of up to `tokens` new tokens holds beyond the model's own activations
         (what the KV sizing leaves free for it)."""
         return 0
+
+    @staticmethod
+    def max_pool_tokens(mcfg) -> int | None:
+        """The most tokens of this model's KV (`mcfg`, a rank's) its decode kernel reads in one pass;
+        a pool the KV sizing sizes itself stays within it (None: no limit)."""
+        return None
 
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> None:

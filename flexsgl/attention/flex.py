@@ -25,7 +25,7 @@ from torch.torch_version import TorchVersion
 from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.attention.flash_mods import flash_refusal
 from flexsgl.attention.flex_meta import FlexMeta, FlexMetaBuilder
-from flexsgl.attention.flex_ops import flex_decode, with_sink
+from flexsgl.attention.flex_ops import MAX_KERNEL_ELEMENTS, flex_decode, with_sink
 from flexsgl.attention.flex_options import FLASH, packed_prefill_options, prefill_options, variant_prefill_options
 from flexsgl.cache.pool import KVPool
 
@@ -75,6 +75,14 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
     @staticmethod
     def prefill_scratch_bytes(mcfg, tokens: int, itemsize: int) -> int:
         return 0  # the K/V copied into rows: within the KV sizing's margin at the sizes flexsgl serves
+
+    @staticmethod
+    def max_pool_tokens(mcfg) -> int | None:
+        """The pool one flex-decoding kernel reads (its 32-bit offsets, flex_ops.py). A larger pool,
+        which only a max_total_tokens given asks for, is read in shards: a kernel each, their block
+        lists cut and their outputs merged, every layer of every step (docs/BENCHMARKS.md)."""
+        _, heads, dim = mcfg.kv_layout
+        return MAX_KERNEL_ELEMENTS // (heads * dim)
 
     def prepare(self, fb: ForwardBatch) -> None:
         fb.attn = self.metadata(fb)

@@ -6,7 +6,8 @@
   (PREFIX_CACHE_SHARE), so that the pages finished requests leave behind (a shared system prompt,
   a conversation's earlier turns) outlive a whole batch of running requests at full length;
 - and no more than the device allows: on a GPU, `mem_fraction_static` of the memory free once the
-  weights are loaded, less one step's activations (kv_tokens_from_memory); on the CPU, CPU_KV_TOKENS.
+  weights are loaded, less one step's activations (kv_tokens_from_memory), and no more than the
+  decode kernel reads in one pass (the backends' max_pool_tokens); on the CPU, CPU_KV_TOKENS.
 
 EngineConfig.resolve applies the rule where the device's limit is known before anything loads (on
 the CPU, or with max_total_tokens given); on a GPU, kv_pool_size applies it once the weights are in
@@ -107,11 +108,14 @@ def kv_tokens_from_memory(rc: ResolvedConfig, mcfg, free: int, itemsize: int,
     return int((free * o.mem_fraction_static - act) // mcfg.kv_bytes_per_token(rc.cache_dtype.itemsize))
 
 
-def kv_pool_size(rc: ResolvedConfig, mcfg, prefill_scratch=lambda tokens, itemsize: 0) -> KVPoolSize:
+def kv_pool_size(rc: ResolvedConfig, mcfg, prefill_scratch=lambda tokens, itemsize: 0,
+                 kernel_slots: int | None = None) -> KVPoolSize:
     """The KV pool for this engine and model (`mcfg`, the rank's ModelConfig): rc.max_total_tokens
     where the config resolved it, else the rule (pool_tokens) with what the GPU memory left after
     the weights holds (kv_tokens_from_memory; `prefill_scratch(tokens, itemsize)`: the prefill
-    backend's bytes) as the device's limit; ValueError if it cannot be had."""
+    backend's bytes) as the device's limit, and within `kernel_slots`, the most slots the decode
+    kernel reads in one pass (the backends' max_pool_tokens), whole pages and the dummy page
+    included; ValueError if it cannot be had."""
     ps, device = rc.options.page_size, rc.device
     itemsize = torch.tensor([], dtype=rc.dtype).element_size()
     if rc.max_total_tokens is not None:
@@ -120,9 +124,13 @@ def kv_pool_size(rc: ResolvedConfig, mcfg, prefill_scratch=lambda tokens, itemsi
         free, _ = torch.cuda.mem_get_info(device)
         scratch = prefill_scratch(rc.options.max_num_batched_tokens, itemsize)
         memory = kv_tokens_from_memory(rc, mcfg, free, itemsize, scratch)
-        size = pool_tokens(rc.options, mcfg.max_position, memory,
-                           f"what mem_fraction_static {rc.options.mem_fraction_static:g} of the "
-                           f"{free / 2**30:.1f} GiB free once the weights loaded holds, less one step's activations")
+        limit = (f"what mem_fraction_static {rc.options.mem_fraction_static:g} of the {free / 2**30:.1f} GiB "
+                 f"free once the weights loaded holds, less one step's activations")
+        kernel_tokens = None if kernel_slots is None else (kernel_slots // ps - 1) * ps  # less the dummy page
+        if kernel_tokens is not None and kernel_tokens < memory:
+            limit = f"the most the decode kernel reads in one pass (the memory holds {memory:,})"
+            memory = kernel_tokens
+        size = pool_tokens(rc.options, mcfg.max_position, memory, limit)
     check_kv_tokens(size.tokens, ps)
     num_pages = KVPool.num_pages_for(size.tokens, ps) + 1  # + the dummy page
     need, free = num_pages * ps * mcfg.kv_bytes_per_token(rc.cache_dtype.itemsize), free_memory_bytes(device)
