@@ -4,10 +4,10 @@ The FLASH backend turns a variant's mods into CuTe DSL code (Inductor's cutedsl 
 that code generator gets one construct wrong: a `torch.where` whose two values are both constants
 (Python numbers, or 0-dim tensors the mod captured) builds them with `cute.full_like` of the
 *condition*, so they take its boolean type. `torch.where(kv_pos == 0, 1.5, 0.0)` then adds 1 where
-it should add 1.5 (measured on an H200 with torch 2.11 and flash-attn-4 4.0.0b19, float64 reference:
-0.49 off, against 0.008 on the Triton kernel), or fails to compile where one value is a captured
-tensor. `(kv_pos == 0) * 1.5` is computed correctly. A mask's `torch.where(c, True, False)` is
-boolean anyway and comes out right.
+it should add 1.5 (torch 2.11, flash-attn-4 4.0.0b19: 0.49 from float64 attention, where the
+Triton kernel is 0.008 from it), or fails to compile where one value is a captured tensor.
+`(kv_pos == 0).to(torch.float32) * 1.5` comes out right, and so, by the same code, does a mask's
+`torch.where(c, True, False)`, which is boolean anyway.
 
 `flash_miscompiles` finds the construct by tracing a variant's mods once on the CPU (make_fx, on
 one-element coordinates, as FlexAttention's vmap sees them); where variants are asked to prefill on
@@ -63,7 +63,7 @@ def flash_miscompiles(variant: AttentionVariant, num_heads: int = 4) -> str | No
                     and all(_is_constant(a) for a in node.args[1:3]):
                 return (f"its {name} chooses between two constants with torch.where, which the FLASH "
                         f"backend's code generator computes in the condition's boolean type "
-                        f"(write `cond * value` instead)")
+                        f"(write `cond.to(torch.float32) * value` instead)")
     return None
 
 
