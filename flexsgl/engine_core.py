@@ -79,7 +79,7 @@ def build_core(cfg: EngineConfig, group=None, prepared: tuple[ModelSource, Resol
             if choice is not None and rank == 0:
                 logger.info(f"all-reduce: {choice}")
         kv = kv_pool_size(rc, mcfg, functools.partial(rc.attention.prefill_scratch_bytes, mcfg),
-                          rc.attention.max_pool_tokens(mcfg) if device.type == "cuda" else None)
+                          rc.attention.max_pool_slots(mcfg) if device.type == "cuda" else None)
         num_pages = kv.pages
     except Exception as e:
         error = e

@@ -49,7 +49,7 @@ def test_a_gpu_cache_stays_within_what_flexs_decode_kernel_reads_in_one_pass(mon
     rc = EngineConfig(override="flex", max_running_requests=64, page_size=64,
                       mem_fraction_static=0.9).resolve(model, GPU)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * GiB, 80 * GiB))
-    slots = rc.attention.max_pool_tokens(model)
+    slots = rc.attention.max_pool_slots(model)
     assert slots == (2**31 - 1) // 64 == 33_554_431  # 524,287 whole pages of 64 and 63 slots
     size = sizing.kv_pool_size(rc, model, kernel_slots=slots)
     assert (size.tokens, size.pages) == (524_286 * 64, 524_287)  # with the dummy page

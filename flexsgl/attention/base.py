@@ -60,7 +60,7 @@ class AttentionBackend(ABC):
     compile for every shape, no scratch, no limit on the pool, the latents attended as they are).
     Constructed as `Backend(pool, num_heads=..., compiled=..., variants=...)`; the registry (registry.py)
     declares what it needs (phases, GPUs, packages, head sizes, dtypes, attention kinds) before it
-    is built, and asks the class itself `unsupported`, `prefill_scratch_bytes` and `max_pool_tokens`.
+    is built, and asks the class itself `unsupported`, `prefill_scratch_bytes` and `max_pool_slots`.
 
     A backend only reads the KV pool: the model's attention layers store each step's K/V through
     their store path (flexsgl/cache/store.py) before they call `forward`.
@@ -95,9 +95,10 @@ class AttentionBackend(ABC):
         return 0
 
     @staticmethod
-    def max_pool_tokens(mcfg) -> int | None:
-        """The most tokens of this model's KV (`mcfg`, a rank's) its decode kernel reads in one pass;
-        a pool the KV sizing sizes itself stays within it (None: no limit)."""
+    def max_pool_slots(mcfg) -> int | None:
+        """The most pool slots of this model's KV (`mcfg`, a rank's) its decode kernel reads in one
+        pass, the dummy page's included; a pool the KV sizing sizes itself stays within it (None: no
+        limit)."""
         return None
 
     @abstractmethod

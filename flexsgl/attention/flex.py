@@ -77,7 +77,7 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
         return 0  # the K/V copied into rows: within the KV sizing's margin at the sizes flexsgl serves
 
     @staticmethod
-    def max_pool_tokens(mcfg) -> int | None:
+    def max_pool_slots(mcfg) -> int | None:
         """The pool one flex-decoding kernel reads (its 32-bit offsets, flex_ops.py). A larger pool,
         which only a max_total_tokens given asks for, is read in shards: a kernel each, their block
         lists cut and their outputs merged, every layer of every step (docs/BENCHMARKS.md)."""

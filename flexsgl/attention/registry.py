@@ -168,9 +168,9 @@ class Choice:
         activations, for this model's attention kind."""
         return backend_class(self.prefill, mcfg.attention).prefill_scratch_bytes(mcfg, tokens, itemsize)
 
-    def max_pool_tokens(self, mcfg) -> int | None:
-        """The most tokens of KV the decode backends read in one pass (None: no limit)."""
-        limits = [backend_class(spec, mcfg.attention).max_pool_tokens(mcfg)
+    def max_pool_slots(self, mcfg) -> int | None:
+        """The most pool slots the decode backends read in one pass (None: no limit)."""
+        limits = [backend_class(spec, mcfg.attention).max_pool_slots(mcfg)
                   for spec in (self.decode, self.small_decode) if spec is not None]
         return min((n for n in limits if n is not None), default=None)
 

@@ -7,7 +7,7 @@
   a conversation's earlier turns) outlive a whole batch of running requests at full length;
 - and no more than the device allows: on a GPU, `mem_fraction_static` of the memory free once the
   weights are loaded, less one step's activations (kv_tokens_from_memory), and no more than the
-  decode kernel reads in one pass (the backends' max_pool_tokens); on the CPU, CPU_KV_TOKENS.
+  decode kernel reads in one pass (the backends' max_pool_slots); on the CPU, CPU_KV_TOKENS.
 
 EngineConfig.resolve applies the rule where the device's limit is known before anything loads (on
 the CPU, or with max_total_tokens given); on a GPU, kv_pool_size applies it once the weights are in
@@ -114,7 +114,7 @@ def kv_pool_size(rc: ResolvedConfig, mcfg, prefill_scratch=lambda tokens, itemsi
     where the config resolved it, else the rule (pool_tokens) with what the GPU memory left after
     the weights holds (kv_tokens_from_memory; `prefill_scratch(tokens, itemsize)`: the prefill
     backend's bytes) as the device's limit, and within `kernel_slots`, the most slots the decode
-    kernel reads in one pass (the backends' max_pool_tokens), whole pages and the dummy page
+    kernel reads in one pass (the backends' max_pool_slots), whole pages and the dummy page
     included; ValueError if it cannot be had."""
     ps, device = rc.options.page_size, rc.device
     itemsize = torch.tensor([], dtype=rc.dtype).element_size()
