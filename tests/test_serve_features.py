@@ -21,10 +21,10 @@ import time
 import urllib.error
 import urllib.request
 
+import jsonschema
 import pytest
 
 openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 pytest.importorskip("prometheus_client")
 

@@ -10,12 +10,12 @@ import json
 import random
 import re
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
 
 xgr = pytest.importorskip("xgrammar")
-jsonschema = pytest.importorskip("jsonschema")
 
 from flexsgl import LLM, SamplingParams  # noqa: E402
 from flexsgl.errors import SamplingParamsError  # noqa: E402
