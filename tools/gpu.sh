@@ -10,7 +10,10 @@
 #                  call's 600 s: run them in parts, `tests -- tests/test_gemv.py tests/test_rope_store.py
 #                  tests/test_triton_decode.py tests/test_latent_query.py tests/test_latent_store.py`, then
 #                  `tests -- tests/test_gpu.py tests/test_gpu_overrides.py tests/test_cold_start.py tests/test_gpt_oss.py
-#                  tests/test_request_features.py`, with `variants`, `mla`, `fp8` and the TP steps for the rest
+#                  tests/test_request_features.py tests/test_structured.py`, with `variants`, `mla`, `fp8` and the TP
+#                  steps for the rest. test_structured needs .gpu/serve installed (tools/stage_serve.sh: xgrammar,
+#                  jsonschema); test_gpt_oss compares against transformers 5.24, which the image lacks: install
+#                  .gpu/transformers first (tools/stage_transformers.sh), or its engine tests skip
 #   check          the batch-1 kernels against float64 and the engine against HF on every backend
 #                  (155 tests, ~280 s on a warm machine; not the 8B, flex-kernel and split-KV cases)
 #   latency        flexsgl bench latency, Qwen3-8B dummy, batch 1 (--override flags in $OVERRIDES)
@@ -69,7 +72,8 @@
 #                  per rank), TTFT of a 4k prompt, the default throughput workload; then llama3-70b dummy latency
 #                  at TP=2 (GPUs of 100+ GB) and 4; a table of them all last. $TP_BENCH picks parts (default
 #                  "latency prefill throughput 70b"; ~900 s for all on 2 GPUs: split it over two calls, e.g.
-#                  TP_BENCH="latency prefill" then TP_BENCH="throughput 70b")
+#                  TP_BENCH="latency prefill" then TP_BENCH="throughput 70b"). It first waits for a FlashInfer
+#                  all-reduce build under way, up to a third of its limit
 #   Every TP command runs in a session of its own under a wall-clock limit; at the limit the session gets
 #   SIGABRT (PYTHONFAULTHANDLER=1: each Python process prints its stacks), so a hang shows where it hangs.
 #   base-compare   the throughput and latency steps' runs for a baseline tree in $BASE (a checkout of an earlier
@@ -197,6 +201,13 @@ fi_allreduce_build() {
   fi
 }
 printf '%s\n' "${steps[@]}" | grep -q '^tp-' && fi_allreduce_build
+# A TP bench waits for a build under way, up to $1 s, so that its figures are those of the all-reduce `auto` picks.
+fi_allreduce_wait() {
+  local until=$((SECONDS + $1))
+  while pgrep -f get_trtllm_comm_module >/dev/null && [ $SECONDS -lt $until ]; do sleep 5; done
+  pgrep -f get_trtllm_comm_module >/dev/null \
+    && echo "FlashInfer's all-reduce kernels: still building after $1 s; this bench runs without them"
+}
 # A device call runs at most 600 s: each step's limit is cut to the time left before $CALL_S (default 580 s from
 # this script's start), so the summary always prints; a step with under a minute left is skipped.
 CALL_S=${CALL_S:-580}
@@ -320,7 +331,8 @@ for s in "${steps[@]}"; do
     tp-allreduce) guard "$LIMIT" python tools/allreduce_bench.py ;;
     tp-memory) sizes=$([ "$GPUS" -ge 4 ] && echo 2,4 || echo 2)
                guard "$LIMIT" python tools/tp_memory.py --model llama3-70b --tp "$sizes" ;;
-    tp-bench) for part in ${TP_BENCH:-latency prefill throughput 70b}; do
+    tp-bench) fi_allreduce_wait $((LIMIT / 3))
+              for part in ${TP_BENCH:-latency prefill throughput 70b}; do
                 case $part in
                   latency) for tp in $TP_SIZES; do
                              guard 150 "${BENCH[@]}" "${TP_LATENCY[@]}" --model qwen3-8b --tp "$tp" \
