@@ -54,7 +54,8 @@ def test_a_gpu_cache_stays_within_what_flexs_decode_kernel_reads_in_one_pass(mon
     size = sizing.kv_pool_size(rc, model, kernel_slots=slots)
     assert (size.tokens, size.pages) == (524_286 * 64, 524_287)  # with the dummy page
     held = sizing.kv_tokens_from_memory(rc, model, 80 * GiB, 2, 0)
-    assert size.reason == (f"the most the decode kernel reads in one pass (the memory holds {held:,}); 64 running "
+    assert size.reason == (f"the most the decode kernel reads in one pass, where the memory holds {held:,} tokens; "
+                           f"64 running "
                            f"requests at the model's 1,048,576-token context could fill 134,217,728")
     pool = torch.empty(size.pages * 64, 2, 32, device="meta")  # the pool as built: one kernel reads all of it
     assert shard_pages(pool, pool, 64) == size.pages

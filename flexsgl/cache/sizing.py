@@ -128,7 +128,7 @@ def kv_pool_size(rc: ResolvedConfig, mcfg, prefill_scratch=lambda tokens, itemsi
                  f"free once the weights loaded holds, less one step's activations")
         kernel_tokens = None if kernel_slots is None else (kernel_slots // ps - 1) * ps  # less the dummy page
         if kernel_tokens is not None and kernel_tokens < memory:
-            limit = f"the most the decode kernel reads in one pass (the memory holds {memory:,})"
+            limit = f"the most the decode kernel reads in one pass, where the memory holds {memory:,} tokens"
             memory = kernel_tokens
         size = pool_tokens(rc.options, mcfg.max_position, memory, limit)
     check_kv_tokens(size.tokens, ps)
