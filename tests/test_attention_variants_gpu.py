@@ -2,7 +2,9 @@
 tests/test_attention_variants.py, compiled, in bfloat16, with pages of 16 and 64, against float64
 attention; decode replayed from a CUDA graph (its block mask rebuilt inside the graph); their prefill on
 FlexAttention's FLASH backend where flash-attn-4 is installed (FLEXSGL_FLASH_VARIANTS=1). And whole
-engines with per-layer variants, compiled with CUDA graphs, against the same engines run eagerly."""
+engines with per-layer variants, compiled with CUDA graphs, against the same engines run eagerly, and
+the families that need variants (Mistral, Gemma 2 and 3) against transformers, their prefill on the
+Triton kernel and on FLASH."""
 
 import random
 
@@ -19,6 +21,9 @@ from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_variant_attention, random_paged_batch
 from flexsgl.compile import settings
 from tests.test_attention_variants import CASES, HKV, HQ, REFERENCE
+from tests.test_gemma import make_gemma2, make_gemma3
+from tests.test_gpu import check_tracks_hf
+from tests.test_mistral import make_mistral
 
 pytestmark = pytest.mark.gpu
 D = 64  # the references' heads (their sinks, slopes and temperatures are per head), a GPU's head size
@@ -123,6 +128,37 @@ def test_engine_with_variants_graphed_matches_eager(model, attention, page_size)
                   disable_cuda_graph=not compiled, max_total_tokens=8192, attention=attention)
         outs.append([o.token_ids for o in llm.generate(prompts, sampling)])
     assert outs[0] == outs[1], f"seed={seed}"
+
+
+FAMILIES = {"mistral": make_mistral, "gemma2": make_gemma2, "gemma3": make_gemma3}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("flash", [False, True], ids=["triton", "flash"])
+def test_family_engine_tracks_hf(tmp_path, monkeypatch, family, flash):
+    """A family whose layers take attention variants (Mistral's window; Gemma 2's window and score
+    softcap; Gemma 3's window and per-kind RoPE), head_dim 128, served as `flexsgl serve` serves it:
+    bf16, compiled, decode replayed from CUDA graphs, against transformers in float32 and bf16. With
+    flash, prefill runs its variants on FlexAttention's FLASH backend (FLEXSGL_FLASH_VARIANTS=1, pages
+    of 128); without, on the Triton kernel (pages of 16)."""
+    if flash:
+        if not flash_prefill_runs(128, 128, torch.bfloat16):
+            pytest.skip("FlexAttention's FLASH backend needs flash-attn-4 and an SM90 or SM100 GPU")
+        monkeypatch.setenv(FLASH_VARIANTS_ENV, "1")
+    seed = random.randrange(1 << 30)
+    FAMILIES[family](tmp_path, seed, head_dim=128)
+    page_size = 128 if flash else 16
+    on_flash = []
+    original = FlexAttentionBackend.__init__
+
+    def record(backend, *args, **kwargs):
+        original(backend, *args, **kwargs)
+        on_flash.append(backend.flash_variants)
+
+    monkeypatch.setattr(FlexAttentionBackend, "__init__", record)
+    check_tracks_hf(str(tmp_path), monkeypatch, seed, page_size, max_total_tokens=32768, cuda_graph_bs=[1, 2, 8],
+                    override="flex")
+    assert on_flash and any(on_flash) == flash, f"variants on FLASH: {on_flash} (seed={seed})"
 
 
 FA3_VARIANTS = ["causal", "sliding_window", "softcap", "attention_sinks", "gemma_gpt_oss_like"]

@@ -34,23 +34,23 @@ def _save(model, path, max_shard_size: str | None):
     return model
 
 
-def make_gemma2(path, seed: int, max_shard_size: str | None = None):
+def make_gemma2(path, seed: int, max_shard_size: str | None = None, head_dim: int = 16):
     """Sliding, global, sliding; caps small enough that the scores and logits they bend differ."""
     import transformers
 
-    cfg = transformers.Gemma2Config(**COMMON, num_hidden_layers=3, attn_logit_softcapping=6.0,
-                                    final_logit_softcapping=10.0)
+    cfg = transformers.Gemma2Config(**{**COMMON, "head_dim": head_dim}, num_hidden_layers=3,
+                                    attn_logit_softcapping=6.0, final_logit_softcapping=10.0)
     torch.manual_seed(seed)
     return _save(transformers.Gemma2ForCausalLM(cfg).eval(), path, max_shard_size)
 
 
-def make_gemma3(path, seed: int):
+def make_gemma3(path, seed: int, head_dim: int = 16):
     """Two local layers and a global one (Gemma 3's five to one, shortened), each kind with its own
     RoPE base, the global one linearly scaled; a final softcap."""
     import transformers
 
     cfg = transformers.Gemma3TextConfig(
-        **COMMON, num_hidden_layers=3, final_logit_softcapping=10.0,
+        **{**COMMON, "head_dim": head_dim}, num_hidden_layers=3, final_logit_softcapping=10.0,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})

@@ -12,11 +12,11 @@ from tests.family_parity import PAGE, check_family
 WINDOW = 40
 
 
-def make_mistral(path, seed: int, window: int = WINDOW):
+def make_mistral(path, seed: int, window: int = WINDOW, head_dim: int = 16):
     import transformers
 
     cfg = transformers.MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-6,
                                      max_position_embeddings=2048, sliding_window=window, initializer_range=0.15,
                                      eos_token_id=None, bos_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(seed)

@@ -79,9 +79,10 @@
 #   base-compare   the throughput and latency steps' runs for a baseline tree in $BASE (a checkout of an earlier
 #                  commit carried beside this one, e.g. .gpu/base) and for this tree, alternately, in one call
 #   variants       the attention-variant GPU tests: every variant in bf16 with pages of 16 and 64 (decode in a CUDA
-#                  graph), FA3's window/softcap/sinks, engines with per-layer variants graphed against eager, and
-#                  with flash-attn-4 staged each variant's prefill on the FLASH backend (92 tests, ~640 s on a cold
-#                  compile cache: run them in parts, $VARIANTS_K a pytest -k expression, "flash" then "not flash")
+#                  graph), FA3's window/softcap/sinks, engines with per-layer variants graphed against eager, Mistral
+#                  and Gemma 2 and 3 engines against HF, and with flash-attn-4 staged each variant's prefill on the
+#                  FLASH backend (98 tests, ~700 s on a cold compile cache: run them in parts, $VARIANTS_K a pytest
+#                  -k expression, "flash" then "not flash")
 #   mistral        bench latency of the mistral-7b dummy (a 4,096-key window on every layer), flex, batch 1 and 32
 #                  at 4k and 32k tokens of context: decode TPOT at 32k against 4k
 #   window-kernels benchmarks/attention_matrix.py --window 4096: flex's windowed decode and prefill beside FA3's
