@@ -132,7 +132,7 @@ def check_engine_tracks_hf(tmp_path, monkeypatch, arch, page_size, head_dim=16, 
 def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, compiled=True, **llm_kw):
     """The bf16 engine on the HF checkpoint at `path` against transformers in float32 and bf16.
     one_at_a_time: run the prompts one after another (decode at batch 1) instead of together;
-    compiled: whether the engine compiles where `compile` is not given."""
+    compiled: whether the engine compiles where `compile` is not given. Returns the engine."""
     hf32, hf16 = (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt, experts_implementation="eager")
                   .cuda().eval() for dt in (torch.float32, torch.bfloat16))
     for hf in (hf32, hf16):  # the modeling code's own attention and experts (not grouped_mm's on a GPU)
@@ -184,6 +184,7 @@ def check_tracks_hf(path, monkeypatch, seed, page_size, one_at_a_time=False, com
         assert err.max().item() <= bound, (
             f"prompt {i}: error {err.max():.3g} at step {int(err.argmax())} > {bound:.3g} (seed={seed})")
     assert decisive_steps > 0.5 * steps * len(prompts), f"too few decisive steps to mean anything (seed={seed})"
+    return llm
 
 
 SMALL_MODES = {

@@ -201,7 +201,6 @@ fi_allreduce_build() {
     echo "FlashInfer's all-reduce kernels: build started in the background"
   fi
 }
-printf '%s\n' "${steps[@]}" | grep -q '^tp-' && fi_allreduce_build
 # A TP bench waits for a build under way, up to $1 s, so that its figures are those of the all-reduce `auto` picks.
 fi_allreduce_wait() {
   local until=$((SECONDS + $1))
@@ -209,6 +208,7 @@ fi_allreduce_wait() {
   pgrep -f get_trtllm_comm_module >/dev/null \
     && echo "FlashInfer's all-reduce kernels: still building after $1 s; this bench runs without them"
 }
+printf '%s\n' "${steps[@]}" | grep -q '^tp-' && fi_allreduce_build
 # A device call runs at most 600 s: each step's limit is cut to the time left before $CALL_S (default 580 s from
 # this script's start), so the summary always prints; a step with under a minute left is skipped.
 CALL_S=${CALL_S:-580}
