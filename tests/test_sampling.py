@@ -122,9 +122,10 @@ def test_distribution_matches_softmax(filtered_neighbours):
                        f"{seed} (T={temperature:.3f})")
 
 
-def check_filtered(seed, rng, temperature, allowed, **filters):
-    """Sample N rows with `filters`: only `allowed` tokens appear, in renormalised proportions."""
-    logits = random_logits(1, V, seed)
+def check_filtered(seed, rng, temperature, allowed, logit_seed=None, **filters):
+    """Sample N rows of the logits drawn from `logit_seed` (default `seed`) with `filters`: only
+    `allowed` tokens appear, in renormalised proportions."""
+    logits = random_logits(1, V, seed if logit_seed is None else logit_seed)
     expected = np.where(allowed, ref_probs(logits[0], temperature), 0.0)
     expected /= expected.sum()
     tokens = sample(logits.expand(N, V).contiguous(), make_st(rng, [temperature] * N, **filters))
@@ -133,9 +134,18 @@ def check_filtered(seed, rng, temperature, allowed, **filters):
     check_distribution(tokens, expected, f"{seed} {filters}")
 
 
-def sorted_gap_index(values, rng):
-    """An index j in [1, V-2] where the descending `values` have a clear gap between j-1 and j."""
-    return rng.choice([j for j in range(1, V - 1) if values[j - 1] - values[j] > 1e-3])
+def probs_with_gap(rng, temperature, descending):
+    """Logits with a clear gap (over 1e-3, so float32 rounding cannot cross it) between some
+    neighbours j-1, j in [0, V-2] of `descending(p)`; redrawn from `rng` until one exists, since a
+    dominant token at a low temperature can leave every gap tinier. Returns (logit_seed, p,
+    descending(p), j) with j drawn among the clear gaps."""
+    while True:
+        logit_seed = rng.randrange(2**31)
+        p = ref_probs(random_logits(1, V, logit_seed)[0], temperature)
+        values = descending(p)
+        gaps = [j for j in range(1, V - 1) if values[j - 1] - values[j] > 1e-3]
+        if gaps:
+            return logit_seed, p, values, rng.choice(gaps)
 
 
 def test_top_k():
@@ -152,29 +162,26 @@ def test_top_p():
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     temperature = rng.uniform(0.5, 2.0)
-    p = ref_probs(random_logits(1, V, seed)[0], temperature)
+    logit_seed, p, _, j = probs_with_gap(rng, temperature, lambda p: -np.cumsum(np.sort(p)[::-1]))
     order = np.argsort(-p)
     cum = np.cumsum(p[order])
     # top_p well inside (cum[j-1], cum[j]), so float32 rounding cannot move the boundary.
-    j = sorted_gap_index(-cum, rng)
     top_p = float(cum[j - 1] + rng.uniform(0.2, 0.8) * (cum[j] - cum[j - 1]))
     # Reference: the smallest prefix of the sorted probabilities whose mass reaches top_p.
     n_keep = next(n for n in range(1, V + 1) if cum[n - 1] >= top_p)
     allowed = np.zeros(V, bool)
     allowed[order[:n_keep]] = True
-    check_filtered(seed, rng, temperature, allowed, top_p=top_p)
+    check_filtered(seed, rng, temperature, allowed, logit_seed, top_p=top_p)
 
 
 def test_min_p():
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     temperature = rng.uniform(0.5, 2.0)
-    p = ref_probs(random_logits(1, V, seed)[0], temperature)
-    ratios = np.sort(p / p.max())[::-1]
+    logit_seed, p, ratios, j = probs_with_gap(rng, temperature, lambda p: np.sort(p / p.max())[::-1])
     # min_p well inside the gap between two neighbouring ratios p_i / p_max.
-    j = sorted_gap_index(ratios, rng)
     min_p = float(ratios[j] + rng.uniform(0.2, 0.8) * (ratios[j - 1] - ratios[j]))
-    check_filtered(seed, rng, temperature, p >= min_p * p.max(), min_p=min_p)
+    check_filtered(seed, rng, temperature, p >= min_p * p.max(), logit_seed, min_p=min_p)
 
 
 def test_top_k_1_is_greedy():
