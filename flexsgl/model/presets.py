@@ -16,6 +16,19 @@ def _qwen3(hidden, layers, heads, kv, inter, tie, vocab=151936, max_pos=40960, h
     }
 
 
+def _llama3(hidden, layers, heads, inter, kv=8, vocab=128256, max_pos=131072):
+    """Llama 3.1's configuration (its RoPE scaling, its three end-of-turn tokens) at a given size."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": 128, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": max_pos, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
+    }
+
+
 def _qwen3_moe(hidden, layers, heads, kv, inter, experts, top_k, moe_inter, vocab=151936, max_pos=40960,
                head_dim=128):
     return {
@@ -98,31 +111,9 @@ def _gpt_oss(layers, experts, hidden=2880, heads=64, kv=8, head_dim=64, inter=28
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": {"hub": "Qwen/Qwen3-0.6B", "config": _qwen3(1024, 28, 16, 8, 3072, True)},
     "qwen3-8b": {"hub": "Qwen/Qwen3-8B", "config": _qwen3(4096, 36, 32, 8, 12288, False)},
-    "llama3-8b": {
-        "hub": "meta-llama/Meta-Llama-3.1-8B",
-        "config": {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
-        },
-    },
+    "llama3-8b": {"hub": "meta-llama/Meta-Llama-3.1-8B", "config": _llama3(4096, 32, 32, 14336)},
     # Llama-3-70B's shape (3.1's RoPE scaling), random weights only: for tensor-parallel benchmarks.
-    "llama3-70b": {
-        "hub": None,
-        "config": {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-            "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
-        },
-    },
+    "llama3-70b": {"hub": None, "config": _llama3(8192, 80, 64, 28672)},
     # Qwen3-30B-A3B's own config: 128 experts of 768 per MoE layer, 8 per token, on every layer.
     "qwen3-30b-a3b": {"hub": "Qwen/Qwen3-30B-A3B",
                       "config": _qwen3_moe(2048, 48, 32, 4, 6144, experts=128, top_k=8, moe_inter=768)},
