@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from flexsgl.errors import CheckpointError
 from flexsgl.model.config import LAYER_TYPES
-from flexsgl.model.mla_config import YARN_KEYS, MoEConfig
+from flexsgl.model.mla_config import MoEConfig, check_yarn
 
 # GptOssConfig's defaults where config.json leaves a key out
 DEFAULT_WINDOW = 128
@@ -27,11 +27,7 @@ def gpt_oss_fields(get, d: dict, rope: dict, source: str) -> dict:
     rope = rope if given_rope else DEFAULT_ROPE
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "yarn":
-        for key in YARN_KEYS:
-            get.number(rope, key)
-        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
-            if rope.get(key) is not None:
-                get.number(rope, key)
+        check_yarn(get, rope)
         if not isinstance(rope.get("truncate", True), bool):
             raise CheckpointError(f"{source}: the RoPE 'truncate' must be true or false, got {rope['truncate']!r}.")
     layers = get.positive("num_hidden_layers")

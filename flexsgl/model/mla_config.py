@@ -11,6 +11,7 @@ from flexsgl.errors import CheckpointError, short_repr
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 SCORING_FUNCS = ("softmax",)
 YARN_KEYS = ("factor", "original_max_position_embeddings")
+YARN_OPTIONAL_KEYS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,15 @@ class MoEConfig:
         return layer >= self.first_k_dense_replace and layer not in self.dense_layers
 
 
+def check_yarn(get, rope: dict) -> None:
+    """YaRN's required keys are numbers, and so are its optional ones where given (get: config._Keys)."""
+    for key in YARN_KEYS:
+        get.number(rope, key)
+    for key in YARN_OPTIONAL_KEYS:
+        if rope.get(key) is not None:
+            get.number(rope, key)
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -63,11 +73,7 @@ def deepseek_v2_fields(get, d: dict, rope: dict, source: str) -> dict:
         raise CheckpointError(f"{source}: 'qk_rope_head_dim' must be even for rotary embeddings, got {rope_dim}.")
     scale = (nope + rope_dim) ** -0.5
     if rope_type == "yarn":
-        for key in YARN_KEYS:
-            get.number(rope, key)
-        for key in ("mscale", "mscale_all_dim", "beta_fast", "beta_slow", "attention_factor"):
-            if rope.get(key) is not None:
-                get.number(rope, key)
+        check_yarn(get, rope)
         if rope.get("mscale_all_dim"):
             scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
     mla = MLAConfig(kv_lora_rank=get.positive("kv_lora_rank"), q_lora_rank=get.positive("q_lora_rank", None),
