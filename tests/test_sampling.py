@@ -135,9 +135,9 @@ def check_filtered(seed, rng, temperature, allowed, logit_seed=None, **filters):
 
 
 def probs_with_gap(rng, temperature, descending):
-    """Logits with a clear gap (over 1e-3, so float32 rounding cannot cross it) between some
-    neighbours j-1, j in [0, V-2] of `descending(p)`; redrawn from `rng` until one exists, since a
-    dominant token at a low temperature can leave every gap tinier. Returns (logit_seed, p,
+    """Logits whose `descending(p)` has a clear gap (over 1e-3, so float32 rounding cannot cross
+    it) between entries j-1 and j for some j in [1, V-2]; redrawn from `rng` until one exists, since
+    a dominant token at a low temperature can leave every gap tinier. Returns (logit_seed, p,
     descending(p), j) with j drawn among the clear gaps."""
     while True:
         logit_seed = rng.randrange(2**31)
