@@ -21,14 +21,26 @@ from tests.test_registry import GPU, fake_gpu  # noqa: F401  (a fixture)
 WINDOW = 40
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=2048, initializer_range=0.15,
-              eos_token_id=None, bos_token_id=None, pad_token_id=None, sliding_window=WINDOW,
-              query_pre_attn_scalar=24)  # a softmax scale of 24**-0.5, not head_dim**-0.5
+              eos_token_id=None, bos_token_id=None, pad_token_id=None, sliding_window=WINDOW)
+
+# Bends logits of about 7.5 by 0.5 (15 tanh(7.5 / 15) = 6.9): a missed cap shows, yet the top-2 margins
+# stay clear of bf16's error (a cap of 10 left about half of the 128-wide GPU checkpoints' steps decisive).
+FINAL_SOFTCAP = 15.0
+
+
+def _config(head_dim: int) -> dict:
+    """COMMON at `head_dim`, with a softmax scale of (1.5 head_dim)**-0.5 (24**-0.5 at 16), not head_dim**-0.5:
+    scores as sharp at head_dim 128 as at 16, where a scale that stays at 24**-0.5 puts bf16's own error on
+    the logits near their top-2 margins."""
+    return {**COMMON, "head_dim": head_dim, "query_pre_attn_scalar": 3 * head_dim // 2}
 
 
 def _save(model, path, max_shard_size: str | None):
     with torch.no_grad():  # norms away from HF's init of 0, so a missed (or a doubled) 1 + w shows
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # 1 + w about 1: Gemma 3's scores stay as sharp
+                p.uniform_(-0.5, 0.5)
+            elif name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
@@ -38,8 +50,8 @@ def make_gemma2(path, seed: int, max_shard_size: str | None = None, head_dim: in
     """Sliding, global, sliding; caps small enough that the scores and logits they bend differ."""
     import transformers
 
-    cfg = transformers.Gemma2Config(**{**COMMON, "head_dim": head_dim}, num_hidden_layers=3,
-                                    attn_logit_softcapping=6.0, final_logit_softcapping=10.0)
+    cfg = transformers.Gemma2Config(**_config(head_dim), num_hidden_layers=3, attn_logit_softcapping=6.0,
+                                    final_logit_softcapping=FINAL_SOFTCAP)
     torch.manual_seed(seed)
     return _save(transformers.Gemma2ForCausalLM(cfg).eval(), path, max_shard_size)
 
@@ -50,7 +62,7 @@ def make_gemma3(path, seed: int, head_dim: int = 16):
     import transformers
 
     cfg = transformers.Gemma3TextConfig(
-        **{**COMMON, "head_dim": head_dim}, num_hidden_layers=3, final_logit_softcapping=10.0,
+        **_config(head_dim), num_hidden_layers=3, final_logit_softcapping=FINAL_SOFTCAP,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})
