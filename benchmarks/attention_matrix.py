@@ -216,7 +216,7 @@ def attend_fn(name: str, pool, fb, q, hq: int, kv, window: int | None = None):
     if reason:
         return reason
     backend = cls(pool, num_heads=hq, compiled=True, variants=variants)
-    if flash:  # a window's prefill too (FLEXSGL_FLASH_VARIANTS=1's options)
+    if flash:  # a window's prefill too, as variant_prefill_options gives it where FLASH runs
         backend.kernel_options = backend.packed_kernel_options = dict(FLASH)
         backend.variant_options = {vid: (dict(FLASH), dict(FLASH)) for vid in backend.variant_options}
         backend.flash_variants = True

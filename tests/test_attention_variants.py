@@ -312,6 +312,37 @@ def test_flash_keeps_only_the_mods_its_code_generator_computes_correctly():
         assert (flash_miscompiles(variant) is not None) == wrong, name
 
 
+def test_a_variants_prefill_takes_flash_where_it_runs_unless_told_not_to(monkeypatch):
+    """As on an SM90 GPU with flash-attn-4: a variant's prefill takes the FLASH backend over KV blocks
+    of 128 (pages of 128, or packed rows) at head_dim 128 in bf16, and the Triton kernel elsewhere;
+    FLEXSGL_FLASH_VARIANTS=0 keeps it on Triton; a variant whose mods FLASH computes wrongly is refused
+    it with the reason, and one where FLASH cannot run is not traced at all."""
+    from flexsgl.attention import flex_options
+    from flexsgl.attention.flash_mods import flash_refusal
+    from flexsgl.attention.flex_options import FLASH, FLASH_VARIANTS_ENV, variant_prefill_options
+
+    monkeypatch.setattr(flex_options, "_flash_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (9, 0))
+    monkeypatch.delenv(FLASH_VARIANTS_ENV, raising=False)
+    window, temperature = REFERENCE["sliding_window"][0], REFERENCE["user_head_temperature"][0]
+    bf16 = torch.bfloat16
+
+    def on_flash(variant, head_dim, page_size):  # (over pages, over packed rows)
+        refused = flash_refusal(variant, head_dim, page_size, bf16)
+        return tuple(variant_prefill_options(head_dim, page_size, bf16, packed, refused) == FLASH
+                     for packed in (False, True))
+
+    assert on_flash(window, 128, 128) == (True, True)
+    assert on_flash(window, 128, 16) == (False, True)  # a page of 16 is no FLASH KV block; packed rows are
+    assert on_flash(window, 64, 128) == (False, False)  # FLASH runs at head_dim 128
+    assert "torch.where" in flash_refusal(temperature, 128, 128, bf16)
+    assert on_flash(temperature, 128, 128) == (False, False)
+    assert flash_refusal(temperature, 64, 128, bf16) is None  # no FLASH to refuse: nothing traced or logged
+    monkeypatch.setenv(FLASH_VARIANTS_ENV, "0")
+    assert on_flash(window, 128, 128) == (False, False)
+    assert flash_refusal(temperature, 128, 128, bf16) is None
+
+
 def per_request_window() -> AttentionVariant:
     """A sliding window whose size each request gives (`attention_params={"w": W}`), at most 64."""
     def mask(b, h, q_pos, kv_pos, p):

@@ -1,7 +1,7 @@
 """Attention variants on the GPU: every shipped variant and the two written in
 tests/test_attention_variants.py, compiled, in bfloat16, with pages of 16 and 64, against float64
 attention; decode replayed from a CUDA graph (its block mask rebuilt inside the graph); their prefill on
-FlexAttention's FLASH backend where flash-attn-4 is installed (FLEXSGL_FLASH_VARIANTS=1). And whole
+FlexAttention's FLASH backend where flash-attn-4 is installed (the default there). And whole
 engines with per-layer variants, compiled with CUDA graphs, against the same engines run eagerly, and
 the families that need variants (Mistral, Gemma 2 and 3) against transformers, their prefill on the
 Triton kernel and on FLASH."""
@@ -99,14 +99,14 @@ def test_variant_prefill_compiled_matches_float64(name, page_size, case, packed)
 @pytest.mark.parametrize("name", list(REFERENCE))
 @pytest.mark.parametrize("page_size,case,packed", [(16, "ragged-prefill", True), (128, "prefix-extend", False)])
 def test_variant_prefill_on_the_flash_backend_matches_float64(name, page_size, case, packed, monkeypatch):
-    """With FLEXSGL_FLASH_VARIANTS=1, where prefill runs on FlexAttention's FLASH backend (flash-attn-4
-    installed; head_dim 128, bf16, KV blocks of 128: packed rows, or pages of 128), every variant's
-    prefill runs there, compiled with dynamic shapes as the engine compiles it; but
+    """Where prefill runs on FlexAttention's FLASH backend (flash-attn-4 installed; head_dim 128, bf16,
+    KV blocks of 128: packed rows, or pages of 128), every variant's prefill runs there by default,
+    compiled with dynamic shapes as the engine compiles it; but
     `user_head_temperature`, whose torch.where between constants FLASH computes wrongly, runs on the
     Triton kernel."""
     if not flash_prefill_runs(128, 128, torch.bfloat16):
         pytest.skip("FlexAttention's FLASH backend needs flash-attn-4 and an SM90 or SM100 GPU")
-    monkeypatch.setenv(FLASH_VARIANTS_ENV, "1")
+    monkeypatch.delenv(FLASH_VARIANTS_ENV, raising=False)
     run_gpu_case(name, CASES[case], page_size, graphed=False, seed=random.randrange(1 << 30), packed=packed,
                  head_dim=128, flash=True)
 
@@ -139,12 +139,14 @@ def test_family_engine_tracks_hf(tmp_path, monkeypatch, family, flash):
     """A family whose layers take attention variants (Mistral's window; Gemma 2's window and score
     softcap; Gemma 3's window and per-kind RoPE), head_dim 128, served as `flexsgl serve` serves it:
     bf16, compiled, decode replayed from CUDA graphs, against transformers in float32 and bf16. With
-    flash, prefill runs its variants on FlexAttention's FLASH backend (FLEXSGL_FLASH_VARIANTS=1, pages
-    of 128); without, on the Triton kernel (pages of 16)."""
+    flash, prefill runs its variants on FlexAttention's FLASH backend (the default, pages of 128);
+    without, on the Triton kernel (FLEXSGL_FLASH_VARIANTS=0, pages of 16)."""
+    if flash and not flash_prefill_runs(128, 128, torch.bfloat16):
+        pytest.skip("FlexAttention's FLASH backend needs flash-attn-4 and an SM90 or SM100 GPU")
     if flash:
-        if not flash_prefill_runs(128, 128, torch.bfloat16):
-            pytest.skip("FlexAttention's FLASH backend needs flash-attn-4 and an SM90 or SM100 GPU")
-        monkeypatch.setenv(FLASH_VARIANTS_ENV, "1")
+        monkeypatch.delenv(FLASH_VARIANTS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FLASH_VARIANTS_ENV, "0")
     seed = random.randrange(1 << 30)
     FAMILIES[family](tmp_path, seed, head_dim=128)
     llm = check_tracks_hf(str(tmp_path), monkeypatch, seed, 128 if flash else 16, max_total_tokens=32768,

@@ -10,20 +10,18 @@ Triton kernel is 0.008 from it), or fails to compile where one value is a captur
 `torch.where(c, True, False)`, which is boolean anyway.
 
 `flash_miscompiles` finds the construct by tracing a variant's mods once on the CPU (make_fx, on
-one-element coordinates, as FlexAttention's vmap sees them); where variants are asked to prefill on
-FLASH (FLEXSGL_FLASH_VARIANTS=1), such a variant's prefill runs on the Triton kernel instead
-(`flash_refusal`, flex_options.variant_prefill_options), and the log says why.
+one-element coordinates, as FlexAttention's vmap sees them) where a variant's prefill could run on
+FLASH; such a variant's prefill runs on the Triton kernel instead (`flash_refusal`,
+flex_options.variant_prefill_options), and the log says why.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from flexsgl.attention.bound_variant import VariantMods
-from flexsgl.attention.flex_options import FLASH_VARIANTS_ENV
+from flexsgl.attention.flex_options import FLASH_KV_TILE, flash_prefill_runs, flash_variants_wanted
 from flexsgl.attention.variant import AttentionVariant, Params, trial_params
 from flexsgl.log import logger
 
@@ -31,10 +29,12 @@ _CONSTANT_TARGETS = (torch.ops.aten.scalar_tensor.default, torch.ops.aten.full.d
                      torch.ops.aten.lift_fresh_copy.default)
 
 
-def flash_refusal(variant: AttentionVariant) -> str | None:
-    """Why this variant's prefill may not run on FLASH although FLEXSGL_FLASH_VARIANTS=1 asks for
-    it (logged), or None; None too where FLASH is not asked for, without tracing anything."""
-    if os.environ.get(FLASH_VARIANTS_ENV) != "1":
+def flash_refusal(variant: AttentionVariant, head_dim: int, page_size: int, dtype: torch.dtype) -> str | None:
+    """Why this variant's prefill may not run on FLASH where it could (logged), or None; None too,
+    without tracing anything, where it could not: FLEXSGL_FLASH_VARIANTS=0, or FLASH runs neither over
+    these pages nor over packed rows (flex_options.flash_prefill_runs)."""
+    if not flash_variants_wanted() or not any(flash_prefill_runs(head_dim, kv_block, dtype)
+                                              for kv_block in (page_size, FLASH_KV_TILE)):
         return None
     why = flash_miscompiles(variant)
     if why is not None:

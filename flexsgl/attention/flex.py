@@ -45,13 +45,13 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
         cuda = pool.device.type == "cuda"
         self.kernel_options = self.cuda_kernel_options() if cuda else None
         self.packed_kernel_options = self.packed_cuda_kernel_options() if cuda and self.packs_prefill else None
-        # Each variant's prefill options, over pages and over packed rows: the Triton kernel, or FLASH
-        # on request where its mods compile correctly there (flex_options.variant_prefill_options)
+        # Each variant's prefill options, over pages and over packed rows: FLASH where it runs and
+        # compiles the mods correctly, else the Triton kernel (flex_options.variant_prefill_options)
         self.variant_options: dict[int, tuple[dict, dict]] = {}
         if cuda and self.variants:
             dim, dtype = self.kv_shape()[1], self.pool.k[0].dtype
             for bound in self.variants:
-                refused = flash_refusal(bound.variant)
+                refused = flash_refusal(bound.variant, dim, self.pool.page_size, dtype)
                 self.variant_options[bound.id] = tuple(
                     variant_prefill_options(dim, self.pool.page_size, dtype, packed, refused) for packed in (False, True))
             self.flash_variants = any(FLASH in both for both in self.variant_options.values())

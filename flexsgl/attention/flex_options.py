@@ -10,8 +10,9 @@ the splits small_tile_splits picks. Prefill (run inside the compiled decoder lay
 128: 64x64 tiles, 4 warps, 3 stages, with TMA loads at head_dim 128, pages of 64, bf16/fp16 on
 SM90. With flash-attn-4 installed, prefill over KV blocks of 128 (the step's K/V packed into rows,
 flex_meta.py, or pages of 128) runs on FlexAttention's FLASH backend instead, which takes less time
-than the Triton kernel there (an attention variant's only on request: variant_prefill_options). MLA's
-latent decode (one KV head of 576 dims): latent_decode_options. The KV tile must divide a page.
+than the Triton kernel there (an attention variant's too, unless FLEXSGL_FLASH_VARIANTS=0:
+variant_prefill_options). MLA's latent decode (one KV head of 576 dims): latent_decode_options. The
+KV tile must divide a page.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 MIN_SPLITS, FEW_PROGRAMS = 16, 32
 FLASH = {"BACKEND": "FLASH"}  # FlexAttention's FLASH backend (flash-attn-4's CuTe DSL kernel)
-FLASH_VARIANTS_ENV = "FLEXSGL_FLASH_VARIANTS"  # "1": variants' prefill on FLASH too (variant_prefill_options)
+FLASH_VARIANTS_ENV = "FLEXSGL_FLASH_VARIANTS"  # "0": variants' prefill stays on Triton (variant_prefill_options)
 SMALL_TILE, SMALL_TILE_MAX_SPLITS = 32, 64
 SMALL_TILE_FEW_PROGRAMS, SMALL_TILE_MANY_PROGRAMS = 512, 4096
 LARGE_HEAD_DIM, LATENT_SPLITS = 256, 32
@@ -91,17 +92,20 @@ def prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
 def variant_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype, packed: bool = False,
                             flash_refused: str | None = None) -> dict:
     """Kernel options for an attention variant's prefill on CUDA, over pages or (`packed`) over the
-    step's K/V packed into rows: the FLASH backend where prefill runs there,
-    FLEXSGL_FLASH_VARIANTS=1 and the variant's mods are ones FLASH compiles correctly
-    (`flash_refused` None: flash_mods.py), else the Triton kernel (as plain prefill's). On FLASH a
-    variant's masks read int32 integers only, a mask_mod that decides every block comes with empty
-    full-block lists (flex_meta.py), and a sink reads the log-sum-exp in base e (flex.py), as that
-    backend needs. It is opt-in for variants: the GPU tests check each variant's prefill there
-    against float64, but no engine with variants has yet been checked against HF on FLASH."""
-    flash = os.environ.get(FLASH_VARIANTS_ENV) == "1" and flash_refused is None
+    step's K/V packed into rows: the FLASH backend where prefill runs there and the variant's mods are
+    ones FLASH compiles correctly (`flash_refused` None: flash_mods.py), unless FLEXSGL_FLASH_VARIANTS=0;
+    else the Triton kernel (as plain prefill's). On FLASH a variant's masks read int32 integers only, a
+    mask_mod that decides every block comes with empty full-block lists (flex_meta.py), and a sink
+    reads the log-sum-exp in base e (flex.py), as that backend needs."""
+    flash = flash_variants_wanted() and flash_refused is None
     if flash and flash_prefill_runs(head_dim, FLASH_KV_TILE if packed else page_size, dtype):
         return dict(FLASH)
     return triton_prefill_options(head_dim, 64 if packed else page_size, dtype)
+
+
+def flash_variants_wanted() -> bool:
+    """Whether variants' prefill may take the FLASH backend: unless FLEXSGL_FLASH_VARIANTS=0."""
+    return os.environ.get(FLASH_VARIANTS_ENV, "1") != "0"
 
 
 def triton_prefill_options(head_dim: int, page_size: int, dtype: torch.dtype) -> dict:
