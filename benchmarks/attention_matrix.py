@@ -14,9 +14,10 @@ without and with cached prefixes (each request then extends a cached prefix of 2
 tokens); GQA 4 (32 query / 8 KV heads) and 8 (64 / 8); head_dim 128, bf16; pages of 16, 64, 128
 tokens, handed out in shuffled order as the engine's allocator does.
 
-Backends: flex compiled (decode through its per-batch-size op, prefill compiled per shape;
-`flex-flash`: prefill through FlexAttention's FLASH backend, flash-attn-4's CuTe DSL kernel, staged
-by tools/stage_flash.sh, a window's too), each
+Backends: flex compiled, on the kernels the engine picks (decode through its per-batch-size op,
+prefill compiled per shape, on FlexAttention's FLASH backend where flash-attn-4 is staged by
+tools/stage_flash.sh and the KV block is 128, a window's too unless FLEXSGL_FLASH_VARIANTS=0;
+`flex-flash`: prefill with FLASH set as every kernel option), each
 kernel override the registry lets run here (fa3, fi-decode, triton-decode), and SDPA over the same
 K/V gathered into contiguous per-request tensors (the dense lower bound, gather not timed). `fa4`:
 flash-attn-4's kernel called directly on the same pages, prefill only (the FLASH backend's ceiling).
