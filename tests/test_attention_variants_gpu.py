@@ -141,9 +141,9 @@ def test_family_engine_tracks_hf(tmp_path, monkeypatch, family, flash):
     bf16, compiled, decode replayed from CUDA graphs, against transformers in float32 and bf16. With
     flash, prefill runs its variants on FlexAttention's FLASH backend (the default, pages of 128);
     without, on the Triton kernel (FLEXSGL_FLASH_VARIANTS=0, pages of 16)."""
-    if flash and not flash_prefill_runs(128, 128, torch.bfloat16):
-        pytest.skip("FlexAttention's FLASH backend needs flash-attn-4 and an SM90 or SM100 GPU")
     if flash:
+        if not flash_prefill_runs(128, 128, torch.bfloat16):
+            pytest.skip("FlexAttention's FLASH backend needs flash-attn-4 and an SM90 or SM100 GPU")
         monkeypatch.delenv(FLASH_VARIANTS_ENV, raising=False)
     else:
         monkeypatch.setenv(FLASH_VARIANTS_ENV, "0")

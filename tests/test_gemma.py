@@ -38,7 +38,7 @@ def _config(head_dim: int) -> dict:
 def _save(model, path, max_shard_size: str | None):
     with torch.no_grad():  # norms away from HF's init of 0, so a missed (or a doubled) 1 + w shows
         for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):  # 1 + w about 1: Gemma 3's scores stay as sharp
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # 1 + w in 0.5-1.5: scores no sharper
                 p.uniform_(-0.5, 0.5)
             elif name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
