@@ -9,7 +9,7 @@ step replays a CUDA graph. The one place these are decided; the planner (step/pl
 - No varying dimension of a compiled prefill step is 0 or 1 (MIN_COMPILED_SIZE): torch.compile
   specialises such a dimension, so a batch-1 or one-block prefill after multi-request ones would
   recompile. A compiled prefill step gets padding requests and computes padding logits rows up to
-  it; flex pads its query blocks to it (attention/flex_blocks.py).
+  it; flex has at least that many query blocks (attention/flex_blocks.py).
 - Page tables go up full width (the pages of the longest request the engine admits) in a compiled
   step and once graphs are captured: compiled flex's BlockMask shapes follow the table's. Where a
   kernel override reads the table on CUDA, a step that is not replayed from a graph sends it only as

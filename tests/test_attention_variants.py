@@ -28,6 +28,9 @@ CASES = {
     "decode": [(0 + n, 1) for n in (1, 63, 64, 65, 200, 17)],
     "mixed": [(90, 1), (0, 70), (33, 12), (129, 1)],
 }
+# Long requests, two to a query block at most: compiled prefill takes the tokens as they come
+# (flex_blocks.py), where CASES' short ones start a block each.
+LONG_PREFILL = {"long-prefill": [(0, 530), (45, 600), (0, 520), (70, 560)]}
 
 
 def _causal(q, kv):
@@ -141,17 +144,21 @@ def test_variant_eager_matches_float64(name, case, page_size):
     ("alibi", "mixed", True),  # a per-head parameter in a score_mod
     ("prefix_lm", "prefix-extend", False),  # keys after the query; prefill over the pages
     ("user_local_window", "decode", False),  # a per-request parameter in a user's mask; decode
+    ("gemma_gpt_oss_like", "long-prefill", False),  # the tokens as they come, over the pages
+    ("prefix_lm", "long-prefill", True),  # the tokens as they come, keys after the query, packed rows
 ])
 def test_variant_compiled_matches_float64(name, case, packed):
-    run_variant_case(name, CASES[case], 16, compiled=True, packs_prefill=packed)
+    backend, fb = run_variant_case(name, {**CASES, **LONG_PREFILL}[case], 16, compiled=True, packs_prefill=packed)
+    assert (fb.attn.rows is None) == (case in LONG_PREFILL)
 
 
 @pytest.mark.parametrize("name,case,packed", [("prefix_lm", "prefix-extend", False),
-                                               ("user_local_window", "ragged-prefill", True)])
+                                               ("user_local_window", "ragged-prefill", True),
+                                               ("user_local_window", "long-prefill", True)])
 def test_variant_with_empty_full_block_lists_matches_float64(name, case, packed):
     """A variant whose mask_mod decides every block, its prefill's block lists as the FLASH backend takes
     them (an empty full-block list beside the partial one): compiled, the same attention."""
-    run_variant_case(name, CASES[case], 16, compiled=True, packs_prefill=packed, flash_lists=True)
+    run_variant_case(name, {**CASES, **LONG_PREFILL}[case], 16, compiled=True, packs_prefill=packed, flash_lists=True)
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
@@ -210,15 +217,19 @@ INT_VARIANTS = {"sliding_window": V.sliding_window(20), "chunked_local": V.chunk
 
 @pytest.mark.parametrize("name", list(INT_VARIANTS))
 @pytest.mark.parametrize("packed", [True, False])
-def test_variant_constants_stay_static_in_the_dynamic_prefill_compile(name, packed):
+@pytest.mark.parametrize("rows", ["as-they-come", "a-block-each"])
+def test_variant_constants_stay_static_in_the_dynamic_prefill_compile(name, packed, rows):
     """Prefill compiled with dynamic shapes, as the engine compiles it on CUDA, with the variant handed
     to the compiled function as an argument (where dynamo makes a Python int symbolic unless it is
     reached through an nn.Module): the variant's mods capture no symbol but tensor sizes, so the
-    FLASH lowering can take them, and a second prefill of other lengths runs the same graph."""
+    FLASH lowering can take them, and a second prefill of other lengths runs the same graph. Each
+    query layout (flex_blocks.query_rows) is a graph of its own: long requests' tokens as they come,
+    or short ones each from a query block of its own."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     variant = INT_VARIANTS[name]
-    batches = [[(0 if packed else rng.randrange(1, 100), rng.randrange(20, 200)) for _ in range(rng.randrange(2, 5))]
+    lengths = (520, 700) if rows == "as-they-come" else (3, 40)
+    batches = [[(0 if packed else rng.randrange(1, 100), rng.randrange(*lengths)) for _ in range(rng.randrange(3, 5))]
                for _ in range(2)]
     pages = sum(KVPool.num_pages_for(p + n, 16) for specs in batches for p, n in specs) + 5
     pool = KVPool(1, pages, 16, HKV, D, torch.float32, "cpu")
@@ -239,6 +250,7 @@ def test_variant_constants_stay_static_in_the_dynamic_prefill_compile(name, pack
         fb, q, *_ = random_paged_batch(pool, alloc, specs, HQ, "cpu", torch.float32, rng)
         backend.prepare(fb)
         assert (fb.attn.variants[bound.id].kv_rows is not None) == packed, f"seed={seed}"
+        assert (fb.attn.variants[bound.id].rows is None) == (rows == "as-they-come"), f"seed={seed}"
         with settings():
             forward(backend, q.float(), pool.layer_cache(0), fb, bound, bound.layer_sink(None))
     assert len(graphs) == 1, f"seed={seed}: {len(graphs)} compiles for two prefills of other lengths"

@@ -20,7 +20,7 @@ from flexsgl.attention.variants import alibi, sliding_window, softcap
 from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_variant_attention, random_paged_batch
 from flexsgl.compile import settings
-from tests.test_attention_variants import CASES, HKV, HQ, REFERENCE
+from tests.test_attention_variants import CASES, HKV, HQ, LONG_PREFILL, REFERENCE
 from tests.test_gemma import make_gemma2, make_gemma3
 from tests.test_gpu import check_tracks_hf
 from tests.test_mistral import make_mistral
@@ -72,6 +72,7 @@ def run_gpu_case(name, specs, page_size, graphed: bool, seed: int, packed: bool 
         graph.replay()
     else:
         backend.prepare(fb)
+        assert (fb.attn.rows is None) == (specs in LONG_PREFILL.values())  # the tokens as they come
         torch._dynamo.reset()
         with settings():  # as the engine's compiled steps run
             out = torch.compile(FlexAttentionBackend.forward, dynamic=True)(backend, qd, pool.layer_cache(0), fb,
@@ -89,15 +90,17 @@ def test_variant_decode_in_a_cuda_graph_matches_float64(name, page_size):
 
 
 @pytest.mark.parametrize("name", list(REFERENCE))
-@pytest.mark.parametrize("page_size,case,packed", [(16, "ragged-prefill", True), (64, "prefix-extend", False)])
+@pytest.mark.parametrize("page_size,case,packed", [(16, "ragged-prefill", True), (64, "long-prefill", False)])
 def test_variant_prefill_compiled_matches_float64(name, page_size, case, packed):
-    """Each case compiles afresh (seconds on the GPU): prefill over the step's K/V packed into rows
-    with pages of 16, over the pages with cached prefixes with pages of 64."""
-    run_gpu_case(name, CASES[case], page_size, graphed=False, seed=random.randrange(1 << 30), packed=packed)
+    """Each case compiles afresh (seconds on the GPU): short requests over the step's K/V packed into
+    rows with pages of 16, each from a query block of its own; long ones over the pages with cached
+    prefixes with pages of 64, the tokens as they come (flex_blocks.py)."""
+    run_gpu_case(name, {**CASES, **LONG_PREFILL}[case], page_size, graphed=False, seed=random.randrange(1 << 30),
+                 packed=packed)
 
 
 @pytest.mark.parametrize("name", list(REFERENCE))
-@pytest.mark.parametrize("page_size,case,packed", [(16, "ragged-prefill", True), (128, "prefix-extend", False)])
+@pytest.mark.parametrize("page_size,case,packed", [(16, "long-prefill", True), (128, "prefix-extend", False)])
 def test_variant_prefill_on_the_flash_backend_matches_float64(name, page_size, case, packed, monkeypatch):
     """Where prefill runs on FlexAttention's FLASH backend (flash-attn-4 installed; head_dim 128, bf16,
     KV blocks of 128: packed rows, or pages of 128), every variant's prefill runs there by default,
@@ -107,8 +110,8 @@ def test_variant_prefill_on_the_flash_backend_matches_float64(name, page_size, c
     if not flash_prefill_runs(128, 128, torch.bfloat16):
         pytest.skip("FlexAttention's FLASH backend needs flash-attn-4 and an SM90 or SM100 GPU")
     monkeypatch.delenv(FLASH_VARIANTS_ENV, raising=False)
-    run_gpu_case(name, CASES[case], page_size, graphed=False, seed=random.randrange(1 << 30), packed=packed,
-                 head_dim=128, flash=True)
+    run_gpu_case(name, {**CASES, **LONG_PREFILL}[case], page_size, graphed=False, seed=random.randrange(1 << 30),
+                 packed=packed, head_dim=128, flash=True)
 
 
 @pytest.mark.parametrize("model,attention,page_size", [

@@ -131,18 +131,24 @@ def test_listed_decode_mask_sees_what_the_paged_mask_sees(page_size):
     assert torch.equal(listed, paged), f"seed={seed}"
 
 
-@pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend", "mixed", "random"])
+# Prefill steps of long requests, whose query blocks hold at most two requests each, so the queries
+# are the tokens as they come (flex_blocks.py), against CASES' short ones, each from a block of its own.
+LONG_CASES = {"long-ragged": [(0, 530), (50, 600), (0, 520)], "two-long": [(3, 520), (0, 600)]}
+
+
+@pytest.mark.parametrize("case", ["ragged-prefill", "prefix-extend", "mixed", *LONG_CASES, "random"])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "paged"])
 def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case, page_size, packed):
     """Compiled prefill's BlockMask and the mask it carries: each token's row sees, through the full KV
     blocks and the mask on the partial ones, exactly the slots of its request's tokens at or before its
     position, from the page table and nothing of flex's. A KV block is a page, or a block of the
-    step's K/V packed into rows, each reading the pool slot kv_rows names."""
+    step's K/V packed into rows, each reading the pool slot kv_rows names. The rows are the tokens as
+    they come where no query block holds more than two requests, else each request starts a block."""
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    specs = CASES[case] if case != "random" else [(rng.randrange(300), rng.randrange(1, 300)) for _ in range(6)]
+    specs = {**CASES, **LONG_CASES}.get(case) or [(rng.randrange(300), rng.randrange(1, 300)) for _ in range(6)]
     pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
     pool = KVPool(1, pages, page_size, 2, 8, torch.float32, "cpu")
     fb, *_ = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, 4, "cpu", torch.float32, rng)
@@ -151,6 +157,8 @@ def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case
     meta = backend.metadata(fb)
     bm = meta.block_mask
     assert (meta.kv_rows is not None) == packed
+    if case != "random":
+        assert (meta.rows is None) == (case in LONG_CASES), f"seed={seed}"
     kv_block = page_size if meta.kv_rows is None else Q_BLOCK
     offset = torch.arange(kv_block)
     slot_of = (lambda kv: kv) if meta.kv_rows is None else (lambda kv: meta.kv_rows[kv])
@@ -160,7 +168,7 @@ def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case
         slot_pos = {int(fb.page_table[b, i]) * page_size + o: i * page_size + o
                     for i in range(KVPool.num_pages_for(prefix + new, page_size)) for o in range(page_size)}
         for t in range(new):
-            row = int(meta.rows[1][token])
+            row = token if meta.rows is None else int(meta.rows[1][token])
             j = row // Q_BLOCK
             full = bm.full_kv_indices[0, 0, j, :bm.full_kv_num_blocks[0, 0, j]]
             partial = bm.kv_indices[0, 0, j, :bm.kv_num_blocks[0, 0, j]]
@@ -179,8 +187,8 @@ def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case
 
 @pytest.mark.parametrize("make", ["paged", "listed", "packed", "packed-rows"])
 def test_mask_integers_stay_constants_under_dynamic_shapes(make):
-    """Compiled with dynamic shapes (the engine's CUDA prefill), a mask's page size and rows per block
-    are constants, not graph inputs: FlexAttention's FLASH backend refuses masks that capture
+    """Compiled with dynamic shapes (the engine's CUDA prefill), a mask's page size is a constant, not a
+    graph input: FlexAttention's FLASH backend refuses masks that capture
     symbolic integers, and Triton would divide by a runtime value."""
     page_size = random.choice([16, 64, 128])
     table = torch.randint(1, 50, (3, 5), dtype=torch.int32)
@@ -188,10 +196,11 @@ def test_mask_integers_stay_constants_under_dynamic_shapes(make):
     page_pos = torch.randint(0, 5, (50,), dtype=torch.int32)
     mask = {"paged": lambda: paged_causal(table, last, page_pos, page_size),
             "listed": lambda: listed_decode_causal(table, last, page_size),
-            "packed": lambda: packed_paged_causal(table, torch.randint(0, 3, (4,), dtype=torch.int32),
-                                                  last.repeat(2)[:4].int(), page_pos, page_size, 128),
-            "packed-rows": lambda: packed_causal(torch.randint(0, 300, (4,), dtype=torch.int32),
-                                                 torch.randint(0, 300, (4,), dtype=torch.int32), 128)}[make]()
+            "packed": lambda: packed_paged_causal(table, torch.randint(0, 3, (4 * 128,), dtype=torch.int32),
+                                                  torch.randint(-1, 5 * page_size, (4 * 128,), dtype=torch.int32),
+                                                  page_pos, page_size),
+            "packed-rows": lambda: packed_causal(torch.randint(0, 300, (4 * 128,), dtype=torch.int32),
+                                                 torch.randint(-1, 300, (4 * 128,), dtype=torch.int32))}[make]()
     inputs = []
 
     def backend(gm, example_inputs):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flexsgl import LLM, SamplingParams
+from flexsgl.attention import flex_meta
 from flexsgl.kernels import rope_store
 from tests.hf_models import assert_matches_hf, capture_logits, make_checkpoint
 
@@ -45,6 +46,21 @@ def test_compiled_lone_prompt_matches_hf(tmp_path, monkeypatch):
     """One prompt in chunks of 48 tokens: compiled prefill steps of a lone request, one of which
     samples nothing, which the runner pads with a dummy request and dummy logits rows."""
     check_against_hf(tmp_path, monkeypatch, "qwen3", False, 16, 48, compile=True, steps=6, lengths=[70])
+
+
+def test_compiled_long_prompts_as_they_come_match_hf(tmp_path, monkeypatch):
+    """Prompts long enough that compiled prefill reads the tokens as they come, two requests sharing
+    a query block at each boundary (flex_blocks.query_rows), then decode."""
+    layouts, query_rows = [], flex_meta.query_rows
+
+    def recorded(fb, align):
+        qr = query_rows(fb, align)
+        layouts.append(qr.rows)
+        return qr
+
+    monkeypatch.setattr(flex_meta, "query_rows", recorded)
+    check_against_hf(tmp_path, monkeypatch, "qwen3", False, 16, 4096, compile=True, steps=4, lengths=[600, 530, 700])
+    assert layouts and layouts[0] is None, "the first prefill step's queries were copied into rows"
 
 
 @pytest.mark.parametrize("arch,compile", [("qwen3", True), ("llama", False)])

@@ -157,10 +157,11 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
             qb = q.new_zeros(t, 1, hq, d).index_put_((torch.arange(t, device=q.device),), q[:, None])
             return flex_attention(qb, k, v, block_mask=meta.block_mask, scale=scale,
                                   kernel_options=self.kernel_options)[:, 0]
-        if meta.rows is None:
-            qb = q.view(nb, nq, hq, d)
-        else:
-            qb = q.new_zeros(nb, nq, hq, d).index_put_(meta.rows, q)
+        if meta.rows is None and not (self.compiled and q.device.type == "cpu"):
+            qb = q.view(nb, nq, hq, d)  # the tokens as they come: a view, and the output one too
+        else:  # placed into rows, or on the CPU, whose compiled flex kernel wants a query buffer of its own
+            rows = meta.rows or (torch.zeros(t, dtype=torch.long, device=q.device), torch.arange(t, device=q.device))
+            qb = q.new_zeros(nb, nq, hq, d).index_put_(rows, q)
         if self.compiled and (sink is None or q.device.type != "cpu"):
             if options is None:
                 options = self.kernel_options if meta.kv_rows is None else self.packed_kernel_options

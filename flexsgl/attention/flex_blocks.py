@@ -1,14 +1,138 @@
-"""Where flex's queries and keys sit in a step: query blocks of packed prefill rows, the positions of
-their rows, and which KV blocks (pages, or blocks of packed rows) each query block reads, full or
-partial (flex_meta.py builds its BlockMasks from them)."""
+"""Where flex's queries and keys sit in a prefill step: the query sequence's rows and blocks, and
+which KV blocks (pages, or blocks of packed rows) each query block reads, full or partial
+(flex_meta.py builds its BlockMasks from them).
+
+Compiled, a query block is `align` (128) rows. Where the step's requests average at least
+MIN_BLOCKS_PER_REQUEST blocks of new tokens and no block would hold more than MAX_BLOCK_REQUESTS,
+the rows are the step's tokens as they come, so the attention reads the projections' output as it
+is and writes the output projection's input, with no copy either way. A block may then hold the
+tail of one request and the head of the next, and reads both requests' KV blocks, all of them
+partial, in one program. Otherwise (short requests, whose copy costs little, and where one program
+reading two requests' KV would leave too few programs to fill the GPU) each request starts a block
+of its own, and the queries are copied into those rows and back. A request's rows in a block are a
+*piece*: the KV blocks of a block are its pieces' own, each piece's worked out as for a block of one
+request.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from flexsgl.attention.base import ForwardBatch
 from flexsgl.step_shape import MIN_COMPILED_SIZE
+
+MAX_BLOCK_REQUESTS = 2  # requests one query block may hold, the tokens as they come
+MIN_BLOCKS_PER_REQUEST = 4  # query blocks of new tokens a request averages, the tokens as they come
+
+
+@dataclass
+class QueryRows:
+    """A prefill step's query sequence `[1, num_rows]`, in blocks of `align` rows.
+
+    rows: each token's (0, row) where requests start blocks of their own; None where token i is row i.
+    row_req, row_pos: int32 `[num_blocks * align]`, each row's request and position (-1: no token;
+    what such a row sees is never read). The pieces (one request's rows within one block, block after block), int64
+    `[P]`: request, positions of the first and last row, whether it holds any token (padding blocks do
+    not); None where a block is one row (not compiled).
+    block_pieces: each block's first piece and its second (-1: none); None where piece i is block i."""
+    num_rows: int
+    num_blocks: int
+    rows: tuple[torch.Tensor, torch.Tensor] | None
+    row_req: torch.Tensor
+    row_pos: torch.Tensor
+    piece_req: torch.Tensor | None
+    piece_first: torch.Tensor | None
+    piece_last: torch.Tensor | None
+    piece_valid: torch.Tensor | None
+    block_pieces: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def query_rows(fb: ForwardBatch, align: int) -> QueryRows:
+    """The query rows of a prefill step (module docstring). Compiled (align > 1) with a block per
+    request, at least MIN_COMPILED_SIZE blocks, those past the tokens seeing nothing; align 1 (not
+    compiled, where the mask is evaluated densely): a row per token, and no pieces."""
+    q_lens, seq_lens, dev = fb.host_q_lens, fb.host_seq_lens, fb.page_table.device
+    offsets = [0]
+    for n in q_lens:
+        offsets.append(offsets[-1] + n)
+    as_they_come = align == 1 or (offsets[-1] >= MIN_BLOCKS_PER_REQUEST * align * len(q_lens)
+                                  and _most_requests_in_a_block(offsets, align) <= MAX_BLOCK_REQUESTS)
+    starts = offsets  # each request's first row, and the rows' end
+    if not as_they_come:
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + -(-n // align) * align)
+    starts, num_rows = starts[:-1], starts[-1]
+    real_blocks = -(-num_rows // align)
+    # FLASH wants exactly the blocks of the rows; a block each has at least MIN_COMPILED_SIZE
+    num_blocks = real_blocks if as_they_come else max(real_blocks, MIN_COMPILED_SIZE)
+    token_req, token_index = query_index(fb)
+    row_of_token = token_index + (fb.q_offsets.long() if as_they_come else torch.tensor(starts, device=dev))[token_req]
+    prefix = (fb.seq_lens - fb.q_lens).long()
+    row_req = torch.zeros(num_blocks * align, dtype=torch.int32, device=dev).index_copy_(
+        0, row_of_token, token_req.int())
+    row_pos = torch.full((num_blocks * align,), -1, dtype=torch.int32, device=dev).index_copy_(
+        0, row_of_token, (prefix[token_req] + token_index).int())
+    rows = None if as_they_come else (torch.zeros_like(row_of_token), row_of_token)
+    if align == 1:
+        return QueryRows(num_rows, num_blocks, rows, row_req, row_pos, None, None, None, None, None)
+    pieces, second = [], [-1] * num_blocks  # pieces: (request, first position, last position, holds tokens)
+    firsts = []
+    for r, (s, n, total) in enumerate(zip(starts, q_lens, seq_lens)):
+        for b in range(s // align, (s + n - 1) // align + 1):
+            lo, hi = max(s, b * align), min(s + n, (b + 1) * align) - 1
+            if len(firsts) > b:
+                second[b] = len(pieces)
+            else:
+                firsts.append(len(pieces))
+            pieces.append((r, total - n + lo - s, total - n + hi - s, 1))
+    for b in range(real_blocks, num_blocks):
+        firsts.append(len(pieces))
+        pieces.append((len(q_lens) - 1, 0, 0, 0))
+    req, first, last, valid = torch.tensor(pieces, dtype=torch.long).T.to(dev)
+    block_pieces = None
+    if max(second) >= 0:
+        block_pieces = tuple(torch.tensor(x, device=dev) for x in (firsts, second))
+    return QueryRows(num_rows, num_blocks, rows, row_req, row_pos, req, first, last, valid > 0, block_pieces)
+
+
+def _most_requests_in_a_block(offsets: list[int], align: int) -> int:
+    """The most requests one query block of `align` rows holds, requests at these row offsets."""
+    held = [0] * (-(-offsets[-1] // align))
+    for start, end in zip(offsets, offsets[1:]):
+        for b in range(start // align, (end - 1) // align + 1):
+            held[b] += 1
+    return max(held)
+
+
+def block_lists(table: torch.Tensor, block: int, qr: QueryRows, window: int | None = None, full: bool = True,
+                hi_pos=None):
+    """kv_blocks' lists for each of qr's query blocks: its pieces' own, where `table[r]` lists request
+    r's KV blocks of `block` positions in order. A block of one piece lists that piece's; a block of
+    two lists every KV block either piece sees as partial (the mask tells the requests apart), and
+    no full ones. hi_pos: kv_blocks' (each piece's request's last position), or None."""
+    lists = kv_blocks(table, block, qr.piece_req, qr.piece_first, qr.piece_last, qr.piece_valid, window, full, hi_pos)
+    if qr.block_pieces is None:
+        return lists
+    first, second = qr.block_pieces
+    num_partial, partial_idx, num_full, full_idx = (None if x is None else x[first] for x in lists)
+    seen, seen_idx, _, _ = kv_blocks(table, block, qr.piece_req, qr.piece_first, qr.piece_last, qr.piece_valid,
+                                     window, False, hi_pos)
+    shared, other = second >= 0, second.clamp(min=0)
+    n_first = seen[first][:, None].long()
+    w = table.shape[1]
+    cols = torch.arange(2 * w, device=table.device)
+    both = torch.where(cols < n_first, seen_idx[first].gather(1, cols.clamp(max=w - 1).expand(len(first), -1)),
+                       seen_idx[other].gather(1, (cols - n_first).clamp(0, w - 1)))
+    num_partial = torch.where(shared, seen[first] + seen[other], num_partial)
+    partial_idx = torch.where(shared[:, None], both, F.pad(partial_idx, (0, w)))
+    if num_full is not None:
+        num_full = torch.where(shared, 0, num_full)
+        full_idx = F.pad(full_idx, (0, w))
+    return num_partial, partial_idx, num_full, full_idx
 
 
 def kv_blocks(table: torch.Tensor, block: int, req, first_pos, last_pos, valid, window: int | None = None,
@@ -45,33 +169,6 @@ def block_rules(bound, seq_last) -> tuple:
     if bound is None:
         return None, True, None
     return bound.window, bound.full_blocks, None if bound.causal else seq_last
-
-
-def query_blocks(fb: ForwardBatch, align: int):
-    """Packed prefill's query blocks of `align` rows, each request starting a block of its own:
-    (request of each block, block index, each request's first block, real blocks, all blocks). Compiled,
-    at least MIN_COMPILED_SIZE blocks; padding blocks belong to the last request and see nothing."""
-    dev = fb.page_table.device
-    per_req = (fb.q_lens.long() + align - 1) // align
-    n_real = sum(-(-n // align) for n in fb.host_q_lens)
-    n_blocks = max(n_real, MIN_COMPILED_SIZE) if align > 1 else n_real
-    first_block = torch.cumsum(per_req, 0) - per_req
-    req = torch.repeat_interleave(torch.arange(fb.batch_size, device=dev), per_req, output_size=n_real)
-    req = F.pad(req, (0, n_blocks - n_real), value=fb.batch_size - 1)
-    return req, torch.arange(n_blocks, device=dev), first_block, n_real, n_blocks
-
-
-def block_positions(fb: ForwardBatch, req, index, first_block, align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions of each query block's first and last rows (query_blocks' blocks)."""
-    prefix = (fb.seq_lens - fb.q_lens).long()[req]  # tokens cached before this step
-    in_req = index - first_block[req]
-    return prefix + in_req * align, prefix + torch.minimum((in_req + 1) * align, fb.q_lens.long()[req]) - 1
-
-
-def packed_rows(fb: ForwardBatch, first_block: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, row) of each packed token in the `[1, rows]` query sequence."""
-    token_req, token_row = query_index(fb)
-    return torch.zeros_like(token_row), first_block[token_req] * align + token_row
 
 
 def query_index(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

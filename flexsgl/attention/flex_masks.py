@@ -45,30 +45,28 @@ def listed_decode_causal(page_table: torch.Tensor, last_pos: torch.Tensor, page_
     return mask
 
 
-def packed_paged_causal(page_table: torch.Tensor, block_req: torch.Tensor, block_first_pos: torch.Tensor,
-                        page_pos: torch.Tensor, page_size: int, rows_per_block: int):
-    """Prefill (one packed `[1, rows]` query sequence): query block j holds request block_req[j]'s
-    tokens from position block_first_pos[j] on, one per row."""
-    def mask(b, h, q_idx, kv_idx, page_size=page_size, rows_per_block=rows_per_block):
-        j = q_idx // rows_per_block
+def packed_paged_causal(page_table: torch.Tensor, row_req: torch.Tensor, row_pos: torch.Tensor,
+                        page_pos: torch.Tensor, page_size: int):
+    """Prefill (one packed `[1, rows]` query sequence, flex_blocks.py): query row i is request
+    row_req[i]'s token at position row_pos[i] (-1: no token; what such a row sees is never read)."""
+    def mask(b, h, q_idx, kv_idx, page_size=page_size):
         page = kv_idx // page_size
         logical = page_pos[page]
-        owned = page_table[block_req[j], logical] == page
-        return owned & (logical * page_size + kv_idx % page_size <= block_first_pos[j] + q_idx % rows_per_block)
+        owned = page_table[row_req[q_idx], logical] == page
+        return owned & (logical * page_size + kv_idx % page_size <= row_pos[q_idx])
 
     return mask
 
 
-def packed_causal(block_kv_start: torch.Tensor, block_first_pos: torch.Tensor, rows_per_block: int):
-    """Prefill over the step's K/V packed into rows (flex_meta.py): query block j holds a request's
-    tokens from position block_first_pos[j] on, one per row, and that request's positions 0, 1, ...
-    are the KV rows from block_kv_start[j] on. Two lookups per query row and none per key: a lookup
-    per key (comparing the key's block's request with the query's) made the H200 kernel 1.35-1.42x
-    slower."""
-    def mask(b, h, q_idx, kv_idx, rows_per_block=rows_per_block):
-        j = q_idx // rows_per_block
-        start = block_kv_start[j]
-        return (kv_idx >= start) & (kv_idx - start <= block_first_pos[j] + q_idx % rows_per_block)
+def packed_causal(row_kv_start: torch.Tensor, row_pos: torch.Tensor):
+    """Prefill over the step's K/V packed into rows (flex_meta.py): query row i is a token at position
+    row_pos[i] (-1: none), whose request's positions 0, 1, ... are the KV rows from row_kv_start[i]
+    on. Two lookups per query row and none per key: a lookup per key (comparing the key's block's
+    request with the query's) made the H200 Triton kernel 1.35-1.42x slower. A request's KV rows
+    end before the next request's start, so the causal bound keeps a row from later requests' keys."""
+    def mask(b, h, q_idx, kv_idx):
+        start = row_kv_start[q_idx]
+        return (kv_idx >= start) & (kv_idx - start <= row_pos[q_idx])
 
     return mask
 
@@ -115,16 +113,13 @@ def listed_decode_variant(bound, last_pos, page_pos, slots, page_size: int, firs
     return mask, None if bound.score_mod is None else score
 
 
-def packed_paged_variant(bound, page_table, block_req, block_first_pos, seq_last, page_pos, slots,
-                         page_size: int, rows_per_block: int):
-    """Prefill (as packed_paged_causal): query block j holds request block_req[j]'s tokens from
-    position block_first_pos[j] on; the request's keys so far end at seq_last."""
-    def coords(q_idx, kv_idx, page_size=page_size, rows_per_block=rows_per_block):
-        j = q_idx // rows_per_block
+def packed_paged_variant(bound, page_table, row_req, row_pos, seq_last, page_pos, slots, page_size: int):
+    """Prefill (as packed_paged_causal): query row i is request row_req[i]'s token at position
+    row_pos[i] (-1: none); the request's keys so far end at seq_last."""
+    def coords(q_idx, kv_idx, page_size=page_size):
         page = kv_idx // page_size
         logical = page_pos[page]
-        return block_req[j], block_first_pos[j] + q_idx % rows_per_block, page, logical, \
-            logical * page_size + kv_idx % page_size
+        return row_req[q_idx], row_pos[q_idx], page, logical, logical * page_size + kv_idx % page_size
 
     def mask(b, h, q_idx, kv_idx):
         row, q_pos, page, logical, kv_pos = coords(q_idx, kv_idx)
@@ -138,13 +133,12 @@ def packed_paged_variant(bound, page_table, block_req, block_first_pos, seq_last
     return mask, None if bound.score_mod is None else score
 
 
-def packed_rows_variant(bound, block_req, block_kv_start, block_first_pos, seq_last, slots, rows_per_block: int):
-    """Prefill over the step's K/V packed into rows (as packed_causal): query block j's request's
-    positions 0, 1, ... are the KV rows from block_kv_start[j] on."""
-    def coords(q_idx, kv_idx, rows_per_block=rows_per_block):
-        j = q_idx // rows_per_block
-        start = block_kv_start[j]
-        return block_req[j], block_first_pos[j] + q_idx % rows_per_block, start, kv_idx - start
+def packed_rows_variant(bound, row_req, row_kv_start, row_pos, seq_last, slots):
+    """Prefill over the step's K/V packed into rows (as packed_causal): query row i's request's
+    positions 0, 1, ... are the KV rows from row_kv_start[i] on."""
+    def coords(q_idx, kv_idx):
+        start = row_kv_start[q_idx]
+        return row_req[q_idx], row_pos[q_idx], start, kv_idx - start
 
     def mask(b, h, q_idx, kv_idx):
         row, q_pos, start, kv_pos = coords(q_idx, kv_idx)

@@ -3,13 +3,15 @@ backends' base, which writes each page's logical position and builds a step's ma
 from its page table.
 
 Layout: the pool is one long KV sequence, `[1, Hkv, pages * page_size, D]`, and a KV block is a
-page. Decode queries are `[B, 1]`, one per request; prefill queries are packed into one sequence
-`[1, rows]` in which each request starts a query block of its own, so a ragged batch pays at most
-a block's padding per request, not the longest request's length. Compiled, the BlockMask lists for
+page. Decode queries are `[B, 1]`, one per request; prefill queries are one packed sequence
+`[1, rows]`: the step's tokens as they come, in query blocks of Q_BLOCK rows that may each hold the
+tail of one request and the head of the next, or, where a block would hold three requests or more,
+each request from a block of its own (flex_blocks.query_rows). Compiled, the BlockMask lists for
 each query block the pages wholly before its first row as *full* KV blocks (no mask_mod call) and
-the pages that reach its causal frontier as *partial* ones where the mask_mod (flex_masks.py) runs
-(the block lists: flex_blocks.py). Mask memory is query blocks x pages per request (on the CPU,
-compiled, x pool pages: Inductor's CPU kernel wants full-width index rows). Not compiled, the
+the pages that reach its causal frontier as *partial* ones where the mask_mod (flex_masks.py) runs,
+which reads each row's request and position; a block of two requests lists both requests' pages
+as partial (the block lists: flex_blocks.py). Mask memory is query blocks x pages per request (on the
+CPU, compiled, x pool pages: Inductor's CPU kernel wants full-width index rows). Not compiled, the
 mask_mod is evaluated once per step over every (query, key) pair (`_dense_meta`).
 
 Decode through flex_ops.py's op, where its kernel splits each request's KV over several programs
@@ -22,9 +24,9 @@ the last.
 Compiled prefill does not read the pages: each layer copies the step's K/V (the cached prefixes and
 the new tokens) out of the pool into rows, request after request, each request from a 128-row block
 boundary (`FlexMeta.kv_rows`, the slot each row reads), so a request's KV blocks are consecutive
-and its query blocks list the blocks wholly before their first row as full and those up to their
-last row as partial, where the mask compares rows with the query block's request start and first
-position (`packed_causal`: no page lookups, nothing per key). The KV block is 128 rows whatever the
+and a query block lists its requests' blocks as over the pages, where the mask compares a key's row
+with the query row's request start and position (`packed_causal`: no page lookups, nothing per
+key). The KV block is 128 rows whatever the
 page size, so FlexAttention's FLASH backend runs at any page size (options:
 flex_options.packed_prefill_options), and the kernel's time does not depend on the page size, as it
 does over the pages (figures: docs/BENCHMARKS.md). A step whose prefixes hold more than
@@ -36,6 +38,7 @@ device before each step (record_page_positions).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Callable
@@ -45,7 +48,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexsgl.attention.base import ForwardBatch
-from flexsgl.attention.flex_blocks import block_positions, block_rules, kv_blocks, packed_rows, query_blocks
+from flexsgl.attention.flex_blocks import QueryRows, block_lists, block_rules, kv_blocks, query_rows
 from flexsgl.attention.flex_masks import (Q_BLOCK, packed_causal, packed_paged_causal, packed_paged_variant,
                                           packed_rows_variant, paged_causal, paged_decode_variant)
 from flexsgl.attention.flex_options import kv_splits
@@ -54,8 +57,9 @@ from flexsgl.cache.pool import DUMMY_PAGE, KVPool
 @dataclass
 class FlexMeta:
     block_mask: BlockMask | None  # None when not compiled: the mask is `mask_state[0]`, dense
-    # Decode: queries `[B, 1]`, one per request. Prefill: one packed sequence `[1, rows]` in which
-    # each request starts at a query block of its own; `rows` places each token in it.
+    # Decode: queries `[B, 1]`, one per request. Prefill: one packed sequence `[1, rows]`, the tokens
+    # as they come or each request from a query block of its own (flex_blocks.query_rows), where
+    # `rows` places each token.
     query_shape: tuple[int, int]
     rows: tuple[torch.Tensor, torch.Tensor] | None  # each token's (sequence, row); None: a plain view
     mask_state: list[torch.Tensor]  # tensors the mask_mod reads besides the batch's page table
@@ -104,8 +108,8 @@ class FlexMetaBuilder:
     flash_variants = False  # variants' prefill runs on the FLASH backend, which wants full-block lists
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False, variants=None):
-        """compiled: the model runs under torch.compile (queries padded to a block, so kernels see
-        fewer shapes; on CUDA decode goes through flex_ops.py's op); otherwise the mask is evaluated
+        """compiled: the model runs under torch.compile (queries in blocks of Q_BLOCK rows; on CUDA
+        decode goes through flex_ops.py's op); otherwise the mask is evaluated
         once per step and SDPA applies it. variants: the engine's VariantSet (bound_variant.py), whose
         variants other than plain causal get metadata of their own each step."""
         self.pool = pool
@@ -129,7 +133,9 @@ class FlexMetaBuilder:
         if self.variants or not (fb.mode == "decode" and self.decode_op):
             self.record_page_positions(fb.page_table, fb.seq_lens)  # plain decode's op needs none
         compact = not fixed_shapes and fb.page_table.device.type == "cpu" and fb.host_pages is not None
-        build = self._decode_meta if fb.mode == "decode" else self._prefill_meta
+        build = self._decode_meta
+        if fb.mode != "decode":  # the query layout is the same for every variant's metadata
+            build = functools.partial(self._prefill_meta, qr=query_rows(fb, Q_BLOCK if self.compiled else 1))
         meta = build(fb, compact)
         meta.variants = {bound.id: build(fb, compact, bound) for bound in self.variants}
         return meta
@@ -169,66 +175,60 @@ class FlexMetaBuilder:
         rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
         return self._meta(fb, blocks, mask_mod, (b, 1), rows, [last], Q_BLOCK, score_mod=score_mod)
 
-    def _prefill_meta(self, fb: ForwardBatch, compact: bool, bound=None) -> FlexMeta:
-        """Queries packed into one sequence; each request starts a query block (a block belongs to one
-        request, so its KV block list is that request's pages). Compiled, blocks are Q_BLOCK rows (at
-        most Q_BLOCK - 1 padding rows per request, at least MIN_COMPILED_SIZE blocks); not compiled,
-        the mask is evaluated densely, so there a block is one row and nothing is padded."""
+    def _prefill_meta(self, fb: ForwardBatch, compact: bool, bound=None, qr: QueryRows | None = None) -> FlexMeta:
+        """The step's queries as one packed sequence (flex_blocks.query_rows: qr, or worked out here);
+        compiled, in blocks of Q_BLOCK rows, each reading the pages of the requests it holds; not
+        compiled, the mask is evaluated densely, a block is a row, and nothing is padded."""
+        if qr is None:
+            qr = query_rows(fb, Q_BLOCK if self.compiled else 1)
         if self.compiled and self.packs_prefill and packs_kv(fb):
-            return self._packed_prefill_meta(fb, bound)
-        align, ps = (Q_BLOCK if self.compiled else 1), self.pool.page_size
-        req, index, first_block, n_real, n_blocks = query_blocks(fb, align)
-        first, last = block_positions(fb, req, index, first_block, align)
+            return self._packed_prefill_meta(fb, qr, bound)
+        ps = self.pool.page_size
         # Every integer a mask reads is int32, like the page table and page_pos: the FLASH backend's
         # mask_mod code keeps one integer type.
-        mask_state = [req.int(), first.int()]
+        mask_state = [qr.row_req, qr.row_pos]
         seq_last = (fb.seq_lens - 1).int()
         if bound is None:
-            mask_mod, score_mod = packed_paged_causal(fb.page_table, *mask_state, self.page_pos, ps, align), None
+            mask_mod, score_mod = packed_paged_causal(fb.page_table, *mask_state, self.page_pos, ps), None
         else:
             mask_mod, score_mod = packed_paged_variant(bound, fb.page_table, *mask_state, seq_last, self.page_pos,
-                                                       fb.req_slots.int(), ps, align)
+                                                       fb.req_slots.int(), ps)
         if not self.compiled:  # a block is a token, in packed order: the queries are a plain view
-            return self._dense_meta(fb, mask_mod, (1, n_blocks), compact, score_mod)
-        blocks = self._full_listed(kv_blocks(fb.page_table, ps, req, first, last, index < n_real,
-                                             *block_rules(bound, seq_last[req])))
-        rows = packed_rows(fb, first_block, align)
-        return self._meta(fb, [x if x is None else x[None, None] for x in blocks], mask_mod, (1, n_blocks * align), rows,
-                          mask_state, align, score_mod=score_mod)
+            return self._dense_meta(fb, mask_mod, (1, qr.num_rows), compact, score_mod)
+        blocks = self._full_listed(block_lists(fb.page_table, ps, qr, *block_rules(bound, seq_last[qr.piece_req])))
+        return self._meta(fb, [x if x is None else x[None, None] for x in blocks], mask_mod, (1, qr.num_rows), qr.rows,
+                          mask_state, Q_BLOCK, score_mod=score_mod)
 
-    def _packed_prefill_meta(self, fb: ForwardBatch, bound=None) -> FlexMeta:
+    def _packed_prefill_meta(self, fb: ForwardBatch, qr: QueryRows, bound=None) -> FlexMeta:
         """Compiled prefill over the step's K/V packed into rows: request r's positions 0..seq_len-1
         from its first KV block on, so its KV blocks are consecutive and the block lists are
-        kv_blocks' over a table of those (see the module docstring)."""
-        req, index, first_block, n_real, n_blocks = query_blocks(fb, Q_BLOCK)
-        dev, ps = index.device, self.pool.page_size
+        block_lists' over a table of those (see the module docstring)."""
+        dev = qr.row_pos.device
         seq_lens = fb.seq_lens.long()
         kv_per_req = (seq_lens + Q_BLOCK - 1) // Q_BLOCK
         kv_first = torch.cumsum(kv_per_req, 0) - kv_per_req  # each request's first KV block
         n_kv = sum(-(-n // Q_BLOCK) for n in fb.host_seq_lens)
-        row_req = torch.repeat_interleave(torch.arange(fb.batch_size, device=dev), kv_per_req * Q_BLOCK,
-                                          output_size=n_kv * Q_BLOCK)
-        pos = torch.arange(n_kv * Q_BLOCK, device=dev) - kv_first[row_req] * Q_BLOCK
-        page = fb.page_table[row_req, (pos // ps).clamp_(max=fb.page_table.shape[1] - 1)].long()
-        kv_rows = torch.where(pos < seq_lens[row_req], page * ps + pos % ps, -1)  # -1: a padding row
-        first, last = block_positions(fb, req, index, first_block, Q_BLOCK)
+        kv_req = torch.repeat_interleave(torch.arange(fb.batch_size, device=dev), kv_per_req * Q_BLOCK,
+                                         output_size=n_kv * Q_BLOCK)
+        pos = torch.arange(n_kv * Q_BLOCK, device=dev) - kv_first[kv_req] * Q_BLOCK
+        page = fb.page_table[kv_req, (pos // self.pool.page_size).clamp_(max=fb.page_table.shape[1] - 1)].long()
+        kv_rows = torch.where(pos < seq_lens[kv_req], page * self.pool.page_size + pos % self.pool.page_size, -1)
         # Each request's KV blocks, as a page table of Q_BLOCK-row blocks. Inductor's CPU flex kernel
         # wants index rows as wide as the KV sequence has blocks.
         width = n_kv if dev.type == "cpu" else max(-(-n // Q_BLOCK) for n in fb.host_seq_lens)
         table = (kv_first[:, None] + torch.arange(width, device=dev)).clamp_(max=n_kv - 1).int()
         seq_last = seq_lens - 1
         blocks = [x if x is None else x[None, None] for x in self._full_listed(
-                  kv_blocks(table, Q_BLOCK, req, first, last, index < n_real, *block_rules(bound, seq_last[req])))]
-        mask_state = [(kv_first[req] * Q_BLOCK).int(), first.int()]  # int32: see _prefill_meta
+                  block_lists(table, Q_BLOCK, qr, *block_rules(bound, seq_last[qr.piece_req])))]
+        mask_state = [(kv_first * Q_BLOCK).int()[qr.row_req.long()], qr.row_pos]  # int32: see _prefill_meta
         if bound is None:
-            mask_mod, score_mod = packed_causal(*mask_state, Q_BLOCK), None
+            mask_mod, score_mod = packed_causal(*mask_state), None
         else:
-            mask_mod, score_mod = packed_rows_variant(bound, req.int(), *mask_state, seq_last.int(),
-                                                      fb.req_slots.int(), Q_BLOCK)
+            mask_mod, score_mod = packed_rows_variant(bound, qr.row_req, *mask_state, seq_last.int(),
+                                                      fb.req_slots.int())
         block_mask = BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=(Q_BLOCK, Q_BLOCK), mask_mod=mask_mod,
-                                              seq_lengths=(n_blocks * Q_BLOCK, n_kv * Q_BLOCK), compute_q_blocks=False)
-        return FlexMeta(block_mask, (1, n_blocks * Q_BLOCK), packed_rows(fb, first_block, Q_BLOCK), mask_state,
-                        kv_rows=kv_rows, score_mod=score_mod)
+                                              seq_lengths=(qr.num_rows, n_kv * Q_BLOCK), compute_q_blocks=False)
+        return FlexMeta(block_mask, (1, qr.num_rows), qr.rows, mask_state, kv_rows=kv_rows, score_mod=score_mod)
 
     def _full_listed(self, blocks: tuple) -> tuple:
         """A prefill's block lists (kv_blocks'), with empty full-block lists where there are none and
