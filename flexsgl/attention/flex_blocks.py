@@ -34,9 +34,9 @@ class QueryRows:
 
     rows: each token's (0, row) where requests start blocks of their own; None where token i is row i.
     row_req, row_pos: int32 `[num_blocks * align]`, each row's request and position (-1: no token;
-    what such a row sees is never read). The pieces (one request's rows within one block, block after block), int64
-    `[P]`: request, positions of the first and last row, whether it holds any token (padding blocks do
-    not); None where a block is one row (not compiled).
+    what such a row sees is never read). The pieces (one request's rows within one block, block
+    after block), int64 `[P]`: request, positions of the first and last row, whether it holds any
+    token (padding blocks do not); None where a block is one row (not compiled).
     block_pieces: each block's first piece and its second (-1: none); None where piece i is block i."""
     num_rows: int
     num_blocks: int
@@ -70,7 +70,8 @@ def query_rows(fb: ForwardBatch, align: int) -> QueryRows:
     # FLASH wants exactly the blocks of the rows; a block each has at least MIN_COMPILED_SIZE
     num_blocks = real_blocks if as_they_come else max(real_blocks, MIN_COMPILED_SIZE)
     token_req, token_index = query_index(fb)
-    row_of_token = token_index + (fb.q_offsets.long() if as_they_come else torch.tensor(starts, device=dev))[token_req]
+    row_of_token = torch.arange(fb.num_tokens, device=dev) if as_they_come else \
+        token_index + torch.tensor(starts, device=dev)[token_req]
     prefix = (fb.seq_lens - fb.q_lens).long()
     row_req = torch.zeros(num_blocks * align, dtype=torch.int32, device=dev).index_copy_(
         0, row_of_token, token_req.int())

@@ -4,9 +4,9 @@ from its page table.
 
 Layout: the pool is one long KV sequence, `[1, Hkv, pages * page_size, D]`, and a KV block is a
 page. Decode queries are `[B, 1]`, one per request; prefill queries are one packed sequence
-`[1, rows]`: the step's tokens as they come, in query blocks of Q_BLOCK rows that may each hold the
-tail of one request and the head of the next, or, where a block would hold three requests or more,
-each request from a block of its own (flex_blocks.query_rows). Compiled, the BlockMask lists for
+`[1, rows]`: where requests are long, the step's tokens as they come, in query blocks of Q_BLOCK
+rows that may each hold the tail of one request and the head of the next; otherwise each request
+from a block of its own (flex_blocks.query_rows). Compiled, the BlockMask lists for
 each query block the pages wholly before its first row as *full* KV blocks (no mask_mod call) and
 the pages that reach its causal frontier as *partial* ones where the mask_mod (flex_masks.py) runs,
 which reads each row's request and position; a block of two requests lists both requests' pages
@@ -26,8 +26,8 @@ the new tokens) out of the pool into rows, request after request, each request f
 boundary (`FlexMeta.kv_rows`, the slot each row reads), so a request's KV blocks are consecutive
 and a query block lists its requests' blocks as over the pages, where the mask compares a key's row
 with the query row's request start and position (`packed_causal`: no page lookups, nothing per
-key). The KV block is 128 rows whatever the
-page size, so FlexAttention's FLASH backend runs at any page size (options:
+key). The KV block is 128 rows whatever the page size, so FlexAttention's FLASH backend runs at any
+page size (options:
 flex_options.packed_prefill_options), and the kernel's time does not depend on the page size, as it
 does over the pages (figures: docs/BENCHMARKS.md). A step whose prefixes hold more than
 PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
@@ -109,8 +109,8 @@ class FlexMetaBuilder:
 
     def __init__(self, pool: KVPool, num_heads: int | None = None, compiled: bool = False, variants=None):
         """compiled: the model runs under torch.compile (queries in blocks of Q_BLOCK rows; on CUDA
-        decode goes through flex_ops.py's op); otherwise the mask is evaluated
-        once per step and SDPA applies it. variants: the engine's VariantSet (bound_variant.py), whose
+        decode goes through flex_ops.py's op); otherwise the mask is evaluated once per step and SDPA
+        applies it. variants: the engine's VariantSet (bound_variant.py), whose
         variants other than plain causal get metadata of their own each step."""
         self.pool = pool
         self.variants = [] if variants is None else variants.non_plain
@@ -175,12 +175,10 @@ class FlexMetaBuilder:
         rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
         return self._meta(fb, blocks, mask_mod, (b, 1), rows, [last], Q_BLOCK, score_mod=score_mod)
 
-    def _prefill_meta(self, fb: ForwardBatch, compact: bool, bound=None, qr: QueryRows | None = None) -> FlexMeta:
-        """The step's queries as one packed sequence (flex_blocks.query_rows: qr, or worked out here);
+    def _prefill_meta(self, fb: ForwardBatch, compact: bool, bound=None, *, qr: QueryRows) -> FlexMeta:
+        """The step's queries as one packed sequence, laid out as qr says (flex_blocks.query_rows);
         compiled, in blocks of Q_BLOCK rows, each reading the pages of the requests it holds; not
         compiled, the mask is evaluated densely, a block is a row, and nothing is padded."""
-        if qr is None:
-            qr = query_rows(fb, Q_BLOCK if self.compiled else 1)
         if self.compiled and self.packs_prefill and packs_kv(fb):
             return self._packed_prefill_meta(fb, qr, bound)
         ps = self.pool.page_size
