@@ -148,7 +148,7 @@ def test_variant_eager_matches_float64(name, case, page_size):
     ("prefix_lm", "long-prefill", True),  # the tokens as they come, keys after the query, packed rows
 ])
 def test_variant_compiled_matches_float64(name, case, packed):
-    backend, fb = run_variant_case(name, {**CASES, **LONG_PREFILL}[case], 16, compiled=True, packs_prefill=packed)
+    _, fb = run_variant_case(name, {**CASES, **LONG_PREFILL}[case], 16, compiled=True, packs_prefill=packed)
     assert (fb.attn.rows is None) == (case in LONG_PREFILL)
 
 

@@ -144,7 +144,7 @@ def test_compiled_prefill_blocks_show_each_token_its_requests_earlier_slots(case
     blocks and the mask on the partial ones, exactly the slots of its request's tokens at or before its
     position, from the page table and nothing of flex's. A KV block is a page, or a block of the
     step's K/V packed into rows, each reading the pool slot kv_rows names. The rows are the tokens as
-    they come where no query block holds more than two requests, else each request starts a block."""
+    they come where requests are long, else each request starts a block (flex_blocks.query_rows)."""
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     rng = random.Random(seed)
