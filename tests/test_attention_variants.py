@@ -13,8 +13,10 @@ import random
 import pytest
 import torch
 
+from flexsgl.attention import flex_blocks
 from flexsgl.attention.bound_variant import VariantSet
 from flexsgl.attention.flex import FlexAttentionBackend
+from flexsgl.attention.flex_masks import Q_BLOCK
 from flexsgl.attention.variant import AttentionVariant, PerHead, PerRequest, VariantError, check
 from flexsgl.attention import variants as V
 from flexsgl.cache.pool import KVPool, PageAllocator
@@ -189,6 +191,42 @@ def test_windowed_decode_lists_only_pages_in_the_window(page_size):
         plain = meta.block_mask
         n_plain = (plain.kv_num_blocks + (plain.full_kv_num_blocks if full else 0))[:, 0, 0].tolist()
         assert n_plain == [-(-(p + 1) // page_size) for p, _ in specs], f"seed={seed}"
+
+
+@pytest.mark.parametrize("window", [None, 32, 1024, 2048])
+def test_prefill_layout_follows_each_variants_window(window):
+    """Compiled prefill lays a step's queries out per variant (flex_blocks.rows_as_they_come): the
+    tokens as they come, unless a block two requests share would list at least MAX_SHARED_GROWTH
+    times, and MIN_SHARED_EXTRA KV blocks more than, the heaviest block with a block per request.
+    Both layouts' BlockMasks are built here and their heaviest lists read; each variant's layout,
+    and plain causal attention's beside it, is the one that comparison asks for. Long windows past
+    long prefixes always ask for a block per request, short ones never."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    specs = [(rng.randrange(2500, 4000), rng.randrange(520, 700)) for _ in range(3)]
+    page_size = 64
+    pages = sum(KVPool.num_pages_for(p + n, page_size) for p, n in specs) + 5
+    pool = KVPool(1, pages, page_size, HKV, D, torch.float32, "cpu")
+    fb, *_ = random_paged_batch(pool, PageAllocator(pages, shuffle_seed=seed), specs, HQ, "cpu", torch.float32, rng)
+    per_layer = [None] if window is None else [None, V.sliding_window(window)]
+    variants = VariantSet(per_layer, HQ, 0, HQ, slots=2 * len(specs), device=torch.device("cpu"))
+    backend = FlexAttentionBackend(pool, num_heads=HQ, compiled=True, variants=variants)
+    meta = backend.metadata(fb)
+    bound = variants.layers[-1]
+    chosen = meta if bound is None else meta.variants[bound.id]
+
+    def heaviest(as_they_come: bool) -> int:
+        qr = flex_blocks.query_rows(fb, Q_BLOCK, as_they_come)
+        bm = backend._prefill_meta(fb, False, bound, qr=qr).block_mask
+        return int((bm.kv_num_blocks + bm.full_kv_num_blocks).max())
+
+    come, own = heaviest(True), heaviest(False)
+    far_heavier = come >= flex_blocks.MAX_SHARED_GROWTH * own and come - own >= flex_blocks.MIN_SHARED_EXTRA
+    assert (chosen.rows is None) == (not far_heavier), f"seed={seed}: {come} against {own} KV blocks"
+    if window is not None:
+        assert (chosen.rows is None) == (window < 1024), f"seed={seed}: {come} against {own} KV blocks"
+        plain_come = flex_blocks.rows_as_they_come(fb, Q_BLOCK)
+        assert (meta.rows is None) == plain_come, f"seed={seed}"
 
 
 def _mod_scalar_symbols(gm: torch.fx.GraphModule, shape_env) -> list[str]:

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from flexsgl import LLM, SamplingParams
+from flexsgl.attention import flex_meta
 from flexsgl.attention.registry import resolve_override
 from flexsgl.errors import CheckpointError
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.presets import PRESETS
 from tests.family_parity import PAGE, check_family, check_outputs, check_two_ranks
-from tests.hf_models import capture_logits
+from tests.hf_models import assert_matches_hf, capture_logits
 from tests.test_registry import GPU, fake_gpu  # noqa: F401  (a fixture)
 
 WINDOW = 40
@@ -56,13 +57,13 @@ def make_gemma2(path, seed: int, max_shard_size: str | None = None, head_dim: in
     return _save(transformers.Gemma2ForCausalLM(cfg).eval(), path, max_shard_size)
 
 
-def make_gemma3(path, seed: int, head_dim: int = 16):
+def make_gemma3(path, seed: int, head_dim: int = 16, **config):
     """Two local layers and a global one (Gemma 3's five to one, shortened), each kind with its own
-    RoPE base, the global one linearly scaled; a final softcap."""
+    RoPE base, the global one linearly scaled; a final softcap. `config`: keys that replace COMMON's."""
     import transformers
 
     cfg = transformers.Gemma3TextConfig(
-        **_config(head_dim), num_hidden_layers=3, final_logit_softcapping=FINAL_SOFTCAP,
+        **{**_config(head_dim), **config}, num_hidden_layers=3, final_logit_softcapping=FINAL_SOFTCAP,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})
@@ -82,6 +83,35 @@ def test_gemma3_compiled_matches_hf(tmp_path, monkeypatch):
     """Compiled on the CPU: one compiled decoder layer per layer kind, each with its own RoPE tables
     and variant; the window's block lists decide what the local layers read."""
     check_family(tmp_path, monkeypatch, make_gemma3, WINDOW, compile=True)
+
+
+def test_compiled_layers_lay_out_long_prefills_by_their_window(tmp_path, monkeypatch):
+    """Compiled, one prefill step of two long requests past cached prefixes lays the global layer's
+    queries out as they come and the local layers' (a window of 1,024) each request from a block of
+    its own, as a block the two would share reads both windows (flex_blocks.rows_as_they_come): both
+    layouts in one step, and its logits and greedy tokens against HF's."""
+    seed = random.randrange(1 << 30)
+    hf = make_gemma3(tmp_path, seed, sliding_window=1024, max_position_embeddings=4096)
+    hf.config._attn_implementation = "eager"
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(hf.config.vocab_size) for _ in range(1104)] for _ in range(2)]
+    prompts = [p + [rng.randrange(hf.config.vocab_size) for _ in range(900)] for p in prefixes]
+    llm = LLM(str(tmp_path), device="cpu", page_size=PAGE, max_num_batched_tokens=2048, compile=True)
+    llm.generate(prefixes, SamplingParams(max_new_tokens=1, temperature=0.0))
+
+    layouts, query_rows = [], flex_meta.query_rows
+
+    def recorded(fb, align, as_they_come):
+        layouts.append((len(fb.host_q_lens), as_they_come))
+        return query_rows(fb, align, as_they_come)
+
+    monkeypatch.setattr(flex_meta, "query_rows", recorded)
+    seen = capture_logits(llm, monkeypatch)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert all(o.cached_tokens >= 1024 for o in outs), f"no prefix-cache hits: seed={seed}"
+    assert sorted(come for n, come in layouts if n == 2) == [False, True], f"{layouts}: seed={seed}"
+    for i, prompt in enumerate(prompts):
+        assert_matches_hf(hf, prompt, outs[i].token_ids, seen[outs[i].request_id], f"prompt {i}, seed={seed}", steps=4)
 
 
 def test_a_sharded_checkpoint_loads(tmp_path, monkeypatch):

@@ -53,8 +53,8 @@ def test_compiled_long_prompts_as_they_come_match_hf(tmp_path, monkeypatch):
     a query block at each boundary (flex_blocks.query_rows), then decode."""
     layouts, query_rows = [], flex_meta.query_rows
 
-    def recorded(fb, align):
-        qr = query_rows(fb, align)
+    def recorded(fb, align, as_they_come):
+        qr = query_rows(fb, align, as_they_come)
         layouts.append(qr.rows)
         return qr
 

@@ -9,9 +9,11 @@ is and writes the output projection's input, with no copy either way. A block ma
 tail of one request and the head of the next, and reads both requests' KV blocks, all of them
 partial, in one program. Otherwise (short requests, whose copy costs little, and where one program
 reading two requests' KV would leave too few programs to fill the GPU) each request starts a block
-of its own, and the queries are copied into those rows and back. A request's rows in a block are a
-*piece*: the KV blocks of a block are its pieces' own, each piece's worked out as for a block of one
-request.
+of its own, and the queries are copied into those rows and back. So does a step whose shared blocks
+would read far more than any block of one request, as past long cached prefixes or under a window,
+where the step would wait on them. The window is the attention variant's, so each variant of a step
+has its layout (rows_as_they_come). A request's rows in a block are a *piece*: the KV blocks of a
+block are its pieces' own, each piece's worked out as for a block of one request.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from flexsgl.step_shape import MIN_COMPILED_SIZE
 
 MAX_BLOCK_REQUESTS = 2  # requests one query block may hold, the tokens as they come
 MIN_BLOCKS_PER_REQUEST = 4  # query blocks of new tokens a request averages, the tokens as they come
+MAX_SHARED_GROWTH = 1.75  # a shared block's reads over the heaviest block's with a block per request
+MIN_SHARED_EXTRA = 8  # KV blocks a shared block reads past that heaviest one's, at the least
 
 
 @dataclass
@@ -50,28 +54,41 @@ class QueryRows:
     block_pieces: tuple[torch.Tensor, torch.Tensor] | None
 
 
-def query_rows(fb: ForwardBatch, align: int) -> QueryRows:
-    """The query rows of a prefill step (module docstring). Compiled (align > 1) with a block per
-    request, at least MIN_COMPILED_SIZE blocks, those past the tokens seeing nothing; align 1 (not
-    compiled, where the mask is evaluated densely): a row per token, and no pieces."""
+def rows_as_they_come(fb: ForwardBatch, align: int, window: int | None = None) -> bool:
+    """Whether a prefill step's query rows, for attention over `window` keys (None: causal), are the
+    step's tokens as they come (the module docstring): always at align 1 (not compiled); compiled,
+    where its requests are long and no block holds more than MAX_BLOCK_REQUESTS, unless a shared
+    block would be the step's heaviest by far. A block of two requests reads both requests' KV
+    blocks; past long cached prefixes, or under a window, that is nearly twice what a block of one
+    reads, and the step waits on that block. So a block per request where the heaviest block as they
+    come reads at least MAX_SHARED_GROWTH times, and MIN_SHARED_EXTRA KV blocks more than, the
+    heaviest block with a block per request (KV blocks of `align` positions, each query row reading
+    up to its own position)."""
+    if align == 1:
+        return True
+    q_lens, seq_lens = fb.host_q_lens, fb.host_seq_lens
+    shared = _pieces(_offsets(q_lens), q_lens, seq_lens, align)
+    if sum(q_lens) < MIN_BLOCKS_PER_REQUEST * align * len(q_lens) or max(map(len, shared)) > MAX_BLOCK_REQUESTS:
+        return False
+    heaviest = _heaviest_block(shared, align, window)
+    own = _heaviest_block(_pieces(_block_starts(q_lens, align), q_lens, seq_lens, align), align, window)
+    return heaviest < MAX_SHARED_GROWTH * own or heaviest - own < MIN_SHARED_EXTRA
+
+
+def query_rows(fb: ForwardBatch, align: int, as_they_come: bool) -> QueryRows:
+    """The query rows of a prefill step, the tokens as they come or each request from a block of its
+    own (rows_as_they_come picks). Compiled (align > 1) with a block per request: at least
+    MIN_COMPILED_SIZE blocks, those past the tokens seeing nothing; align 1 (not compiled, where the
+    mask is evaluated densely): a row per token, and no pieces."""
     q_lens, seq_lens, dev = fb.host_q_lens, fb.host_seq_lens, fb.page_table.device
-    offsets = [0]
-    for n in q_lens:
-        offsets.append(offsets[-1] + n)
-    as_they_come = align == 1 or (offsets[-1] >= MIN_BLOCKS_PER_REQUEST * align * len(q_lens)
-                                  and _most_requests_in_a_block(offsets, align) <= MAX_BLOCK_REQUESTS)
-    starts = offsets  # each request's first row, and the rows' end
-    if not as_they_come:
-        starts = [0]
-        for n in q_lens:
-            starts.append(starts[-1] + -(-n // align) * align)
-    starts, num_rows = starts[:-1], starts[-1]
+    starts = _offsets(q_lens) if as_they_come else _block_starts(q_lens, align)  # and the rows' end
+    num_rows = starts[-1]
     real_blocks = -(-num_rows // align)
     # FLASH wants exactly the blocks of the rows; a block each has at least MIN_COMPILED_SIZE
     num_blocks = real_blocks if as_they_come else max(real_blocks, MIN_COMPILED_SIZE)
     token_req, token_index = query_index(fb)
     row_of_token = torch.arange(fb.num_tokens, device=dev) if as_they_come else \
-        token_index + torch.tensor(starts, device=dev)[token_req]
+        token_index + torch.tensor(starts[:-1], device=dev)[token_req]
     prefix = (fb.seq_lens - fb.q_lens).long()
     row_req = torch.zeros(num_blocks * align, dtype=torch.int32, device=dev).index_copy_(
         0, row_of_token, token_req.int())
@@ -80,16 +97,12 @@ def query_rows(fb: ForwardBatch, align: int) -> QueryRows:
     rows = None if as_they_come else (torch.zeros_like(row_of_token), row_of_token)
     if align == 1:
         return QueryRows(num_rows, num_blocks, rows, row_req, row_pos, None, None, None, None, None)
-    pieces, second = [], [-1] * num_blocks  # pieces: (request, first position, last position, holds tokens)
-    firsts = []
-    for r, (s, n, total) in enumerate(zip(starts, q_lens, seq_lens)):
-        for b in range(s // align, (s + n - 1) // align + 1):
-            lo, hi = max(s, b * align), min(s + n, (b + 1) * align) - 1
-            if len(firsts) > b:
-                second[b] = len(pieces)
-            else:
-                firsts.append(len(pieces))
-            pieces.append((r, total - n + lo - s, total - n + hi - s, 1))
+    pieces, firsts, second = [], [], [-1] * num_blocks  # pieces: (request, first position, last position, holds tokens)
+    for b, block in enumerate(_pieces(starts, q_lens, seq_lens, align)):
+        firsts.append(len(pieces))
+        if len(block) > 1:
+            second[b] = len(pieces) + 1
+        pieces.extend((*piece, 1) for piece in block)
     for b in range(real_blocks, num_blocks):
         firsts.append(len(pieces))
         pieces.append((len(q_lens) - 1, 0, 0, 0))
@@ -100,13 +113,42 @@ def query_rows(fb: ForwardBatch, align: int) -> QueryRows:
     return QueryRows(num_rows, num_blocks, rows, row_req, row_pos, req, first, last, valid > 0, block_pieces)
 
 
-def _most_requests_in_a_block(offsets: list[int], align: int) -> int:
-    """The most requests one query block of `align` rows holds, requests at these row offsets."""
-    held = [0] * (-(-offsets[-1] // align))
-    for start, end in zip(offsets, offsets[1:]):
-        for b in range(start // align, (end - 1) // align + 1):
-            held[b] += 1
-    return max(held)
+def _offsets(q_lens: list[int]) -> list[int]:
+    """Each request's first row with the tokens as they come, and the rows' end."""
+    offsets = [0]
+    for n in q_lens:
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
+def _block_starts(q_lens: list[int], align: int) -> list[int]:
+    """Each request's first row where each starts a block of `align` rows, and the rows' end."""
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + -(-n // align) * align)
+    return starts
+
+
+def _pieces(starts: list[int], q_lens: list[int], seq_lens: list[int], align: int) -> list[list[tuple]]:
+    """Each query block's pieces, block after block, requests starting at rows `starts`: (request,
+    position of its first row, position of its last row)."""
+    blocks = []
+    for r, (s, n, total) in enumerate(zip(starts, q_lens, seq_lens)):
+        for b in range(s // align, (s + n - 1) // align + 1):
+            lo, hi = max(s, b * align), min(s + n, (b + 1) * align) - 1
+            if len(blocks) <= b:
+                blocks.append([])
+            blocks[b].append((r, total - n + lo - s, total - n + hi - s))
+    return blocks
+
+
+def _heaviest_block(blocks: list[list[tuple]], kv_block: int, window: int | None) -> int:
+    """The most KV blocks of `kv_block` positions one query block reads: its pieces' visible blocks,
+    from the first row's first key in `window` (None: position 0) to the last row's position."""
+    def visible(first: int, last: int) -> int:
+        lo = 0 if window is None else max(first - window + 1, 0) // kv_block
+        return last // kv_block - lo + 1
+    return max(sum(visible(first, last) for _, first, last in block) for block in blocks)
 
 
 def block_lists(table: torch.Tensor, block: int, qr: QueryRows, window: int | None = None, full: bool = True,

@@ -6,7 +6,8 @@ Layout: the pool is one long KV sequence, `[1, Hkv, pages * page_size, D]`, and 
 page. Decode queries are `[B, 1]`, one per request; prefill queries are one packed sequence
 `[1, rows]`: where requests are long, the step's tokens as they come, in query blocks of Q_BLOCK
 rows that may each hold the tail of one request and the head of the next; otherwise each request
-from a block of its own (flex_blocks.query_rows). Compiled, the BlockMask lists for
+from a block of its own. Each attention variant's window picks its layout (flex_blocks.rows_as_they_come),
+so a step's variants may differ in it. Compiled, the BlockMask lists for
 each query block the pages wholly before its first row as *full* KV blocks (no mask_mod call) and
 the pages that reach its causal frontier as *partial* ones where the mask_mod (flex_masks.py) runs,
 which reads each row's request and position; a block of two requests lists both requests' pages
@@ -48,7 +49,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexsgl.attention.base import ForwardBatch
-from flexsgl.attention.flex_blocks import QueryRows, block_lists, block_rules, kv_blocks, query_rows
+from flexsgl.attention.flex_blocks import (QueryRows, block_lists, block_rules, kv_blocks, query_rows,
+                                          rows_as_they_come)
 from flexsgl.attention.flex_masks import (Q_BLOCK, packed_causal, packed_paged_causal, packed_paged_variant,
                                           packed_rows_variant, paged_causal, paged_decode_variant)
 from flexsgl.attention.flex_options import kv_splits
@@ -134,8 +136,8 @@ class FlexMetaBuilder:
             self.record_page_positions(fb.page_table, fb.seq_lens)  # plain decode's op needs none
         compact = not fixed_shapes and fb.page_table.device.type == "cpu" and fb.host_pages is not None
         build = self._decode_meta
-        if fb.mode != "decode":  # the query layout is the same for every variant's metadata
-            build = functools.partial(self._prefill_meta, qr=query_rows(fb, Q_BLOCK if self.compiled else 1))
+        if fb.mode != "decode":
+            build = functools.partial(self._prefill_layout_meta, align=Q_BLOCK if self.compiled else 1, layouts={})
         meta = build(fb, compact)
         meta.variants = {bound.id: build(fb, compact, bound) for bound in self.variants}
         return meta
@@ -174,6 +176,15 @@ class FlexMetaBuilder:
         # Inductor's CPU flex kernel wants the query in a 4-D buffer of its own, not a view.
         rows = (torch.arange(b, device=last.device), torch.zeros_like(last)) if last.device.type == "cpu" else None
         return self._meta(fb, blocks, mask_mod, (b, 1), rows, [last], Q_BLOCK, score_mod=score_mod)
+
+    def _prefill_layout_meta(self, fb: ForwardBatch, compact: bool, bound=None, *, align: int,
+                             layouts: dict) -> FlexMeta:
+        """_prefill_meta over the query layout `bound`'s window asks for (flex_blocks.rows_as_they_come),
+        each layout built once a step: `layouts` holds them by whether the rows are the tokens as they come."""
+        come = rows_as_they_come(fb, align, None if bound is None else bound.window)
+        if come not in layouts:
+            layouts[come] = query_rows(fb, align, come)
+        return self._prefill_meta(fb, compact, bound, qr=layouts[come])
 
     def _prefill_meta(self, fb: ForwardBatch, compact: bool, bound=None, *, qr: QueryRows) -> FlexMeta:
         """The step's queries as one packed sequence, laid out as qr says (flex_blocks.query_rows);
