@@ -87,16 +87,16 @@ def test_gemma3_compiled_matches_hf(tmp_path, monkeypatch):
 
 def test_compiled_layers_lay_out_long_prefills_by_their_window(tmp_path, monkeypatch):
     """Compiled, one prefill step of two long requests past cached prefixes lays the global layer's
-    queries out as they come and the local layers' (a window of 1,024) each request from a block of
+    queries out as they come and the local layers' (a window of 2,048) each request from a block of
     its own, as a block the two would share reads both windows (flex_blocks.rows_as_they_come): both
     layouts in one step, and its logits and greedy tokens against HF's."""
     seed = random.randrange(1 << 30)
-    hf = make_gemma3(tmp_path, seed, sliding_window=1024, max_position_embeddings=4096)
+    hf = make_gemma3(tmp_path, seed, sliding_window=2048, max_position_embeddings=4096)
     hf.config._attn_implementation = "eager"
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(hf.config.vocab_size) for _ in range(1104)] for _ in range(2)]
-    prompts = [p + [rng.randrange(hf.config.vocab_size) for _ in range(900)] for p in prefixes]
-    llm = LLM(str(tmp_path), device="cpu", page_size=PAGE, max_num_batched_tokens=2048, compile=True)
+    prefixes = [[rng.randrange(hf.config.vocab_size) for _ in range(2304)] for _ in range(2)]
+    prompts = [p + [rng.randrange(hf.config.vocab_size) for _ in range(1200)] for p in prefixes]
+    llm = LLM(str(tmp_path), device="cpu", page_size=PAGE, max_num_batched_tokens=2400, compile=True)
     llm.generate(prefixes, SamplingParams(max_new_tokens=1, temperature=0.0))
 
     layouts, query_rows = [], flex_meta.query_rows
@@ -108,7 +108,7 @@ def test_compiled_layers_lay_out_long_prefills_by_their_window(tmp_path, monkeyp
     monkeypatch.setattr(flex_meta, "query_rows", recorded)
     seen = capture_logits(llm, monkeypatch)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0))
-    assert all(o.cached_tokens >= 1024 for o in outs), f"no prefix-cache hits: seed={seed}"
+    assert all(o.cached_tokens >= 2048 for o in outs), f"no prefix-cache hits: seed={seed}"
     assert sorted(come for n, come in layouts if n == 2) == [False, True], f"{layouts}: seed={seed}"
     for i, prompt in enumerate(prompts):
         assert_matches_hf(hf, prompt, outs[i].token_ids, seen[outs[i].request_id], f"prompt {i}, seed={seed}", steps=4)

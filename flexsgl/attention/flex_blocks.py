@@ -29,7 +29,7 @@ from flexsgl.step_shape import MIN_COMPILED_SIZE
 MAX_BLOCK_REQUESTS = 2  # requests one query block may hold, the tokens as they come
 MIN_BLOCKS_PER_REQUEST = 4  # query blocks of new tokens a request averages, the tokens as they come
 MAX_SHARED_GROWTH = 1.75  # a shared block's reads over the heaviest block's with a block per request
-MIN_SHARED_EXTRA = 8  # KV blocks a shared block reads past that heaviest one's, at the least
+MIN_SHARED_EXTRA = 16  # KV blocks a shared block reads past that heaviest one's, at the least
 
 
 @dataclass
@@ -60,10 +60,12 @@ def rows_as_they_come(fb: ForwardBatch, align: int, window: int | None = None) -
     where its requests are long and no block holds more than MAX_BLOCK_REQUESTS, unless a shared
     block would be the step's heaviest by far. A block of two requests reads both requests' KV
     blocks; past long cached prefixes, or under a window, that is nearly twice what a block of one
-    reads, and the step waits on that block. So a block per request where the heaviest block as they
-    come reads at least MAX_SHARED_GROWTH times, and MIN_SHARED_EXTRA KV blocks more than, the
-    heaviest block with a block per request (KV blocks of `align` positions, each query row reading
-    up to its own position)."""
+    reads, and the step waits on that block. A block per request costs the queries' copy into rows
+    and back instead, which a few more KV blocks do not outweigh (a window of 1,024 adds about 9 to a
+    shared block: 128-row blocks), and a window's worth of 4,096 (about 33) does. So a block per
+    request where the heaviest block as they come reads at least MAX_SHARED_GROWTH times, and
+    MIN_SHARED_EXTRA KV blocks more than, the heaviest block with a block per request (KV blocks of
+    `align` positions, each query row reading up to its own position)."""
     if align == 1:
         return True
     q_lens, seq_lens = fb.host_q_lens, fb.host_seq_lens
