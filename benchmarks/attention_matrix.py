@@ -1,12 +1,14 @@
 """The attention kernel matrix: every backend on the same paged batches, beside the hardware floor.
 
     python benchmarks/attention_matrix.py [--pages 16,64,128] [--gqa 4,8] [--phases decode,prefill]
-        [--batches 1,8,32,128,256] [--contexts 1024,4096,16384] [--backends ...] [--window W] [--json PATH]
-        (a GPU)
+        [--batches 1,8,32,128,256] [--contexts 1024,4096,16384] [--backends ...] [--window W]
+        [--layout rule|come|each] [--json PATH]      (a GPU)
 
 `--window W` runs every backend with a sliding window of W keys (the `sliding_window` attention
 variant; FA3 as its window_size), against a float64 reference with the same window, and the decode
-floor counts the keys in the window only.
+floor counts the keys in the window only. `--layout` sets flex's prefill query layout: the engine's
+rule (flex_blocks.rows_as_they_come, the default), the tokens as they come (`come`), or each request
+from a query block of its own (`each`), the copies in and out timed with the kernel.
 
 Shapes: decode at batch 1, 8, 32, 128, 256 with contexts of 1k, 4k and 16k tokens; ragged prefill
 of 8k and 32k new tokens in all (requests of 512 to 4096 new tokens, drawn with a fixed seed),
@@ -45,6 +47,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flexsgl.attention import flex_meta  # noqa: E402
 from flexsgl.attention.base import ForwardBatch  # noqa: E402
 from flexsgl.attention.bound_variant import VariantSet  # noqa: E402
 from flexsgl.attention.flex_options import FLASH  # noqa: E402
@@ -264,8 +267,11 @@ def main() -> None:
     ap.add_argument("--backends", default="flex,fa3,fi-decode,triton-decode,sdpa")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
     ap.add_argument("--window", type=int, default=None, help="a sliding window of this many keys")
+    ap.add_argument("--layout", choices=("rule", "come", "each"), default="rule", help="flex's prefill query layout")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.layout != "rule":  # the metadata builder asks this for each variant's layout
+        flex_meta.rows_as_they_come = lambda fb, align, window=None: a.layout == "come"
     name = torch.cuda.get_device_name()
     peak = a.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0)
     bandwidth = copy_bandwidth(torch.device("cuda"))
@@ -297,8 +303,8 @@ def main() -> None:
                     cells[b] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
             del pool, fb, q, kv
             torch.cuda.empty_cache()
-        row = {"phase": phase, "shape": label, "page_size": page, "gqa": gqa, "window": a.window, "floor_us": floor,
-               "cells": cells}
+        row = {"phase": phase, "shape": label, "page_size": page, "gqa": gqa, "window": a.window, "layout": a.layout,
+               "floor_us": floor, "cells": cells}
         rows.append(row)
         shown = "  ".join(f"{b} {c['us']:,.1f} ({c['us'] / floor:.2f}x){'!' if c['err'] > TOLERANCE else ''}"
                           if "us" in c else f"{b} failed: {c['error']}" for b, c in cells.items())
