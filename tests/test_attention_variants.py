@@ -33,6 +33,10 @@ CASES = {
 # Long requests, two to a query block at most: compiled prefill takes the tokens as they come
 # (flex_blocks.py), where CASES' short ones start a block each.
 LONG_PREFILL = {"long-prefill": [(0, 530), (45, 600), (0, 520), (70, 560)]}
+# Prefixes blocks past a window of 24: a windowed variant's packed rows leave their keys out. Short
+# requests (a block each), and long ones whose tokens come as they are (blocks two requests share).
+PAST_WINDOW = {"past-window": [(300, 40), (13, 1), (700, 130), (260, 150), (0, 60)],
+               "long-past-window": [(300, 530), (645, 600), (0, 520), (470, 560)]}
 
 
 def _causal(q, kv):
@@ -152,6 +156,20 @@ def test_variant_eager_matches_float64(name, case, page_size):
 def test_variant_compiled_matches_float64(name, case, packed):
     _, fb = run_variant_case(name, {**CASES, **LONG_PREFILL}[case], 16, compiled=True, packs_prefill=packed)
     assert (fb.attn.rows is None) == (case in LONG_PREFILL)
+
+
+@pytest.mark.parametrize("case", list(PAST_WINDOW))
+@pytest.mark.parametrize("flash_lists", [False, True], ids=["full-lists", "flash-lists"])
+def test_windowed_prefill_packs_only_what_the_window_reaches(case, flash_lists):
+    """Compiled prefill over packed rows: a window of 24 keys copies each request's K/V from the
+    128-row block holding its first query's first visible key on (hand-counted here), where plain
+    causal attention copies every position; attention as float64's."""
+    specs = PAST_WINDOW[case]
+    backend, fb = run_variant_case("gemma_gpt_oss_like", specs, 16, compiled=True, flash_lists=flash_lists)
+    blocks = lambda n: -(-n // 128)  # noqa: E731
+    windowed = fb.attn.variants[backend.variants[0].id].kv_rows
+    assert windowed.numel() == 128 * sum(blocks(p + n) - max(p - 23, 0) // 128 for p, n in specs)
+    assert fb.attn.kv_rows.numel() == 128 * sum(blocks(p + n) for p, n in specs)
 
 
 @pytest.mark.parametrize("name,case,packed", [("prefix_lm", "prefix-extend", False),

@@ -126,21 +126,24 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
                                fb.page_table, *meta.mask_state, self.pool.page_size, scale,
                                -1 if plain else variant.id, None if plain else self.page_pos,
                                None if plain else fb.req_slots, sink)
-        k, v = self.kv_sequence(k, fb), self.kv_sequence(v, fb)
-        if k.dtype != q.dtype and (fb.attn.kv_rows is not None or not (self.compiled and q.is_cuda)):
+        k, v = self.kv_sequence(k, fb, meta), self.kv_sequence(v, fb, meta)
+        if k.dtype != q.dtype and (meta.kv_rows is not None or not (self.compiled and q.is_cuda)):
             # An FP8 cache where no Triton flex kernel casts it as it loads (SDPA, the CPU's flex
             # kernel), or packed rows, which are a copy anyway.
             k, v = k.to(q.dtype), v.to(q.dtype)
         return self.attend(q, k, v, meta, scale, options, sink)
 
-    def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]`: the
-        step's K/V packed into rows where it has them (contiguous per head), else the pool's slots."""
-        kv_rows = fb.attn.kv_rows
+    def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch, meta: FlexMeta | None = None) -> torch.Tensor:
+        """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]` for the
+        layer's metadata `meta` (default: plain causal attention's): the step's K/V packed into rows
+        where it has them (contiguous per head; a windowed variant's hold only what its window
+        reaches), else the pool's slots."""
+        meta = fb.attn if meta is None else meta
+        kv_rows = meta.kv_rows
         if kv_rows is not None:
             packed = torch.where((kv_rows >= 0)[:, None, None], x[kv_rows.clamp(min=0)], 0)
             return packed[None].transpose(1, 2).contiguous()
-        kv_slots = fb.attn.kv_slots
+        kv_slots = meta.kv_slots
         x = x[:fb.num_kv_pages * self.pool.page_size] if kv_slots is None else x[kv_slots]
         return x[None].transpose(1, 2)
 

@@ -135,7 +135,10 @@ def packed_paged_variant(bound, page_table, row_req, row_pos, seq_last, page_pos
 
 def packed_rows_variant(bound, row_req, row_kv_start, row_pos, seq_last, slots):
     """Prefill over the step's K/V packed into rows (as packed_causal): query row i's request's
-    positions 0, 1, ... are the KV rows from row_kv_start[i] on."""
+    positions 0, 1, ... are the KV rows from row_kv_start[i] on. Under a window the rows start at the
+    first key a request's window reaches (flex_meta.py), and row_kv_start is where its position 0
+    would sit: the previous request's last rows may then pass `kv_idx >= start`, at positions behind
+    every one of its queries' windows, which the variant's window check hides."""
     def coords(q_idx, kv_idx):
         start = row_kv_start[q_idx]
         return row_req[q_idx], row_pos[q_idx], start, kv_idx - start

@@ -27,10 +27,10 @@ the new tokens) out of the pool into rows, request after request, each request f
 boundary (`FlexMeta.kv_rows`, the slot each row reads), so a request's KV blocks are consecutive
 and a query block lists its requests' blocks as over the pages, where the mask compares a key's row
 with the query row's request start and position (`packed_causal`: no page lookups, nothing per
-key). The KV block is 128 rows whatever the page size, so FlexAttention's FLASH backend runs at any
-page size (options:
-flex_options.packed_prefill_options), and the kernel's time does not depend on the page size, as it
-does over the pages (figures: docs/BENCHMARKS.md). A step whose prefixes hold more than
+key). A windowed variant's rows start, per request, at the block its first query's window
+reaches. The KV block is 128 rows whatever the page size, so FlexAttention's FLASH backend runs at
+any page size (options: flex_options.packed_prefill_options), and the kernel's time does not depend
+on the page size, as it does over the pages (figures: docs/BENCHMARKS.md). A step whose prefixes hold more than
 PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
 
 `page_pos[p]`, the logical index page p holds in the requests that use it, is written on the
@@ -39,6 +39,7 @@ device before each step (record_page_positions).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from itertools import chain
@@ -209,27 +210,37 @@ class FlexMetaBuilder:
                           mask_state, Q_BLOCK, score_mod=score_mod)
 
     def _packed_prefill_meta(self, fb: ForwardBatch, qr: QueryRows, bound=None) -> FlexMeta:
-        """Compiled prefill over the step's K/V packed into rows: request r's positions 0..seq_len-1
-        from its first KV block on, so its KV blocks are consecutive and the block lists are
-        block_lists' over a table of those (see the module docstring)."""
+        """Compiled prefill over the step's K/V packed into rows: request r's positions from its first
+        KV block on, so its KV blocks are consecutive and the block lists are block_lists' over a
+        table of those (see the module docstring). Under `bound`'s window a request's rows start at
+        the block of the first key its first query sees: the keys before it are neither copied nor
+        read, and the block lists count positions from that block."""
         dev = qr.row_pos.device
         seq_lens = fb.seq_lens.long()
-        kv_per_req = (seq_lens + Q_BLOCK - 1) // Q_BLOCK
+        window = None if bound is None else bound.window
+        skip = torch.zeros_like(seq_lens) if window is None else \
+            (seq_lens - fb.q_lens.long() - window + 1).clamp_(min=0) // Q_BLOCK  # blocks left out a request
+        host_blocks = [-(-s // Q_BLOCK) - (0 if window is None else max(s - n - window + 1, 0) // Q_BLOCK)
+                       for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
+        kv_per_req = (seq_lens + Q_BLOCK - 1) // Q_BLOCK - skip
         kv_first = torch.cumsum(kv_per_req, 0) - kv_per_req  # each request's first KV block
-        n_kv = sum(-(-n // Q_BLOCK) for n in fb.host_seq_lens)
+        origin = (kv_first - skip) * Q_BLOCK  # the row of each request's position 0, had it been copied
+        n_kv = sum(host_blocks)
         kv_req = torch.repeat_interleave(torch.arange(fb.batch_size, device=dev), kv_per_req * Q_BLOCK,
                                          output_size=n_kv * Q_BLOCK)
-        pos = torch.arange(n_kv * Q_BLOCK, device=dev) - kv_first[kv_req] * Q_BLOCK
+        pos = torch.arange(n_kv * Q_BLOCK, device=dev) - origin[kv_req]
         page = fb.page_table[kv_req, (pos // self.pool.page_size).clamp_(max=fb.page_table.shape[1] - 1)].long()
         kv_rows = torch.where(pos < seq_lens[kv_req], page * self.pool.page_size + pos % self.pool.page_size, -1)
         # Each request's KV blocks, as a page table of Q_BLOCK-row blocks. Inductor's CPU flex kernel
         # wants index rows as wide as the KV sequence has blocks.
-        width = n_kv if dev.type == "cpu" else max(-(-n // Q_BLOCK) for n in fb.host_seq_lens)
+        width = n_kv if dev.type == "cpu" else max(host_blocks)
         table = (kv_first[:, None] + torch.arange(width, device=dev)).clamp_(max=n_kv - 1).int()
         seq_last = seq_lens - 1
+        shift = (skip * Q_BLOCK)[qr.piece_req] * qr.piece_valid  # positions before a piece's first packed row
+        shifted = dataclasses.replace(qr, piece_first=qr.piece_first - shift, piece_last=qr.piece_last - shift)
         blocks = [x if x is None else x[None, None] for x in self._full_listed(
-                  block_lists(table, Q_BLOCK, qr, *block_rules(bound, seq_last[qr.piece_req])))]
-        mask_state = [(kv_first * Q_BLOCK).int()[qr.row_req.long()], qr.row_pos]  # int32: see _prefill_meta
+                  block_lists(table, Q_BLOCK, shifted, *block_rules(bound, seq_last[qr.piece_req] - shift)))]
+        mask_state = [origin.int()[qr.row_req.long()], qr.row_pos]  # int32: see _prefill_meta
         if bound is None:
             mask_mod, score_mod = packed_causal(*mask_state), None
         else:
