@@ -30,8 +30,8 @@ with the query row's request start and position (`packed_causal`: no page lookup
 key). A windowed variant's rows start, per request, at the block its first query's window
 reaches. The KV block is 128 rows whatever the page size, so FlexAttention's FLASH backend runs at
 any page size (options: flex_options.packed_prefill_options), and the kernel's time does not depend
-on the page size, as it does over the pages (figures: docs/BENCHMARKS.md). A step whose prefixes hold more than
-PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
+on the page size, as it does over the pages (figures: docs/BENCHMARKS.md). A step whose prefixes
+hold more than PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
 
 `page_pos[p]`, the logical index page p holds in the requests that use it, is written on the
 device before each step (record_page_positions).
@@ -39,9 +39,8 @@ device before each step (record_page_positions).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Callable
 
@@ -237,7 +236,7 @@ class FlexMetaBuilder:
         table = (kv_first[:, None] + torch.arange(width, device=dev)).clamp_(max=n_kv - 1).int()
         seq_last = seq_lens - 1
         shift = (skip * Q_BLOCK)[qr.piece_req] * qr.piece_valid  # positions before a piece's first packed row
-        shifted = dataclasses.replace(qr, piece_first=qr.piece_first - shift, piece_last=qr.piece_last - shift)
+        shifted = replace(qr, piece_first=qr.piece_first - shift, piece_last=qr.piece_last - shift)
         blocks = [x if x is None else x[None, None] for x in self._full_listed(
                   block_lists(table, Q_BLOCK, shifted, *block_rules(bound, seq_last[qr.piece_req] - shift)))]
         mask_state = [origin.int()[qr.row_req.long()], qr.row_pos]  # int32: see _prefill_meta
