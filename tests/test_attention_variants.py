@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from flexsgl.attention import flex_blocks
+from flexsgl.attention import flex_blocks, flex_meta
 from flexsgl.attention.bound_variant import VariantSet
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.flex_masks import Q_BLOCK
@@ -209,6 +209,17 @@ def test_windowed_decode_lists_only_pages_in_the_window(page_size):
         plain = meta.block_mask
         n_plain = (plain.kv_num_blocks + (plain.full_kv_num_blocks if full else 0))[:, 0, 0].tolist()
         assert n_plain == [-(-(p + 1) // page_size) for p, _ in specs], f"seed={seed}"
+
+
+def test_windowed_prefill_packs_where_plain_causal_reads_the_pages(monkeypatch):
+    """A step whose prefixes hold more than PACKED_PREFIX_MAX_TOKENS (lowered here) rows to copy:
+    plain causal attention reads the pages, a window of 24, whose rows copy only what it reaches, packs
+    them; attention as float64's."""
+    monkeypatch.setattr(flex_meta, "PACKED_PREFIX_MAX_TOKENS", 512)
+    specs = PAST_WINDOW["past-window"]
+    assert sum(p for p, _ in specs) > 512 >= sum(p - max(p - 23, 0) // 128 * 128 for p, _ in specs)
+    backend, fb = run_variant_case("gemma_gpt_oss_like", specs, 16, compiled=True)
+    assert fb.attn.kv_rows is None and fb.attn.variants[backend.variants[0].id].kv_rows is not None
 
 
 @pytest.mark.parametrize("window", [None, 32, 1024, 4096])

@@ -31,7 +31,8 @@ key). A windowed variant's rows start, per request, at the block its first query
 reaches. The KV block is 128 rows whatever the page size, so FlexAttention's FLASH backend runs at
 any page size (options: flex_options.packed_prefill_options), and the kernel's time does not depend
 on the page size, as it does over the pages (figures: docs/BENCHMARKS.md). A step whose prefixes
-hold more than PACKED_PREFIX_MAX_TOKENS attends over the pages as decode does.
+hold more than PACKED_PREFIX_MAX_TOKENS rows to copy attends over the pages as decode does; a windowed
+variant counts only the rows it copies, so its layers may pack where plain causal ones do not.
 
 `page_pos[p]`, the logical index page p holds in the requests that use it, is written on the
 device before each step (record_page_positions).
@@ -93,10 +94,20 @@ class FlexMeta:
 PACKED_PREFIX_MAX_TOKENS = 65536  # cached tokens a packed prefill step may copy per layer
 
 
-def packs_kv(fb: ForwardBatch) -> bool:
-    """Whether a compiled prefill step attends over its K/V packed into rows: where its requests'
-    cached prefixes, which each layer copies out of the pool, hold at most PACKED_PREFIX_MAX_TOKENS."""
-    return fb.host_q_lens is not None and sum(fb.host_seq_lens) - sum(fb.host_q_lens) <= PACKED_PREFIX_MAX_TOKENS
+def skipped_blocks(seq_len: int, q_len: int, window: int | None) -> int:
+    """The Q_BLOCK-row blocks of a request's keys that lie wholly before its first query's window
+    (none without a window): what a packed prefill leaves out of its rows."""
+    return 0 if window is None else max(seq_len - q_len - window + 1, 0) // Q_BLOCK
+
+
+def packs_kv(fb: ForwardBatch, window: int | None = None) -> bool:
+    """Whether a compiled prefill step attends over its K/V packed into rows, for attention over
+    `window` keys (None: causal): where the cached prefix rows each layer copies out of the pool
+    (under a window, from the block it reaches) hold at most PACKED_PREFIX_MAX_TOKENS."""
+    if fb.host_q_lens is None:
+        return False
+    copied = sum(s - n - skipped_blocks(s, n, window) * Q_BLOCK for s, n in zip(fb.host_seq_lens, fb.host_q_lens))
+    return copied <= PACKED_PREFIX_MAX_TOKENS
 
 
 class FlexMetaBuilder:
@@ -190,7 +201,7 @@ class FlexMetaBuilder:
         """The step's queries as one packed sequence, laid out as qr says (flex_blocks.query_rows);
         compiled, in blocks of Q_BLOCK rows, each reading the pages of the requests it holds; not
         compiled, the mask is evaluated densely, a block is a row, and nothing is padded."""
-        if self.compiled and self.packs_prefill and packs_kv(fb):
+        if self.compiled and self.packs_prefill and packs_kv(fb, None if bound is None else bound.window):
             return self._packed_prefill_meta(fb, qr, bound)
         ps = self.pool.page_size
         # Every integer a mask reads is int32, like the page table and page_pos: the FLASH backend's
@@ -219,8 +230,7 @@ class FlexMetaBuilder:
         window = None if bound is None else bound.window
         skip = torch.zeros_like(seq_lens) if window is None else \
             (seq_lens - fb.q_lens.long() - window + 1).clamp_(min=0) // Q_BLOCK  # blocks left out a request
-        host_blocks = [-(-s // Q_BLOCK) - (0 if window is None else max(s - n - window + 1, 0) // Q_BLOCK)
-                       for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
+        host_blocks = [-(-s // Q_BLOCK) - skipped_blocks(s, n, window) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
         kv_per_req = (seq_lens + Q_BLOCK - 1) // Q_BLOCK - skip
         kv_first = torch.cumsum(kv_per_req, 0) - kv_per_req  # each request's first KV block
         origin = (kv_first - skip) * Q_BLOCK  # the row of each request's position 0, had it been copied
