@@ -20,7 +20,7 @@ from flexsgl.attention.variants import alibi, sliding_window, softcap
 from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_variant_attention, random_paged_batch
 from flexsgl.compile import settings
-from tests.test_attention_variants import CASES, HKV, HQ, LONG_PREFILL, REFERENCE
+from tests.test_attention_variants import CASES, HKV, HQ, LONG_PREFILL, PAST_WINDOW, REFERENCE
 from tests.test_gemma import make_gemma2, make_gemma3
 from tests.test_gpu import check_tracks_hf
 from tests.test_mistral import make_mistral
@@ -72,7 +72,7 @@ def run_gpu_case(name, specs, page_size, graphed: bool, seed: int, packed: bool 
         graph.replay()
     else:
         backend.prepare(fb)
-        assert (fb.attn.rows is None) == (specs in LONG_PREFILL.values())  # the tokens as they come
+        assert (fb.attn.rows is None) == all(n > 512 for _, n in specs)  # long requests: the tokens as they come
         torch._dynamo.reset()
         with settings():  # as the engine's compiled steps run
             out = torch.compile(FlexAttentionBackend.forward, dynamic=True)(backend, qd, pool.layer_cache(0), fb,
@@ -112,6 +112,22 @@ def test_variant_prefill_on_the_flash_backend_matches_float64(name, page_size, c
     monkeypatch.delenv(FLASH_VARIANTS_ENV, raising=False)
     run_gpu_case(name, {**CASES, **LONG_PREFILL}[case], page_size, graphed=False, seed=random.randrange(1 << 30),
                  packed=packed, head_dim=128, flash=True)
+
+
+@pytest.mark.parametrize("name", ["sliding_window", "gemma_gpt_oss_like"])
+@pytest.mark.parametrize("case", list(PAST_WINDOW))
+@pytest.mark.parametrize("flash", [False, True], ids=["triton", "flash"])
+def test_windowed_prefill_past_long_prefixes_matches_float64(name, case, flash, monkeypatch):
+    """A window's packed rows start at the block each request's window reaches (flex_meta.py), past
+    prefixes of up to 700 keys; on the Triton kernel and on FLASH (where flash-attn-4 runs)."""
+    if flash and not flash_prefill_runs(128, 128, torch.bfloat16):
+        pytest.skip("FlexAttention's FLASH backend needs flash-attn-4 and an SM90 or SM100 GPU")
+    if flash:
+        monkeypatch.delenv(FLASH_VARIANTS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FLASH_VARIANTS_ENV, "0")
+    run_gpu_case(name, PAST_WINDOW[case], 16, graphed=False, seed=random.randrange(1 << 30), head_dim=128,
+                 flash=flash)
 
 
 @pytest.mark.parametrize("model,attention,page_size", [
