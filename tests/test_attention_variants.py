@@ -33,8 +33,8 @@ CASES = {
 # Long requests, two to a query block at most: compiled prefill takes the tokens as they come
 # (flex_blocks.py), where CASES' short ones start a block each.
 LONG_PREFILL = {"long-prefill": [(0, 530), (45, 600), (0, 520), (70, 560)]}
-# Prefixes blocks past a window of 24: a windowed variant's packed rows leave their keys out. Short
-# requests (a block each), and long ones whose tokens come as they are (blocks two requests share).
+# Prefixes whose early 128-row blocks lie wholly behind a window of 24: a windowed variant's packed
+# rows leave them out. Short requests (a block each), and long ones as they come (shared blocks).
 PAST_WINDOW = {"past-window": [(300, 40), (13, 1), (700, 130), (260, 150), (0, 60)],
                "long-past-window": [(300, 530), (645, 600), (0, 520), (470, 560)]}
 
