@@ -6,8 +6,8 @@ Layout: the pool is one long KV sequence, `[1, Hkv, pages * page_size, D]`, and 
 page. Decode queries are `[B, 1]`, one per request; prefill queries are one packed sequence
 `[1, rows]`: where requests are long, the step's tokens as they come, in query blocks of Q_BLOCK
 rows that may each hold the tail of one request and the head of the next; otherwise each request
-from a block of its own. Each attention variant's window picks its layout (flex_blocks.rows_as_they_come),
-so a step's variants may differ in it. Compiled, the BlockMask lists for
+from a block of its own. Each attention variant's window picks its layout
+(flex_blocks.rows_as_they_come), so a step's variants may differ in it. Compiled, the BlockMask lists for
 each query block the pages wholly before its first row as *full* KV blocks (no mask_mod call) and
 the pages that reach its causal frontier as *partial* ones where the mask_mod (flex_masks.py) runs,
 which reads each row's request and position; a block of two requests lists both requests' pages
@@ -228,9 +228,9 @@ class FlexMetaBuilder:
         dev = qr.row_pos.device
         seq_lens = fb.seq_lens.long()
         window = None if bound is None else bound.window
-        skip = torch.zeros_like(seq_lens) if window is None else \
-            (seq_lens - fb.q_lens.long() - window + 1).clamp_(min=0) // Q_BLOCK  # blocks left out a request
-        host_blocks = [-(-s // Q_BLOCK) - skipped_blocks(s, n, window) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
+        skipped = [skipped_blocks(s, n, window) for s, n in zip(fb.host_seq_lens, fb.host_q_lens)]
+        skip = torch.zeros_like(seq_lens) if window is None else torch.tensor(skipped, device=dev)
+        host_blocks = [-(-s // Q_BLOCK) - k for s, k in zip(fb.host_seq_lens, skipped)]
         kv_per_req = (seq_lens + Q_BLOCK - 1) // Q_BLOCK - skip
         kv_first = torch.cumsum(kv_per_req, 0) - kv_per_req  # each request's first KV block
         origin = (kv_first - skip) * Q_BLOCK  # the row of each request's position 0, had it been copied
