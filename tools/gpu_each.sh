@@ -14,10 +14,15 @@
 # A run's word may start with variables for that run alone:
 #
 #   bash tools/gpu_each.sh "tests -- tests/test_fp8_kv_cache.py -k 'fp8 or block'" "GEMV_FP8=1 gemv latency"
+#
+# GPU_EACH_SHARED=1 runs them all on GPU 0 at once instead: test runs spend most of their time compiling
+# on the host, so on a one-GPU machine runs that share the GPU overlap their compiles. Not for
+# benchmarks, which would time each other.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: bash tools/gpu_each.sh 'STEPS FOR GPU 0 [-- ARGS]' ['STEPS FOR GPU 1' ...]"; exit 2; }
 [ $# -le 4 ] || { echo "at most four runs: a device call brings back 8 files, two a run"; exit 2; }
-if command -v nvidia-smi >/dev/null; then
+SHARED=${GPU_EACH_SHARED:-}
+if [ -z "$SHARED" ] && command -v nvidia-smi >/dev/null; then
   have=$(nvidia-smi -L | grep -c '^GPU')
   [ $# -le "$have" ] || { echo "$# runs asked for, and this machine has $have GPUs"; exit 2; }
 fi
@@ -32,7 +37,7 @@ for gpu in "${!args[@]}"; do
   eval "words=(${args[$gpu]})"  # the shell's quoting: -k "fp8 or block" stays one argument
   env=(); while [ ${#words[@]} -gt 0 ] && [[ ${words[0]} =~ ^[A-Z_][A-Z0-9_]*= ]]; do env+=("${words[0]}"); words=("${words[@]:1}"); done
   mkdir -p "$RESULTS/gpu$gpu"
-  env "${env[@]}" CUDA_VISIBLE_DEVICES=$gpu FLEXSGL_INSTALLED=1 FLEXSGL_LOG_KEPT=1 OUT="$RESULTS/gpu$gpu" \
+  env "${env[@]}" CUDA_VISIBLE_DEVICES=$([ -n "$SHARED" ] && echo 0 || echo "$gpu") FLEXSGL_INSTALLED=1 FLEXSGL_LOG_KEPT=1 OUT="$RESULTS/gpu$gpu" \
     bash tools/gpu.sh "${words[@]}" >"$RESULTS/gpu$gpu/log.txt" 2>&1 &
   pids+=($!)
 done
