@@ -14,6 +14,9 @@
 #                  steps for the rest. test_structured needs .gpu/serve installed (tools/stage_serve.sh: xgrammar,
 #                  jsonschema); test_gpt_oss compares against transformers 5.24, which the image lacks: install
 #                  .gpu/transformers first (tools/stage_transformers.sh), or its engine tests skip
+#                  On a machine of one GPU, `GPU_EACH_SHARED=1 tools/gpu_each.sh` runs four such parts at once
+#                  (an H200 ran 233 of the compile-heavy tests in one call that way, a third of the suite); pass
+#                  -vv after `--` so that the log names each test run, and the next call can take the rest
 #   check          the batch-1 kernels against float64 and the engine against HF on every backend
 #                  (155 tests, ~280 s on a warm machine; not the 8B, flex-kernel and split-KV cases)
 #   latency        flexsgl bench latency, Qwen3-8B dummy, batch 1 (--override flags in $OVERRIDES)
