@@ -8,9 +8,10 @@
   of token ids.
 - GET /v1/models, GET /health (200 once the model is loaded and its graphs captured, 503 before),
   GET /metrics (Prometheus, metrics.py).
-- Errors (errors.py): every 4xx and 5xx in OpenAI's error format: bad input 400, a missing or
-  wrong API key 401, an unknown model or route 404, a method a route does not take 405, a body
-  over the limit 413, a request while the engine is not serving 503, a request the engine failed 500.
+- Errors (errors.py): every 4xx and 5xx but /health's 503 in OpenAI's error format: bad input
+  400, a missing or wrong API key 401, an unknown model or route 404, a method a route does not
+  take 405, a body over the limit 413, a request while the engine is not serving 503, a request
+  the engine failed 500.
 - A handler's work before the engine (templates, tokenizing, parsing constraints) runs on the
   intake's threads (intake.py), after a check of the text's length, so the event loop keeps
   answering other clients. Bodies are parsed here (pydantic's JSON parser, in one pass); one larger
