@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the requests are read, never made here: no import of flexsg
 
 
 def host_parts(sampled: list[Request], prefill: bool) -> tuple[dict, dict]:
-    """(int64 parts, float32 parts) of the sampled requests' parameters, for ModelRunner._upload."""
+    """(int64 parts, float32 parts) of the sampled requests' parameters, for step/inputs.upload."""
     sp = [r.sampling for r in sampled]
     if all(p.greedy and not p.penalized and p.min_tokens == 0 and not p.logit_bias for p in sp):
         return {}, {}
@@ -96,7 +96,7 @@ def make_tensors(flags: HostFlags, i64: dict, f32: dict, counts: TokenCounts,
 
 
 def _concat(lists: list[list[int]]) -> list:
-    """One part made of several lists, as numpy arrays (how _upload takes a part in pieces)."""
+    """One part made of several lists, as numpy arrays (how step/inputs.pack takes a part in pieces)."""
     return [np.asarray(x, dtype=np.int64) for x in lists] or [np.zeros(0, dtype=np.int64)]
 
 
