@@ -13,18 +13,19 @@ from safetensors.torch import load_file, save_file
 
 from flexsgl import LLM, SamplingParams
 from flexsgl.errors import CheckpointError
-from tests.hf_models import make_checkpoint
+from tests.hf_models import assert_matches_hf, make_checkpoint
 
 WEIGHTS = "model.safetensors"
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """A small saved Qwen3 checkpoint, its config dict, its tensors, and the seed that made it."""
+    """A small saved Qwen3 checkpoint, its config dict, its tensors, the seed that made it and HF's
+    model of it."""
     path = tmp_path_factory.mktemp("qwen3-source")
     seed = random.randrange(1 << 30)
-    make_checkpoint("qwen3", path, seed)
-    return path, json.loads((path / "config.json").read_text()), load_file(path / WEIGHTS), seed
+    hf = make_checkpoint("qwen3", path, seed)
+    return path, json.loads((path / "config.json").read_text()), load_file(path / WEIGHTS), seed, hf
 
 
 def write(tmp_path, config, tensors=None, weights_bytes=None):
@@ -48,11 +49,15 @@ def refused(path) -> str:
 
 
 def test_the_source_checkpoint_loads(source, tmp_path):
-    """The unmodified copy loads: each case below differs from it by one defect."""
-    path, config, tensors, seed = source
-    out = LLM(write(tmp_path, config, tensors), device="cpu").generate([[1, 2, 3]], SamplingParams(
-        max_new_tokens=2, temperature=0))[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 2, f"seed={seed}"
+    """The unmodified copy loads and generates what HF's model of it does: each case below differs
+    from it by one defect."""
+    path, config, tensors, seed, hf = source
+    rng = random.Random(seed)
+    prompt = [rng.randrange(config["vocab_size"]) for _ in range(7)]
+    out = LLM(write(tmp_path, config, tensors), device="cpu").generate([prompt], SamplingParams(
+        max_new_tokens=4, temperature=0))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4, f"seed={seed}"
+    assert_matches_hf(hf, prompt, out.token_ids, what=f"seed={seed}")
 
 
 @pytest.mark.parametrize("edit, words", [
@@ -71,14 +76,14 @@ def test_the_source_checkpoint_loads(source, tmp_path):
 ], ids=["no-hidden-size", "zero-heads", "kv-heads-not-dividing", "string-vocab", "negative-eps",
         "string-tie", "string-eos", "odd-head-dim", "gelu", "awq-quantized", "unknown-architecture", "json-list"])
 def test_bad_config_is_refused_naming_file_and_key(source, tmp_path, edit, words):
-    _, config, tensors, _ = source
+    _, config, tensors, _, _ = source
     msg = refused(write(tmp_path, edit(dict(config)), tensors))
     for w in words:
         assert w in msg, msg
 
 
 def test_config_with_a_json_syntax_error_names_the_file_and_the_place(source, tmp_path):
-    _, config, tensors, _ = source
+    _, config, tensors, _, _ = source
     text = json.dumps(config, indent=1)
     lines = text.splitlines()
     lines[1] = lines[1].rstrip(",") + ",,"  # a doubled comma at the end of the second line
@@ -94,7 +99,7 @@ def safetensors_bytes(tensors) -> bytes:
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "header-only"])
 def test_corrupt_safetensors_file_is_reported_as_such(source, tmp_path, damage):
-    _, config, tensors, seed = source
+    _, config, tensors, seed, _ = source
     data = safetensors_bytes(tensors)
     rng = random.Random(seed)
     broken = {"truncated": data[: rng.randrange(len(data) // 2, len(data) - 1)],
@@ -106,21 +111,21 @@ def test_corrupt_safetensors_file_is_reported_as_such(source, tmp_path, damage):
 
 
 def test_unknown_weight_is_refused(source, tmp_path):
-    _, config, tensors, _ = source
+    _, config, tensors, _, _ = source
     extra = "model.layers.3.mlp.down_proj.weight"  # the checkpoint has three layers, 0 to 2
     msg = refused(write(tmp_path, config, {**tensors, extra: tensors["model.layers.0.mlp.down_proj.weight"].clone()}))
     assert extra in msg and "no place" in msg and WEIGHTS in msg, msg
 
 
 def test_missing_weight_is_refused(source, tmp_path):
-    _, config, tensors, seed = source
+    _, config, tensors, seed, _ = source
     dropped = random.Random(seed).choice(sorted(tensors))
     msg = refused(write(tmp_path, config, {k: v for k, v in tensors.items() if k != dropped}))
     assert "lacks 1 weights" in msg, (msg, f"seed={seed}")
 
 
 def test_wrong_shape_is_refused(source, tmp_path):
-    _, config, tensors, _ = source
+    _, config, tensors, _, _ = source
     name = "model.layers.1.self_attn.k_proj.weight"
     msg = refused(write(tmp_path, config, {**tensors, name: tensors[name][:-1].clone()}))
     expected = tuple(tensors[name].shape)
@@ -128,14 +133,14 @@ def test_wrong_shape_is_refused(source, tmp_path):
 
 
 def test_integer_weight_is_refused_as_quantized(source, tmp_path):
-    _, config, tensors, _ = source
+    _, config, tensors, _, _ = source
     name = "model.layers.0.mlp.up_proj.weight"
     msg = refused(write(tmp_path, config, {**tensors, name: tensors[name].to(torch.int8)}))
     assert name in msg and "I8" in msg, msg
 
 
 def test_weight_given_in_two_shards_is_refused(source, tmp_path):
-    _, config, tensors, _ = source
+    _, config, tensors, _, _ = source
     name = "model.norm.weight"
     rest = {k: v for k, v in tensors.items() if k != name}
     save_file(rest, tmp_path / "model-00001-of-00002.safetensors")
@@ -154,21 +159,21 @@ def test_weight_given_in_two_shards_is_refused(source, tmp_path):
     (json.dumps({"weight_map": {"a": "model-00009-of-00009.safetensors"}}), "model-00009-of-00009"),
 ], ids=["syntax-error", "no-weight-map", "missing-shard"])
 def test_bad_index_file_is_refused(source, tmp_path, index, words):
-    _, config, tensors, _ = source
+    _, config, tensors, _, _ = source
     (tmp_path / "model.safetensors.index.json").write_text(index)
     msg = refused(write(tmp_path, config, tensors))
     assert "model.safetensors.index.json" in msg and words in msg, msg
 
 
 def test_corrupt_tokenizer_is_refused(source, tmp_path):
-    _, config, tensors, seed = source
+    _, config, tensors, seed, _ = source
     (tmp_path / "tokenizer.json").write_bytes(random.Random(seed).randbytes(300))
     msg = refused(write(tmp_path, config, tensors))
     assert "tokenizer" in msg, (msg, f"seed={seed}")
 
 
 def test_cli_refuses_a_corrupt_model_directory_with_one_line(source, tmp_path):
-    _, config, tensors, _ = source
+    _, config, tensors, _, _ = source
     path = write(tmp_path, {k: v for k, v in config.items() if k != "hidden_size"}, tensors)
     r = subprocess.run([sys.executable, "-m", "flexsgl.cli", "generate", "Hello", "--device", "cpu", "--model", path],
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
@@ -192,7 +197,7 @@ def test_a_fused_tensor_loads_as_its_parts_do(source, tmp_path, rank, size):
     from flexsgl.model.loader import build_model
     from flexsgl.model.source import resolve
 
-    _, config, tensors, seed = source
+    _, config, tensors, seed, _ = source
     (tmp_path / "parts").mkdir()
     (tmp_path / "fused").mkdir()
     layer = random.Random(seed).randrange(3)
@@ -207,7 +212,7 @@ def test_a_fused_tensor_loads_as_its_parts_do(source, tmp_path, rank, size):
 
 
 def test_a_weight_given_whole_and_in_parts_is_refused(source, tmp_path):
-    _, config, tensors, seed = source
+    _, config, tensors, seed, _ = source
     name = "model.layers.1.self_attn.qkv_proj.weight"
     msg = refused(write(tmp_path, config, {**tensors, name: fuse_qkv(dict(tensors), 1)[name]}))
     assert name in msg and "same part" in msg and "model.layers.1.self_attn." in msg, (msg, f"seed={seed}")

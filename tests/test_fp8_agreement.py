@@ -6,6 +6,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,15 +37,33 @@ def test_kl_and_top1_on_hand_computed_logits(tool):
 
 @pytest.mark.parametrize("fp8", [{"quantization": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"}])
 def test_end_to_end_on_the_cpu(tool, fp8):
-    """FP8 moves the distributions (KL above 0, finite) while the engine run twice without it
+    """measure() gives the KL and top-1 agreement that float64 numpy computes from the two engines'
+    prompt logits (FP8 moves the distributions: KL above 0), and the engine run twice without FP8
     gives the same logits (KL 0, full agreement)."""
     from flexsgl import LLM
 
     seed = random.randrange(1 << 20)
     engine = {"load_format": "dummy", "device": "cpu", "max_total_tokens": 2048}
     res = tool.measure("tiny", fp8, prompts=6, length=12, seed=seed, engine=engine)
-    assert res["prompts"] == 6 and 0 < res["mean_kl"] <= res["max_kl"] < math.inf, f"seed={seed}: {res}"
-    assert 0.0 <= res["top1_agreement"] <= 1.0
+    logits = []
+    for options in ({}, fp8):  # the prompts measure() draws from the seed
+        llm = LLM("tiny", **engine, **options)
+        rng = random.Random(seed)
+        batch = [[rng.randrange(1, llm.config.vocab_size) for _ in range(12)] for _ in range(6)]
+        logits.append(tool.prompt_logits(llm, batch).double().numpy())
+        llm.shutdown()
+    ref, other = logits
+
+    def log_softmax(x):
+        shifted = x - x.max(-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+    p, q = log_softmax(ref), log_softmax(other)
+    kl = (np.exp(p) * (p - q)).sum(-1)
+    assert kl.mean() > 0, f"seed={seed}: FP8 left every distribution as it was"
+    assert res["prompts"] == 6 and res["mean_kl"] == pytest.approx(kl.mean(), rel=1e-9), f"seed={seed}: {res}"
+    assert res["max_kl"] == pytest.approx(kl.max(), rel=1e-9), f"seed={seed}: {res}"
+    assert res["top1_agreement"] == pytest.approx((ref.argmax(-1) == other.argmax(-1)).mean()), f"seed={seed}"
     llm = LLM("tiny", **engine)
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 500) for _ in range(12)] for _ in range(6)]
