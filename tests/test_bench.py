@@ -67,7 +67,7 @@ def run_bench(tmp_path, *args):
             assert all(res[k] >= 0 for k in PHASES)
             assert math.isclose(sum(res[k] for k in PHASES), res["startup_s"], rel_tol=1e-9), res
             assert res["capture_s"] == 0 and res["compile_s"] == 0  # the CPU runs eager, without CUDA graphs
-    assert report["copy_bandwidth_bytes_per_s"] > 1e8
+    assert report["copy_bandwidth_bytes_per_s"] > 0  # measured: its size is the machine's, not a check
     assert report["environment"]["cpu_count"] >= 1 and report["environment"]["commit"]
     assert report["command"].startswith("flexsgl bench") and "--json" not in report["command"]
     return r.stdout, report
@@ -158,8 +158,8 @@ def test_serve_takes_a_sharegpt_file_and_json_schema_constrained_requests(tmp_pa
     byte tokenizer: one token per byte), every output constrained to the bench's JSON schema."""
     import random
 
-    rng = random.Random()
-    seed = rng.randrange(2**31)
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)  # the seed rebuilds the conversations
     words = ["alpha", "beta", "gamma", "delta", "omega"]
     convs = [{"conversations": [{"from": "human", "value": " ".join(rng.choices(words, k=rng.randrange(2, 6)))},
                                 {"from": "gpt", "value": " ".join(rng.choices(words, k=rng.randrange(1, 4)))}]}

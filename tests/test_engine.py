@@ -52,9 +52,10 @@ def assert_no_page_leak(llm):
 
 def test_stop_token_ids_and_eos(checkpoint, tmp_path):
     path, hf, seed = checkpoint
+    rng = random.Random(seed)  # the checkpoint's seed rebuilds the prompts too
     llm = LLM(str(path), device="cpu")
     for _ in range(20):  # a prompt whose continuation has a token not seen before it, after two
-        prompt = [random.randrange(300) for _ in range(7)]
+        prompt = [rng.randrange(300) for _ in range(7)]
         ref = llm.generate([prompt], greedy(12))[0].token_ids
         stop_at = next((i for i in range(2, 12) if ref[i] not in ref[:i]), None)
         if stop_at is not None:
@@ -76,11 +77,13 @@ def test_stop_token_ids_and_eos(checkpoint, tmp_path):
 
 
 def test_requests_that_cannot_fit_are_refused_while_the_rest_run(tmp_path):
-    hf = make_checkpoint("llama", tmp_path, random.randrange(1 << 30))
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    hf = make_checkpoint("llama", tmp_path, seed)
     ctx = hf.config.max_position_embeddings
     llm = LLM(str(tmp_path), device="cpu", page_size=64, max_total_tokens=ctx // 2)
-    short = [random.randrange(300) for _ in range(5)]
-    long = [random.randrange(300) for _ in range(ctx * 3 // 4)]
+    short = [rng.randrange(300) for _ in range(5)]
+    long = [rng.randrange(300) for _ in range(ctx * 3 // 4)]
     over_ctx, over_cache, fits = llm.generate([short, long, short], [greedy(ctx), greedy(3), greedy(3)])
     assert over_ctx.finish_reason == "refused" and "context" in over_ctx.error and not over_ctx.token_ids
     assert over_cache.finish_reason == "refused" and "whole cache" in over_cache.error
@@ -92,10 +95,11 @@ def test_sharded_checkpoint_loads_the_same_weights(checkpoint, tmp_path):
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    prompt = [random.randrange(300) for _ in range(20)]
+    rng = random.Random(seed)
+    prompt = [rng.randrange(300) for _ in range(20)]
     a = LLM(str(path), device="cpu").generate([prompt], greedy(8))[0]
     b = LLM(str(tmp_path), device="cpu").generate([prompt], greedy(8))[0]
-    assert a.token_ids == b.token_ids
+    assert a.token_ids == b.token_ids, f"seed={seed}"
 
 
 def test_missing_weight_is_refused(checkpoint, tmp_path):
@@ -115,7 +119,7 @@ def test_text_prompts_use_the_model_directorys_tokenizer(checkpoint, tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    path, hf, _ = checkpoint
+    path, hf, seed = checkpoint
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -134,5 +138,5 @@ def test_text_prompts_use_the_model_directorys_tokenizer(checkpoint, tmp_path):
         t = torch.tensor([ids])
         ref = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=10, do_sample=False,
                           eos_token_id=hf_tok.eos_token_id, pad_token_id=0)[0, len(ids):].tolist()
-    assert out.token_ids == ref
-    assert out.text == hf_tok.decode(ref, skip_special_tokens=True)
+    assert out.token_ids == ref, f"seed={seed}"
+    assert out.text == hf_tok.decode(ref, skip_special_tokens=True), f"seed={seed}"
