@@ -244,18 +244,21 @@ def test_prefill_layout_follows_each_variants_window(window):
     bound = variants.layers[-1]
     chosen = meta if bound is None else meta.variants[bound.id]
 
-    def heaviest(as_they_come: bool) -> int:
-        qr = flex_blocks.query_rows(fb, Q_BLOCK, as_they_come)
-        bm = backend._prefill_meta(fb, False, bound, qr=qr).block_mask
-        return int((bm.kv_num_blocks + bm.full_kv_num_blocks).max())
+    def far_heavier(layer_bound) -> tuple[bool, int, int]:
+        """Whether the tokens as they come read far more in their heaviest block (the two BlockMasks')."""
+        def heaviest(as_they_come: bool) -> int:
+            qr = flex_blocks.query_rows(fb, Q_BLOCK, as_they_come)
+            bm = backend._prefill_meta(fb, False, layer_bound, qr=qr).block_mask
+            return int((bm.kv_num_blocks + bm.full_kv_num_blocks).max())
+        come, own = heaviest(True), heaviest(False)
+        return come >= flex_blocks.MAX_SHARED_GROWTH * own and come - own >= flex_blocks.MIN_SHARED_EXTRA, come, own
 
-    come, own = heaviest(True), heaviest(False)
-    far_heavier = come >= flex_blocks.MAX_SHARED_GROWTH * own and come - own >= flex_blocks.MIN_SHARED_EXTRA
-    assert (chosen.rows is None) == (not far_heavier), f"seed={seed}: {come} against {own} KV blocks"
+    heavier, come, own = far_heavier(bound)
+    assert (chosen.rows is None) == (not heavier), f"seed={seed}: {come} against {own} KV blocks"
     if window is not None:
         assert (chosen.rows is None) == (window < 4096), f"seed={seed}: {come} against {own} KV blocks"
-        plain_come = flex_blocks.rows_as_they_come(fb, Q_BLOCK)
-        assert (meta.rows is None) == plain_come, f"seed={seed}"
+        plain_heavier, come, own = far_heavier(None)
+        assert (meta.rows is None) == (not plain_heavier), f"seed={seed}: causal, {come} against {own} KV blocks"
 
 
 def _mod_scalar_symbols(gm: torch.fx.GraphModule, shape_env) -> list[str]:

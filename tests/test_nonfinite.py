@@ -64,6 +64,8 @@ def test_a_request_whose_logits_are_not_finite_ends_with_an_error(checkpoint, te
 def test_logprobs_requests_end_with_an_error_too(checkpoint):
     path, seed = checkpoint
     llm = LLM(str(path), device="cpu")
-    llm.runner.model.lm_head.weight[random.Random(seed).randrange(320), 0] = float("nan")
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=2))[0]
+    rng = random.Random(seed)
+    llm.runner.model.lm_head.weight[rng.randrange(320), 0] = float("nan")
+    prompt = [rng.randrange(320) for _ in range(rng.randrange(1, 12))]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=2))[0]
     assert out.finish_reason == "error" and "not finite" in out.error, (out, f"seed={seed}")
