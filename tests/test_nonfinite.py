@@ -5,7 +5,6 @@ leaves nothing behind that harms the requests after it."""
 import random
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from flexsgl import LLM, SamplingParams
