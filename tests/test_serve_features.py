@@ -344,12 +344,13 @@ def test_logit_bias_steers_the_servers_tokens(client, tokenizer):
     assert out.choices[0].logprobs.tokens == [tokenizer.decode([token])] * 5, token
 
 
-def test_echo_and_prompt_logprobs_match_hf_in_float64(client, tokenizer):
+def test_echo_and_prompt_logprobs_match_hf_in_float64(base, client, tokenizer):
     import torch
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(EMBEDDED["tiny-docs"]), dtype=torch.float64).eval()
-    rng = random.Random()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     prompt = random_prompt(rng, 10)
     ids = tokenizer.encode(prompt)
     resp = complete(client, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
@@ -367,6 +368,14 @@ def test_echo_and_prompt_logprobs_match_hf_in_float64(client, tokenizer):
     checked(whole)
     plp = whole.choices[0].prompt_logprobs
     assert plp[0] is None and len(plp) == whole.usage.prompt_tokens and all(len(e) >= 1 for e in plp[1:])
+    status, got = request("POST", base + "/tokenize", json.dumps(
+        {"model": "tiny-docs", "messages": [{"role": "user", "content": prompt}], "add_generation_prompt": True}).encode())
+    chat_ids = got["tokens"]
+    assert status == 200 and len(chat_ids) == len(plp), (status, got)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([chat_ids])).logits[0], dim=-1)
+    for i in range(1, len(chat_ids)):  # each prompt token's own entry, against HF over the rendered chat
+        assert abs(plp[i][str(chat_ids[i])]["logprob"] - ref[i - 1, chat_ids[i]].item()) < 1e-3, (i, seed)
 
 
 def test_the_api_key_is_required(base):
