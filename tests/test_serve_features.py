@@ -201,7 +201,8 @@ def test_json_schema_outputs_parse_and_validate(client):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_regex_choice_and_grammar_constraints(client, stream):
-    rng = random.Random()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     choices = rng.sample(WORDS, 3)
     cases = [({"regex": r"[a-e]{2,6}-[0-9]{1,3}"}, lambda t: re.fullmatch(r"[a-e]{2,6}-[0-9]{1,3}", t)),
              ({"choice": choices}, lambda t: t in choices),
@@ -209,7 +210,7 @@ def test_regex_choice_and_grammar_constraints(client, stream):
               lambda t: re.fullmatch(r"<[a-z]{1,4}>(,[0-9])?", t))]
     for spec, ok in cases:
         for endpoint in ("completions", "chat"):
-            kw = dict(max_tokens=40, temperature=1.0, stream=stream, extra_body={"structured_outputs": spec})
+            kw = dict(max_tokens=40, temperature=1.0, seed=seed, stream=stream, extra_body={"structured_outputs": spec})
             if endpoint == "completions":
                 out = complete(client, prompt=random_prompt(rng), **kw)
                 text = "".join(c.choices[0].text for c in out if c.choices) if stream else out.choices[0].text
@@ -235,6 +236,7 @@ def test_a_constraint_that_cannot_compile_gets_400(client, extra, words):
 def test_required_tool_calls_have_arguments_that_validate(client, parallel):
     rng = random.Random()
     seed = rng.randrange(2**31)
+    rng.seed(seed)
     kw = dict(messages=[{"role": "user", "content": random_prompt(rng)}], tools=TOOLS, tool_choice="required",
               max_tokens=300, temperature=0.9, seed=seed, parallel_tool_calls=parallel)
     whole = chat(client, **kw)
@@ -257,6 +259,7 @@ def test_required_tool_calls_have_arguments_that_validate(client, parallel):
 def test_a_named_tool_call_streams_arguments_that_validate(client):
     rng = random.Random()
     seed = rng.randrange(2**31)
+    rng.seed(seed)
     choice = {"type": "function", "function": {"name": "get_weather"}}
     kw = dict(messages=[{"role": "user", "content": random_prompt(rng)}], tools=TOOLS, tool_choice=choice,
               max_tokens=200, temperature=0.9, seed=seed)
@@ -293,10 +296,11 @@ def test_auto_tool_calls_are_parsed_from_the_models_text(client, stream):
 
 
 def test_reasoning_goes_to_reasoning_content_streamed_and_whole(client):
-    rng = random.Random()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     thought, answer = " ".join(rng.sample(WORDS, 2)), rng.choice(WORDS)
     regex = f"<think>\n{thought}\n</think>\n\n{answer}"
-    kw = dict(messages=[{"role": "user", "content": random_prompt(rng)}], max_tokens=60, temperature=1.0,
+    kw = dict(messages=[{"role": "user", "content": random_prompt(rng)}], max_tokens=60, temperature=1.0, seed=seed,
               extra_body={"structured_outputs": {"regex": re.escape(regex)}})
     whole = chat(client, **kw).choices[0].message
     assert (whole.reasoning_content, whole.content) == (f"\n{thought}\n", f"\n\n{answer}")
@@ -312,7 +316,8 @@ def test_reasoning_goes_to_reasoning_content_streamed_and_whole(client):
 def test_chat_template_and_enable_thinking_reach_the_prompt(base, tokenizer):
     import jinja2
 
-    rng = random.Random()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     messages = [{"role": "system", "content": "Docs."}, {"role": "user", "content": random_prompt(rng)}]
     for kwargs in ({}, {"enable_thinking": False}):
         status, got = request("POST", base + "/tokenize", json.dumps(
@@ -324,7 +329,8 @@ def test_chat_template_and_enable_thinking_reach_the_prompt(base, tokenizer):
 
 
 def test_tokenize_and_detokenize(base, tokenizer):
-    rng = random.Random()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     prompt = random_prompt(rng, 12)
     status, got = request("POST", base + "/tokenize", json.dumps({"prompt": prompt, "return_token_strs": True}).encode())
     ids = tokenizer.encode(prompt)
@@ -487,7 +493,8 @@ def test_metrics_count_requests_as_requests(base, client):
                  "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
                  "request_queue_time_seconds_count"):
         assert any(k[0] == "flexsgl:" + name for k in before), name
-    rng = random.Random()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     out = complete(client, prompt=[random_prompt(rng), random_prompt(rng)], n=2, max_tokens=5, temperature=1.0,
                    extra_body={"ignore_eos": True})
     deadline = time.monotonic() + TIMEOUT

@@ -301,7 +301,8 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llm):
 
 
 def test_logit_bias_steers_greedy_decoding(llm):
-    rng = random.Random()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     token = rng.randrange(1, 4096)
     out = llm.generate("Return the", SamplingParams(max_tokens=6, temperature=0, logit_bias={token: 100}))[0]
     assert out.token_ids == [token] * 6, token
@@ -336,7 +337,8 @@ def test_the_bitmask_allows_the_grammars_tokens_and_every_token_elsewhere():
     constrained row allows exactly the grammar's next bytes, an unconstrained row everything."""
     from flexsgl.tokenizer import ByteTokenizer
 
-    rng = random.Random()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     vocab = rng.randrange(300, 2000)
     compiler = grammar.GrammarCompiler(ByteTokenizer(), vocab)
     letters = "".join(sorted(rng.sample("abcdefghij", 3)))
@@ -345,8 +347,10 @@ def test_the_bitmask_allows_the_grammars_tokens_and_every_token_elsewhere():
             for i in range(rng.randrange(1, 40))]
     rng.shuffle(rows)
     mask = compiler.fill_mask(rows, pinned=False)
-    logits = torch.zeros(len(rows), vocab)
-    allowed = torch.isfinite(apply_token_mask(logits, mask))
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed))
+    masked = apply_token_mask(logits.clone(), mask)
+    allowed = torch.isfinite(masked)
+    assert torch.equal(masked[allowed], logits[allowed]), "the mask changed an allowed logit"
     for i, m in enumerate(rows):
         want = [ord(c) for c in letters] if m is not None else list(range(vocab))
         assert torch.nonzero(allowed[i]).flatten().tolist() == want, f"vocab={vocab} row {i}"
