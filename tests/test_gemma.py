@@ -259,8 +259,21 @@ def test_backends_for_the_gemma_variants(preset, fake_gpu):  # noqa: F811
 
 
 @pytest.mark.parametrize("model", ["tiny-gemma2", "tiny-gemma3"])
-def test_tiny_presets_generate(model):
-    """The tiny presets build with dummy weights and decode past their window."""
+def test_tiny_presets_generate(model, tmp_path):
+    """The tiny presets build with dummy weights and decode past their window; their configs, as
+    transformers builds them with random weights, give HF's greedy tokens there."""
+    import transformers
+
     llm = LLM(model, device="cpu", load_format="dummy", page_size=PAGE)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 60 and out.finish_reason == "length"
+    seed = random.randrange(1 << 30)
+    config = PRESETS[model]["config"]
+    cls = transformers.Gemma2ForCausalLM if config["model_type"] == "gemma2" else transformers.Gemma3ForCausalLM
+    torch.manual_seed(seed)
+    hf = _save(cls(_hf_config(config)).eval(), tmp_path, None)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(config["vocab_size"]) for _ in range(config["sliding_window"] + 9)]
+    out = LLM(str(tmp_path), device="cpu", page_size=PAGE).generate(
+        [prompt], SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True))[0]
+    assert_matches_hf(hf, prompt, out.token_ids, what=f"{model} seed={seed}")
