@@ -43,7 +43,7 @@ def test_end_to_end_on_the_cpu(tool, fp8):
     from flexsgl import LLM
 
     seed = random.randrange(1 << 20)
-    engine = {"load_format": "dummy", "device": "cpu", "max_total_tokens": 2048}
+    engine = {"load_format": "dummy", "device": "cpu", "max_total_tokens": 2048, "random_seed": seed}
     res = tool.measure("tiny", fp8, prompts=6, length=12, seed=seed, engine=engine)
     logits = []
     for options in ({}, fp8):  # the prompts measure() draws from the seed

@@ -229,7 +229,8 @@ def test_two_ranks_give_one_ranks_tokens():
     """Under tensor parallelism each rank's pool holds its KV heads in FP8, quantized as one rank's."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    opts = dict(load_format="dummy", device="cpu", kv_cache_dtype="fp8_e4m3", max_total_tokens=2048, page_size=16)
+    opts = dict(load_format="dummy", device="cpu", kv_cache_dtype="fp8_e4m3", max_total_tokens=2048, page_size=16,
+                random_seed=seed)
     prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (3, 40, 70)]
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
     ref = LLM("tiny", **opts).generate(prompts, greedy)
