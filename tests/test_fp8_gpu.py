@@ -85,8 +85,8 @@ def test_block_product_asks_torch_for_whole_row_groups(monkeypatch, m):
     least 16 (fewer were refused on an H200), the activations' group scales M-major and the
     weight's block scales K-block-major, and returns the M rows asked for: torch._scaled_mm stood in
     for by a float64 product of the blocks it is given, against x rounded per group @ the weight."""
-    from flexsgl.quant.fp8 import dequantize, quantize_blocks, quantize_groups
     from flexsgl.quant.fp8_linear import SCALED_MM_K, block_product
+    from tests.fp8_checkpoints import quantize
 
     def scaled_mm(a, b, scale_a, scale_b, out_dtype):
         rows, k = a.shape
@@ -98,13 +98,12 @@ def test_block_product_asks_torch_for_whole_row_groups(monkeypatch, m):
 
     seed = random.randrange(2**31)
     g = torch.Generator().manual_seed(seed)
-    weight, scale = quantize_blocks(torch.randn(256, SCALED_MM_K, generator=g), (128, 128))
+    weight, scale, weight_values = quantize(torch.randn(256, SCALED_MM_K, generator=g), "block")
     x, bias = torch.randn(m, SCALED_MM_K, generator=g).bfloat16(), torch.randn(256, generator=g)
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     out = block_product(x, weight, scale, bias)
-    xq, xs = quantize_groups(x, 128)
-    want = (xq.double().view(m, -1, 128) * xs.double()[..., None]).view(m, -1) \
-        @ dequantize(weight, scale, "block", (128, 128)).double().T + bias.double()
+    # the reference's own rounding: x per group of 128 to e4m3, the weight as the checkpoint helper made it
+    want = fp8_tokens(x.float(), 128).double() @ weight_values.double().T + bias.double()
     assert out.shape == (m, 256)
     assert (out.double() - want).abs().max() <= 0.01 * want.abs().max(), f"seed={seed}"
 
