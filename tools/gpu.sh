@@ -15,8 +15,8 @@
 #                  jsonschema); test_gpt_oss compares against transformers 5.24, which the image lacks: install
 #                  .gpu/transformers first (tools/stage_transformers.sh), or its engine tests skip
 #                  On a machine of one GPU, `GPU_EACH_SHARED=1 tools/gpu_each.sh` runs four such parts at once
-#                  (an H200 ran 233 of the compile-heavy tests in one call that way, a third of the suite); pass
-#                  -vv after `--` so that the log names each test run, and the next call can take the rest
+#                  (an H200 ran 233 of the compile-heavy tests in one call that way, a third of the suite). The
+#                  log names each test as it passes (-v), so tools/gpu_tests_left.py lists what a cut run left
 #   check          the batch-1 kernels against float64 and the engine against HF on every backend
 #                  (155 tests, ~280 s on a warm machine; not the 8B, flex-kernel and split-KV cases)
 #   latency        flexsgl bench latency, Qwen3-8B dummy, batch 1 (--override flags in $OVERRIDES)
@@ -223,7 +223,7 @@ for s in "${steps[@]}"; do
   echo "== $s (limit $LIMIT s)"
   case $s in
     fi-allreduce-build) fi_allreduce_build ;;
-    tests) timeout -s INT -k 30 "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs "${@:-tests}" ;;
+    tests) timeout -s INT -k 30 "$LIMIT" python -m pytest -m gpu -v -p no:cacheprovider -rfs "${@:-tests}" ;;
     fp8|fp8-bench) [ "$s" = fp8 ] && timeout -s INT -k 30 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
                      tests/test_fp8_kv_cache.py
          for q in "" "--quantization fp8" "--kv-cache-dtype fp8_e4m3"; do

@@ -1,12 +1,13 @@
 """The GPU tests a cut run left: those that pytest's arguments select and no log shows passed.
 
-A device call's deadline stops `tools/gpu.sh tests` part-way. Run with `-vv` after `--`, its log
-(gpu_each.sh's gpuN/log.txt) names every test that passed; this lists the rest, one pytest id a line,
-for the next call:
+A device call's deadline stops `tools/gpu.sh tests` part-way. Its log (gpu_each.sh's gpuN/log.txt)
+names every test that passed (pytest -v); this lists the rest, one pytest id a line, for the next call:
 
     python tools/gpu_tests_left.py --log .device/8/gpu0/log.txt -- tests/test_gpu_overrides.py > .gpu/lists/a.txt
-    # on the device: bash tools/gpu.sh tests -- -vv $(sed "s/.*/'&'/" .gpu/lists/a.txt | tr '\\n' ' ')
-    # (through gpu_each.sh, whose runs the shell reads again, the quotes keep the ids' brackets whole)
+    # on the device, directly:
+    mapfile -t ids < .gpu/lists/a.txt; bash tools/gpu.sh tests -- "${ids[@]}"
+    # or through gpu_each.sh, which reads each run's words as the shell does: each id quoted
+    bash tools/gpu_each.sh "tests -- $(sed "s/.*/'&'/" .gpu/lists/a.txt | tr '\\n' ' ')"
 
 The selection is collected here, on the CPU (`pytest --collect-only -m gpu`), so both machines must
 hold the same tests.
