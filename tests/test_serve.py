@@ -243,13 +243,18 @@ def test_logprobs_match_hf_in_float64(client, offline):
                                           max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
     lp = out.choices[0].logprobs
     tok = transformers.AutoTokenizer.from_pretrained(str(EMBEDDED["tiny-docs"]))
-    # The ids come from the offline engine: the text encoded again need not give them back ("\n" "\n" comes back as "\n\n").
-    done = offline.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
-    ids, gen = done.prompt_token_ids, done.token_ids
     pieces = [tok.decode([j]) for j in range(len(tok))]
+
+    def hf_logprobs(text: str, params: SamplingParams):
+        """The offline engine's greedy tokens for `text`, and HF's float64 log-probabilities at each. The ids
+        come from the engine: the text encoded again need not give them back ("\n" "\n" comes back as "\n\n")."""
+        done = offline.generate(text, params)[0]
+        ids, gen = done.prompt_token_ids, done.token_ids
+        with torch.no_grad():
+            return gen, torch.log_softmax(hf(torch.tensor([ids + gen])).logits[0, len(ids) - 1:-1], dim=-1)
+
+    gen, ref = hf_logprobs(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert lp.tokens == [pieces[t] for t in gen], (lp.tokens, gen)
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([ids + gen])).logits[0, len(ids) - 1:-1], dim=-1)
     for i, (t, top) in enumerate(zip(gen, lp.top_logprobs)):
         assert abs(lp.token_logprobs[i] - ref[i, t].item()) < 1e-3
         assert list(top.values()) == pytest.approx(ref[i].topk(3).values.tolist(), abs=1e-3)
@@ -258,11 +263,8 @@ def test_logprobs_match_hf_in_float64(client, offline):
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
     # the chat's prompt as serve/chat.py's documented fallback template renders it
-    done = offline.generate(f"user: {prompt}\nassistant:", SamplingParams(max_tokens=4, temperature=0))[0]
-    ids, gen = done.prompt_token_ids, done.token_ids
+    gen, ref = hf_logprobs(f"user: {prompt}\nassistant:", SamplingParams(max_tokens=4, temperature=0))
     assert [c.token for c in content] == [pieces[t] for t in gen], f"seed={rng_seed}"
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([ids + gen])).logits[0, len(ids) - 1:-1], dim=-1)
     for i, (t, c) in enumerate(zip(gen, content)):
         assert abs(c.logprob - ref[i, t].item()) < 1e-3, f"seed={rng_seed} token {i}"
         assert [x.logprob for x in c.top_logprobs] == pytest.approx(ref[i].topk(2).values.tolist(), abs=1e-3), \
