@@ -85,10 +85,8 @@ class EngineConfig:
                 object.__setattr__(self, "cuda_graph_bs", tuple(self.cuda_graph_bs))
             except TypeError:
                 pass
-        for f in fields(self):
-            check = CHECKS.get(f.name)
-            if check is not None:
-                check(f.name, getattr(self, f.name))
+        for f in fields(self):  # every field has its check: a new option without one fails here
+            CHECKS[f.name](f.name, getattr(self, f.name))
         if self.device is not None:
             kind = torch.device(self.device).type
             if kind == "cuda" and not torch.cuda.is_available():
@@ -202,6 +200,7 @@ CHECKS = {
     "mem_fraction_static": _fraction,
     "max_running_requests": _positive_int,
     "max_num_batched_tokens": _positive_int,
+    "prefill_first": _of_type(bool, "True or False"),
     "compile": _optional(_of_type(bool, "True, False or None (the device's default)")),
     "disable_cuda_graph": _of_type(bool, "True or False"),
     "cuda_graph_bs": _batch_sizes,

@@ -31,6 +31,8 @@ def one_sentence(e: pytest.ExceptionInfo) -> str:
     {"max_running_requests": 0}, {"max_num_batched_tokens": 0}, {"compile": "yes"},
     {"disable_cuda_graph": None}, {"cuda_graph_bs": ()}, {"cuda_graph_bs": (1, 0)}, {"cuda_graph_bs": "1,2"},
     {"random_seed": -1}, {"override": 3}, {"model": 7}, {"cuda_graph_max_bs": 0}, {"cuda_graph_max_bs": 2.0},
+    {"prefill_first": "maybe"}, {"prefill_first": None}, {"kv_cache_dtype": "int4"}, {"quantization": "awq"},
+    {"tensor_parallel_size": 0},
 ], ids=lambda o: ",".join(f"{k}={v!r}" for k, v in o.items()))
 def test_bad_values_are_refused_in_one_sentence(options):
     with pytest.raises(ValueError) as e:
