@@ -131,6 +131,16 @@ def test_fi_on_sm100_needs_its_prefill_and_decode_modules(machine):
     assert resolved().label == "fi"
 
 
+@pytest.mark.parametrize("sm", [90, 100])
+def test_flashinfer_stays_where_flex_cannot_take_its_place(machine, sm):
+    """Pages of 8 tokens: FlashInfer and FA3 take them, flex and triton-decode do not on a GPU (so auto
+    itself drops triton-decode's small batches on SM90)."""
+    machine(sm)
+    c = resolved(page_size=8)
+    assert (c.label, c.note) == ({90: "fa3-prefill,fi-decode", 100: "fi"}[sm], ""), c.label
+    assert resolved(page_size=16).label == {90: "fa3-prefill,triton-decode", 100: "flex,triton-decode"}[sm]
+
+
 def test_larger_models_and_named_overrides_keep_flashinfer_cold(machine):
     machine(90)
     assert LARGE.num_params() > 100e6 and resolved(LARGE).label == AUTO_SM90

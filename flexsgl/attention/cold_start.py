@@ -6,7 +6,8 @@ JIT cache by an earlier run; overrides/flashinfer_kernels.py looks for one by fi
 model under SMALL_MODEL_PARAMS parameters a decode step costs its launches more than its attention,
 so no kernel's speed repays that wait: where `auto` picked fi or fi-decode and a kernel they need is
 not compiled, decode goes to triton-decode (Triton compiles its kernel in about a second; flex where
-triton-decode cannot run) and what fi would have prefilled to flex, and the choice says why.
+triton-decode cannot run) and what fi would have prefilled to flex, and the choice says why; where
+flex cannot run either (a page size it does not take), FlashInfer stays and compiles.
 Larger models keep auto's choice: they pay the compile once per machine, and their figures
 (docs/BENCHMARKS.md) are FlashInfer's. An override that names fi or fi-decode compiles as asked.
 """
@@ -53,6 +54,9 @@ def without_cold_compile(choice: Choice, model, device: torch.device, dtype: str
         else SPECS["flex"]
     prefill = SPECS["flex"] if choice.prefill.name in FLASHINFER else choice.prefill
     decode = fallback if choice.decode.name in FLASHINFER else choice.decode
+    if SPECS["flex"] in (prefill, decode) and why_not(SPECS["flex"], device, model.attention, model.head_dim, dtype,
+                                                      page_size) is not None:
+        return choice  # flex cannot take FlashInfer's place here (its page size): FlashInfer compiles
     small = choice.small_decode if choice.small_decode not in (None, decode) else None
     picked = Choice(prefill, decode, small, choice.small_decode_max if small else 0)
     note = (f"auto took {picked.label} over {choice.label}: FlashInfer has no compiled kernel for this model's "
