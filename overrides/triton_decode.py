@@ -28,6 +28,12 @@ flexsgl/model/decoder.py).
 
 Decode only (one query token per request); it reads the graph manager's page table and lengths
 directly, like FA3, so its graph hooks have nothing to fill.
+
+On SM90 it launches with PDL (flexsgl/kernels/launch.py): each program loads its first page while
+the kernel before (which stores this step's query and K/V) finishes, waits on it, loads that page
+again only where it is the request's last, and lets the next kernel launch, so the output projection
+starts loading its weights while the attention runs. At batch 1 a split holds a page or two, so most
+of the attention's reads happen before the wait.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 
 from flexsgl.attention.base import AttentionBackend, ForwardBatch
 from flexsgl.cache.pool import KVPool
+from flexsgl.kernels.launch import pdl
 
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 2
@@ -53,12 +60,12 @@ def _kernel():
     def split_kv_decode(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
                         count_ptr, out_ptr, stride_table, num_splits, sm_scale,
                         HKV: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_P2: tl.constexpr,
-                        D: tl.constexpr, PAGE: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+                        D: tl.constexpr, PAGE: tl.constexpr, MERGE_SPLITS: tl.constexpr, PDL: tl.constexpr):
         bh = tl.program_id(0)  # request * HKV + KV head
         split = tl.program_id(1)
         b = bh // HKV
         h = bh % HKV
-        seq_len = tl.load(lens_ptr + b)
+        seq_len = tl.load(lens_ptr + b)  # the lengths and the table: the step's inputs, written long before
         n_pages = tl.cdiv(seq_len, PAGE)
         per_split = tl.cdiv(n_pages, num_splits)
         first = split * per_split
@@ -67,24 +74,41 @@ def _kernel():
         rows = tl.arange(0, ROWS)
         row_ok = rows < GROUP
         d = tl.arange(0, D)
+        tok = tl.arange(0, PAGE)
+        # The split's first page loads while the kernel before finishes (launch.py); an empty split
+        # loads nothing. Only the request's last page holds what that kernel stored, this step's K/V:
+        # it is read again after the wait.
+        busy = first < last
+        p0 = tl.minimum(first, n_pages - 1)
+        page = tl.load(table_ptr + b * stride_table + p0).to(tl.int64)
+        kv = ((page * PAGE + tok) * HKV + h)[:, None] * D + d[None, :]
+        rows_busy = ((tok * 0 + first) < last)[:, None]  # busy, as a mask over the page's rows
+        k = tl.load(k_ptr + kv, mask=rows_busy, other=0.0)
+        v = tl.load(v_ptr + kv, mask=rows_busy, other=0.0)
+        if PDL:  # what follows reads the previous kernel's output (the query, this step's K/V) or writes
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        if busy & (first == n_pages - 1):
+            k = tl.load(k_ptr + kv)
+            v = tl.load(v_ptr + kv)
         q_rows = (b * HKV + h) * GROUP + rows  # the query heads that read KV head h
         q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        tok = tl.arange(0, PAGE)
         m = tl.full([ROWS], float("-inf"), tl.float32)
         l = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
         for p in range(first, last):
-            page = tl.load(table_ptr + b * stride_table + p).to(tl.int64)
-            kv = ((page * PAGE + tok) * HKV + h)[:, None] * D + d[None, :]
-            k = tl.load(k_ptr + kv).to(q.dtype)  # a no-op but from an FP8 pool
-            v = tl.load(v_ptr + kv).to(q.dtype)
-            s = tl.dot(q, tl.trans(k)) * sm_scale
+            if p > first:
+                page = tl.load(table_ptr + b * stride_table + p).to(tl.int64)
+                kv = ((page * PAGE + tok) * HKV + h)[:, None] * D + d[None, :]
+                k = tl.load(k_ptr + kv)
+                v = tl.load(v_ptr + kv)
+            s = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale  # the casts: no-ops but from an FP8 pool
             s = tl.where((p * PAGE + tok)[None, :] < seq_len, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             prob = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(prob, 1)
-            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(q.dtype), v.to(q.dtype))
             m = m_new
 
         out_ptrs = out_ptr + q_rows[:, None] * D + d[None, :]
@@ -151,6 +175,7 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if counter.numel() < b * hkv:
         raise ValueError(f"split_kv_decode: counter holds {counter.numel()}, needs {b * hkv}")
     splits = num_splits(b, hkv, q.device)
+    use_pdl = pdl(q.device)
     group = hq // hkv
     group_p2 = triton.next_power_of_2(group)
     out = torch.empty_like(q)
@@ -161,7 +186,8 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _kernel()[(b * hkv, splits)](
         q.contiguous(), k_cache, v_cache, page_table, seq_lens, part_o, part_m, part_l, counter, out,
         page_table.stride(0), splits, d ** -0.5, HKV=hkv, GROUP=group, ROWS=max(16, group_p2),
-        GROUP_P2=group_p2, D=d, PAGE=page_size, MERGE_SPLITS=16, **LAUNCH)
+        GROUP_P2=group_p2, D=d, PAGE=page_size, MERGE_SPLITS=16, PDL=use_pdl, **LAUNCH,
+        **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 

@@ -1,5 +1,5 @@
-"""How flexsgl's own Triton kernels (gemv.py, rope_store.py) launch: with programmatic dependent
-launch (PDL) on SM90 and newer.
+"""How flexsgl's own Triton kernels (gemv.py, rope_store.py, triton-decode's split_kv_decode, the
+latent and MoE kernels) launch: with programmatic dependent launch (PDL) on SM90 and newer.
 
 A decode step at batch 1 is a chain of short kernels, and each one would otherwise start only after
 the one before has drained: the GPU idles through every launch and every memory pipeline's first
