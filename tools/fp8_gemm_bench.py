@@ -4,8 +4,11 @@ For each projection of the model (qkv, o, gate_up, down) and each number of rows
 CUDA graph, as the engine runs them (compiled, activations quantized as they come):
 
 - bf16: cuBLAS's bfloat16 product (the unquantized model);
-- fp8-row: Fp8Linear with a scale per row (`--quantization fp8`, per-channel checkpoints):
-  activations per token, torch._scaled_mm rowwise;
+- fp8-scaled: a scale per weight row (`--quantization fp8`, per-channel checkpoints), activations
+  per token, torch._scaled_mm rowwise (Fp8Linear's product);
+- fp8-wonly: the same weight, activations as they are: a Triton weight-only product defined here
+  (weight_only_kernel: each FP8 weight tile widened to bfloat16 in registers for tl.dot, float32
+  sums, the row scales on the way out), the mixed-input product Fp8Linear lacks;
 - fp8-block: Fp8Linear with 128 x 128 block scales (block-wise checkpoints): activations per token
   and group of 128, torch._scaled_mm's block recipe (where `block_gemm_runs` says it runs);
 - sgl-row, sgl-block: sgl_kernel's fp8_scaled_mm and fp8_blockwise_scaled_mm on the same operands,
@@ -14,14 +17,16 @@ CUDA graph, as the engine runs them (compiled, activations quantized as they com
 
 Every output is checked against float32 products of the same FP8 values (within 2% of its largest
 magnitude); a product that fails the check or raises is reported instead of timed. The last column
-names the fastest FP8 product. CUDA only.
+names the fastest FP8 product. With --tiles, each projection and M also times the weight-only kernel
+(fp8-wonly) over a grid of tiles (TILE_GRID) and prints the three fastest beside its default's time. CUDA only.
 
-    python tools/fp8_gemm_bench.py --model qwen3-8b --rows 1,16,64,256,1024,4096
+    python tools/fp8_gemm_bench.py --model qwen3-8b --rows 1,16,64,256,1024,4096 [--tiles]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -44,6 +49,44 @@ def projections(cfg) -> dict[str, tuple[int, int]]:
             "gate_up_proj": (2 * cfg.intermediate_size, h), "down_proj": (h, cfg.intermediate_size)}
 
 
+@functools.cache
+def weight_only_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+        m_tiles = tl.cdiv(M, BLOCK_M)  # M fastest: the programs that read a weight tile run together
+        rows = (tl.program_id(0) % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (tl.program_id(0) // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_ok = k + ks < K
+            x = tl.load(x_ptr + rows[:, None] * K + k + ks[None, :], mask=(rows < M)[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * K + k + ks[None, :], mask=(cols < N)[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        acc *= tl.load(s_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+    return kernel
+
+
+def weight_only(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """out = x @ (w8 * scale[:, None]).T for contiguous x `[M, K]` and FP8 w8 `[N, K]`; tiles (BLOCK_M,
+    BLOCK_N, BLOCK_K, num_warps, num_stages), by default a row tile of up to 64 rows, 64 x 128 weight tiles."""
+    (m, k), n = x.shape, w8.shape[0]
+    bm, bn, bk, warps, stages = tiles or (min(max(16, 1 << (m - 1).bit_length()), 64), 64, 128, 4, 4)
+    weight_only_kernel()[(-(-m // bm) * -(-n // bn),)](x, w8, scale, out, m, n, k, BLOCK_M=bm, BLOCK_N=bn,
+                                                         BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return out
+
+
 def candidates(w: torch.Tensor, block_runs: bool) -> dict[str, tuple]:
     """name -> (product of x, the float32 weight it multiplies by, the activations' rounding)."""
     n, k = w.shape
@@ -51,8 +94,13 @@ def candidates(w: torch.Tensor, block_runs: bool) -> dict[str, tuple]:
     row.weight.data, row.weight_scale.data = quantize_rows(w)
     row_w = dequantize(row.weight, row.weight_scale, "channel")
     tokens = lambda x: (lambda q, s: q.float() * s)(*quantize_tokens(x))  # noqa: E731
+    scale = row.weight_scale.view(-1)
+    scaled = torch.compile(lambda x: torch._scaled_mm(*(lambda q, s: (q, row.weight.t(), s))(*quantize_tokens(x)),
+                                                      scale_b=scale.view(1, -1), out_dtype=x.dtype), dynamic=False)
     out = {"bf16": (lambda x: F.linear(x, w), w.float(), lambda x: x.float()),
-           "fp8-row": (torch.compile(row, dynamic=False), row_w, tokens)}
+           "fp8-scaled": (lambda x: scaled(x), row_w, tokens),
+           "fp8-wonly": (lambda x: weight_only(x, row.weight, scale, x.new_empty(x.shape[0], n)), row_w,
+                         lambda x: x.float())}
     blk = Fp8Linear(k, n, bias=False, block=BLOCK).cuda()
     blk.weight.data, blk.weight_scale.data = quantize_blocks(w, BLOCK)
     blk_w = dequantize(blk.weight, blk.weight_scale, "block", BLOCK)
@@ -76,10 +124,33 @@ def candidates(w: torch.Tensor, block_runs: bool) -> dict[str, tuple]:
     return out
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the --tiles sweep tries, BLOCK_M at most M's power of two
+TILE_GRID = [(bm, bn, bk, 4 if bm * bn <= 4096 else 8, 3) for bm in (16, 32, 64, 128) for bn in (32, 64, 128)
+             for bk in (128, 256)]
+
+
+def sweep_tiles(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> str:
+    """The weight-only kernel's three fastest tiles for x, "tiles: µs" each."""
+    m = x.shape[0]
+    out = torch.empty(m, w8.shape[0], device=x.device, dtype=x.dtype)
+    times = []
+    for config in TILE_GRID:
+        if config[0] > max(16, 1 << (m - 1).bit_length()):
+            continue
+        try:
+            us = graph_median_s(lambda: weight_only(x, w8, scale, out, config), inner=10) * 1e6
+        except Exception as e:  # out of shared memory or registers: not a candidate
+            print(f"    {config}: {type(e).__name__}")
+            continue
+        times.append((us, config))
+    return ", ".join(f"{c}: {us:.1f}" for us, c in sorted(times)[:3])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--rows", default="1,16,64,256,1024,4096", help="numbers of rows (tokens) M")
+    ap.add_argument("--tiles", action="store_true", help="sweep the weight-only kernel's tiles (TILE_GRID)")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(PRESETS[args.model]["config"])
     rows = [int(m) for m in args.rows.split(",")]
@@ -91,6 +162,8 @@ def main() -> None:
     for name, (n, k) in projections(cfg).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         products = candidates(w, block_runs)
+        w8, w8_scale = quantize_rows(w)
+        w8_scale = w8_scale.view(-1)
         print(f"\n{name} [{n}, {k}]")
         print(f"{'M':>6} " + " ".join(f"{p:>12}" for p in products) + "   fastest FP8")
         for m in rows:
@@ -113,7 +186,9 @@ def main() -> None:
                 cells.append(f"{us:12.1f}")
                 if p != "bf16" and (best is None or us < best[1]):
                     best = (p, us)
-            print(f"{m:>6} " + " ".join(cells) + f"   {best[0] if best else '-'}")
+            print(f"{m:>6} " + " ".join(cells) + f"   {best[0] if best else '-'}", flush=True)
+            if args.tiles:
+                print(f"       weight-only tiles, fastest: {sweep_tiles(x, w8, w8_scale)}", flush=True)
 
 
 if __name__ == "__main__":
