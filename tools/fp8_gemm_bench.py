@@ -4,8 +4,8 @@ For each projection of the model (qkv, o, gate_up, down) and each number of rows
 CUDA graph, as the engine runs them (compiled, activations quantized as they come):
 
 - bf16: cuBLAS's bfloat16 product (the unquantized model);
-- fp8-scaled: a scale per weight row (`--quantization fp8`, per-channel checkpoints), activations
-  per token, torch._scaled_mm rowwise (Fp8Linear's product);
+- fp8-row: Fp8Linear with a scale per row (`--quantization fp8`, per-channel checkpoints):
+  activations per token, torch._scaled_mm rowwise;
 - fp8-wonly: the same weight, activations as they are: a Triton weight-only product defined here
   (weight_only_kernel: each FP8 weight tile widened to bfloat16 in registers for tl.dot, float32
   sums, the row scales on the way out), the mixed-input product Fp8Linear lacks;
@@ -18,7 +18,8 @@ CUDA graph, as the engine runs them (compiled, activations quantized as they com
 Every output is checked against float32 products of the same FP8 values (within 2% of its largest
 magnitude); a product that fails the check or raises is reported instead of timed. The last column
 names the fastest FP8 product. With --tiles, each projection and M also times the weight-only kernel
-(fp8-wonly) over a grid of tiles (TILE_GRID) and prints the three fastest beside its default's time. CUDA only.
+over a grid of tiles (TILE_GRID) and prints the three fastest (fp8-wonly's column: its default
+tiles). CUDA only.
 
     python tools/fp8_gemm_bench.py --model qwen3-8b --rows 1,16,64,256,1024,4096 [--tiles]
 """
@@ -76,12 +77,18 @@ def weight_only_kernel():
     return kernel
 
 
+def row_tile(m: int) -> int:
+    """The weight-only kernel's largest row tile for m rows: m's power of two, 16 at least (the tensor
+    cores' M)."""
+    return max(16, 1 << (m - 1).bit_length())
+
+
 def weight_only(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
                 tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """out = x @ (w8 * scale[:, None]).T for contiguous x `[M, K]` and FP8 w8 `[N, K]`; tiles (BLOCK_M,
     BLOCK_N, BLOCK_K, num_warps, num_stages), by default a row tile of up to 64 rows, 64 x 128 weight tiles."""
     (m, k), n = x.shape, w8.shape[0]
-    bm, bn, bk, warps, stages = tiles or (min(max(16, 1 << (m - 1).bit_length()), 64), 64, 128, 4, 4)
+    bm, bn, bk, warps, stages = tiles or (min(row_tile(m), 64), 64, 128, 4, 4)
     weight_only_kernel()[(-(-m // bm) * -(-n // bn),)](x, w8, scale, out, m, n, k, BLOCK_M=bm, BLOCK_N=bn,
                                                          BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
@@ -94,13 +101,10 @@ def candidates(w: torch.Tensor, block_runs: bool) -> dict[str, tuple]:
     row.weight.data, row.weight_scale.data = quantize_rows(w)
     row_w = dequantize(row.weight, row.weight_scale, "channel")
     tokens = lambda x: (lambda q, s: q.float() * s)(*quantize_tokens(x))  # noqa: E731
-    scale = row.weight_scale.view(-1)
-    scaled = torch.compile(lambda x: torch._scaled_mm(*(lambda q, s: (q, row.weight.t(), s))(*quantize_tokens(x)),
-                                                      scale_b=scale.view(1, -1), out_dtype=x.dtype), dynamic=False)
     out = {"bf16": (lambda x: F.linear(x, w), w.float(), lambda x: x.float()),
-           "fp8-scaled": (lambda x: scaled(x), row_w, tokens),
-           "fp8-wonly": (lambda x: weight_only(x, row.weight, scale, x.new_empty(x.shape[0], n)), row_w,
-                         lambda x: x.float())}
+           "fp8-row": (torch.compile(row, dynamic=False), row_w, tokens),
+           "fp8-wonly": (lambda x: weight_only(x, row.weight, row.weight_scale.view(-1), x.new_empty(x.shape[0], n)),
+                         row_w, lambda x: x.float())}
     blk = Fp8Linear(k, n, bias=False, block=BLOCK).cuda()
     blk.weight.data, blk.weight_scale.data = quantize_blocks(w, BLOCK)
     blk_w = dequantize(blk.weight, blk.weight_scale, "block", BLOCK)
@@ -124,7 +128,7 @@ def candidates(w: torch.Tensor, block_runs: bool) -> dict[str, tuple]:
     return out
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the --tiles sweep tries, BLOCK_M at most M's power of two
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the --tiles sweep tries, BLOCK_M up to row_tile(M)
 TILE_GRID = [(bm, bn, bk, 4 if bm * bn <= 4096 else 8, 3) for bm in (16, 32, 64, 128) for bn in (32, 64, 128)
              for bk in (128, 256)]
 
@@ -135,7 +139,7 @@ def sweep_tiles(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> str:
     out = torch.empty(m, w8.shape[0], device=x.device, dtype=x.dtype)
     times = []
     for config in TILE_GRID:
-        if config[0] > max(16, 1 << (m - 1).bit_length()):
+        if config[0] > row_tile(m):
             continue
         try:
             us = graph_median_s(lambda: weight_only(x, w8, scale, out, config), inner=10) * 1e6
