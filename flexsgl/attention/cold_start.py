@@ -49,14 +49,14 @@ def without_cold_compile(choice: Choice, model, device: torch.device, dtype: str
     cold = cold_flashinfer_modules(choice, model, device, dtype)
     if not cold:
         return choice
-    triton = SPECS["triton-decode"]
-    fallback = triton if why_not(triton, device, model.attention, model.head_dim, dtype, page_size) is None \
-        else SPECS["flex"]
-    prefill = SPECS["flex"] if choice.prefill.name in FLASHINFER else choice.prefill
-    decode = fallback if choice.decode.name in FLASHINFER else choice.decode
-    if SPECS["flex"] in (prefill, decode) and why_not(SPECS["flex"], device, model.attention, model.head_dim, dtype,
-                                                      page_size) is not None:
-        return choice  # flex cannot take FlashInfer's place here (its page size): FlashInfer compiles
+    def fits(spec) -> bool:
+        return why_not(spec, device, model.attention, model.head_dim, dtype, page_size) is None
+
+    flex, triton = SPECS["flex"], SPECS["triton-decode"]
+    prefill = flex if choice.prefill.name in FLASHINFER else choice.prefill
+    decode = (triton if fits(triton) else flex) if choice.decode.name in FLASHINFER else choice.decode
+    if flex in (prefill, decode) and not fits(flex):
+        return choice  # flex cannot take FlashInfer's place here (a page size it does not take): FlashInfer compiles
     small = choice.small_decode if choice.small_decode not in (None, decode) else None
     picked = Choice(prefill, decode, small, choice.small_decode_max if small else 0)
     note = (f"auto took {picked.label} over {choice.label}: FlashInfer has no compiled kernel for this model's "
