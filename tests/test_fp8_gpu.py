@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from flexsgl import LLM, SamplingParams
-from flexsgl.quant.fp8 import quantize_rows, quantize_tokens
 from flexsgl.quant.fp8_linear import Fp8Linear
-from tests.fp8_checkpoints import make_fp8_checkpoint
+from tests.fp8_checkpoints import make_fp8_checkpoint, quantize
 from tests.hf_models import capture_logits
 from tests.test_fp8_checkpoints import BLOCK_DIMS, make_source
 from tests.test_fp8_online import bits_per_byte, docstring_text
@@ -23,60 +22,62 @@ def fp8_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 7, 300])
-def test_fp8_linear_matches_a_float32_reference(m):
-    """Against float32 products of the same FP8 values (activations quantized as Fp8Linear does), within
-    1% of the output's largest magnitude (bfloat16 output, float32 accumulation in another order); and
-    against float32 activations, within 5% (what quantizing activations to FP8 costs)."""
+def test_fp8_linear_matches_a_float64_reference(m):
+    """Against float64 products of FP8 values made by the tests' own quantizers (the weight per row,
+    tests/fp8_checkpoints.quantize; the activations per token at absmax / 448, fp8_tokens), within 1% of
+    the output's largest magnitude (bfloat16 output, float32 accumulation in another order); and against
+    the unquantized product, within 5% (what FP8 weights and activations cost)."""
     fp8_gpu()
     seed = random.randrange(2**31)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
     n, k = 272, 384
-    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
-    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    wq, ws, w_values = quantize(w, "channel")
     linear = Fp8Linear(k, n, bias=True).cuda()
-    wq, ws = quantize_rows(w)
-    linear.weight.data, linear.weight_scale.data, linear.bias.data = wq, ws, bias
-    out = linear(x)
+    linear.weight.data, linear.weight_scale.data, linear.bias.data = wq.cuda(), ws.cuda(), bias.cuda()
+    out = linear(x.cuda())
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    xq, xs = quantize_tokens(x)
-    w32 = wq.float() * ws
-    same_inputs = (xq.float() * xs) @ w32.T + bias.float()
-    exact_inputs = x.float() @ w32.T + bias.float()
-    top = exact_inputs.abs().max()
-    assert (out.float() - same_inputs).abs().max() <= 0.01 * top, f"seed={seed}"
-    assert (out.float() - exact_inputs).abs().max() <= 0.05 * top, f"seed={seed}"
+    out = out.double().cpu()
+    same_inputs = fp8_tokens(x.float()).double() @ w_values.double().T + bias.double()
+    exact = x.double() @ w.double().T + bias.double()
+    top = exact.abs().max()
+    assert (out - same_inputs).abs().max() <= 0.01 * top, f"seed={seed}"
+    assert (out - exact).abs().max() <= 0.05 * top, f"seed={seed}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [512, 256])
 @pytest.mark.parametrize("m", [1, 7, 300])
-def test_block_scaled_fp8_linear_matches_a_float32_reference(m, k):
-    """128 x 128 weight blocks against float32 products of the same FP8 values, within 1% of the
-    output's largest magnitude: at K of 4 blocks torch._scaled_mm's block recipe (on SM90), the
-    activations quantized per token and group of 128 as Fp8Linear quantizes them there; at K of 2
-    blocks flexsgl's block kernel, the activations as they are."""
-    from flexsgl.quant.fp8 import dequantize, quantize_blocks, quantize_groups
+def test_block_scaled_fp8_linear_matches_a_float64_reference(m, k):
+    """128 x 128 weight blocks (tests/fp8_checkpoints.quantize) against float64 products of the same
+    FP8 values, within 1% of the output's largest magnitude: at K of 4 blocks torch._scaled_mm's block
+    recipe (on SM90), the activations rounded per token and group of 128 (fp8_tokens) as DeepSeek-V3's
+    recipe asks; at K of 2 blocks flexsgl's block kernel, the activations as they are. Against the
+    unquantized product, within 5%."""
     from flexsgl.quant.fp8_linear import SCALED_MM_K, block_gemm_runs
 
     fp8_gpu()
     if not block_gemm_runs(torch.device("cuda"), torch.bfloat16):
         pytest.skip("torch._scaled_mm does not multiply 128 x 128 blocks on this GPU")
     seed = random.randrange(2**31)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
     n = 384
-    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
-    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g).bfloat16()
+    wq, ws, w_values = quantize(w, "block")
     linear = Fp8Linear(k, n, bias=False, block=(128, 128)).cuda()
-    linear.weight.data, linear.weight_scale.data = quantize_blocks(w, (128, 128))
-    out = linear(x)
-    inputs = x.float()
-    if k % SCALED_MM_K == 0:
-        xq, xs = quantize_groups(x, 128)
-        inputs = (xq.float().view(m, -1, 128) * xs[..., None]).view(m, k)
-    same_inputs = inputs @ dequantize(linear.weight, linear.weight_scale, "block", (128, 128)).T
+    linear.weight.data, linear.weight_scale.data = wq.cuda(), ws.cuda()
+    out = linear(x.cuda())
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    assert (out.float() - same_inputs).abs().max() <= 0.01 * same_inputs.abs().max(), f"seed={seed}"
+    out = out.double().cpu()
+    inputs = fp8_tokens(x.float(), 128) if k % SCALED_MM_K == 0 else x.float()
+    same_inputs = inputs.double() @ w_values.double().T
+    exact = x.double() @ w.double().T
+    top = exact.abs().max()
+    assert (out - same_inputs).abs().max() <= 0.01 * top, f"seed={seed}"
+    assert (out - exact).abs().max() <= 0.05 * top, f"seed={seed}"
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 18])

@@ -2,7 +2,8 @@
 
 1. Each override, flex and float64 attention on the same random paged batches (prefill with
    prefixes, decode, ragged lengths, mixed): bf16-level error against float64, the bound of
-   tests/test_gpu.py (1e-2 absolute + relative), and against flex within twice that.
+   tests/test_gpu.py (1e-2 absolute + relative), and against flex within twice that; at every other
+   head dim the registry says an override takes, against float64.
 2. Each override inside the compiled bf16 engine, decode replayed from CUDA graphs, against HF
    transformers (the check of tests/test_gpu.py, on a head_dim-128 checkpoint the kernels take).
 3. Greedy tokens on a Qwen3-8B-shaped dummy model in float16, flex against each override (float16:
@@ -52,6 +53,20 @@ def test_override_matches_float64_and_flex(name, case, page_size, hq, hkv):
     flex = run_backend_case(CASES[case], page_size, torch.compile(FlexAttentionBackend.forward, dynamic=False),
                             "cuda", torch.bfloat16, rtol=1e-2, atol=1e-2, compiled=True, **shape)
     torch.testing.assert_close(ours.float(), flex.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"seed={seed}: {m}")
+
+
+OTHER_HEAD_DIMS = [(name, case, d) for name, case in KERNEL_CASES for d in SPECS[name].head_dims if d != 128]
+
+
+@pytest.mark.parametrize("name,case,d", OTHER_HEAD_DIMS)
+def test_override_matches_float64_at_every_head_dim_it_claims(name, case, d):
+    """The head dims other than 128 that the registry says each override's kernels take, against float64
+    attention at pages of 64, 4 query heads per KV head (the bound of the test above)."""
+    reason = why_not(SPECS[name], torch.device("cuda"), head_dim=d)
+    if reason:
+        pytest.skip(f"{name}: {reason}")
+    run_backend_case(CASES[case], 64, None, "cuda", torch.bfloat16, rtol=1e-2, atol=1e-2,
+                     backend_cls=backend_class(SPECS[name]), hq=16, hkv=4, d=d)
 
 
 def fp8_queries(q: torch.Tensor) -> torch.Tensor:
