@@ -15,6 +15,11 @@ from tests.test_fp8_checkpoints import BLOCK_DIMS, make_source
 from tests.test_fp8_online import bits_per_byte, docstring_text
 
 
+# The unquantized product against the FP8 one, as a fraction of its largest output: each operand's
+# rounding to e4m3 is up to 6% of it, and the largest error of up to 115k outputs comes to 3-5%.
+UNQUANTIZED_BOUND = 0.08
+
+
 def fp8_gpu():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 products need an SM89+ GPU")
@@ -26,13 +31,14 @@ def test_fp8_linear_matches_a_float64_reference(m):
     """Against float64 products of FP8 values made by the tests' own quantizers (the weight per row,
     tests/fp8_checkpoints.quantize; the activations per token at absmax / 448, fp8_tokens), within 1% of
     the output's largest magnitude (bfloat16 output, float32 accumulation in another order); and against
-    the unquantized product, within 5% (what FP8 weights and activations cost)."""
+    the unquantized product, within 8% (UNQUANTIZED_BOUND). The activations are kept off rounding ties
+    (away_from_ties)."""
     fp8_gpu()
     seed = random.randrange(2**31)
     g = torch.Generator().manual_seed(seed)
     n, k = 272, 384
     w = torch.randn(n, k, generator=g) * 0.05
-    x = torch.randn(m, k, generator=g).bfloat16()
+    x = away_from_ties(torch.randn(m, k, generator=g).bfloat16())
     bias = torch.randn(n, generator=g).bfloat16()
     wq, ws, w_values = quantize(w, "channel")
     linear = Fp8Linear(k, n, bias=True).cuda()
@@ -43,8 +49,9 @@ def test_fp8_linear_matches_a_float64_reference(m):
     same_inputs = fp8_tokens(x.float()).double() @ w_values.double().T + bias.double()
     exact = x.double() @ w.double().T + bias.double()
     top = exact.abs().max()
-    assert (out - same_inputs).abs().max() <= 0.01 * top, f"seed={seed}"
-    assert (out - exact).abs().max() <= 0.05 * top, f"seed={seed}"
+    off, off_exact = ((out - same_inputs).abs().max() / top).item(), ((out - exact).abs().max() / top).item()
+    assert off <= 0.01, f"seed={seed}: {off:.4f} of the largest output off the same FP8 values' product"
+    assert off_exact <= UNQUANTIZED_BOUND, f"seed={seed}: {off_exact:.4f} of the largest output off the unquantized product"
 
 
 @pytest.mark.gpu
@@ -65,7 +72,7 @@ def test_block_scaled_fp8_linear_matches_a_float64_reference(m, k):
     g = torch.Generator().manual_seed(seed)
     n = 384
     w = torch.randn(n, k, generator=g) * 0.05
-    x = torch.randn(m, k, generator=g).bfloat16()
+    x = away_from_ties(torch.randn(m, k, generator=g).bfloat16(), 128)
     wq, ws, w_values = quantize(w, "block")
     linear = Fp8Linear(k, n, bias=False, block=(128, 128)).cuda()
     linear.weight.data, linear.weight_scale.data = wq.cuda(), ws.cuda()
@@ -76,8 +83,9 @@ def test_block_scaled_fp8_linear_matches_a_float64_reference(m, k):
     same_inputs = inputs.double() @ w_values.double().T
     exact = x.double() @ w.double().T
     top = exact.abs().max()
-    assert (out - same_inputs).abs().max() <= 0.01 * top, f"seed={seed}"
-    assert (out - exact).abs().max() <= 0.05 * top, f"seed={seed}"
+    off, off_exact = ((out - same_inputs).abs().max() / top).item(), ((out - exact).abs().max() / top).item()
+    assert off <= 0.01, f"seed={seed}: {off:.4f} of the largest output off the same FP8 values' product"
+    assert off_exact <= UNQUANTIZED_BOUND, f"seed={seed}: {off_exact:.4f} of the largest output off the unquantized product"
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 18])
@@ -123,6 +131,25 @@ def test_fp8_products_forced_on_the_cpu_track_hf(tmp_path, monkeypatch, fmt):
 
     monkeypatch.setattr(loader, "keeps_fp8", lambda *a: True)
     assert_fp8_projections_track_hf(tmp_path, monkeypatch, fmt, "cpu")
+
+
+def away_from_ties(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """bfloat16 `x` with each value whose 448 * |x| / absmax (of its token, or its group of `group`) lies
+    on a midpoint between two e4m3 values moved to the next bfloat16 value away from zero. bfloat16
+    ratios land on midpoints often where absmax / 448 is exact, and a scale an ulp off, as a
+    quantizer may compute it (CUDA's division by a scalar multiplies by its reciprocal), then rounds
+    them the other way: away from ties, every scale within an ulp quantizes alike."""
+    x = x.clone()
+    for _ in range(8):
+        v = x.double().reshape(*x.shape[:-1], -1, group or x.shape[-1])
+        u = 448 * v.abs() / v.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+        step = torch.exp2(torch.floor(torch.log2(u.clamp(min=2.0**-6))) - 3)  # e4m3's spacing at u
+        ties = ((u / step) % 1 == 0.5).reshape(x.shape)
+        if not ties.any():
+            return x
+        bits = x.view(torch.int16)
+        bits[ties] += 1  # sign and magnitude: one more is the next value away from zero
+    raise AssertionError("values still on rounding ties")
 
 
 def fp8_tokens(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
