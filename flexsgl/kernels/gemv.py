@@ -38,7 +38,8 @@ it launches with PDL and loads its first weight slice before waiting on the kern
 (launch.py), and multiplies that slice ahead of the loop over the rest (`add_slice` serves both).
 With the slice chosen inside the loop (the prefetched one at k = 0, else a load) Triton keeps each
 FP8 byte in a register of its own and merges them every iteration: compiled for SM90, a 16 x 512
-FP8 tile's loop is 244 instructions a thread in 64 registers this way, 457 in 161 that way.
+FP8 tile's loop is 244 instructions a thread in 64 registers this way, 457 in 161 that way
+(tools/gemv_sass.py prints a tile's loop).
 `config_for` gives the tiles that were fastest inside that chain.
 """
 

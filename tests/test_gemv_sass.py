@@ -1,0 +1,37 @@
+"""tools/gemv_sass.py on the batch-1 matrix-vector kernel compiled for SM90 (no GPU needed): the loop
+over K reads each thread's weight bytes in 16-byte loads and does one multiply-add per weight
+element, the counts the kernel's design gives (BLOCK_N x BLOCK_K elements over the program's
+threads an iteration)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexsgl.kernels import gemv
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("fp8,tiles", [(True, gemv.FP8_TILES), (False, (4, 512, 4, 3))], ids=["fp8", "bf16"])
+def test_loop_reads_16_byte_vectors_and_multiplies_each_element_once(fp8, tiles):
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the tool compiles the kernel
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    args = [sys.executable, str(ROOT / "tools" / "gemv_sass.py"), "--json", "--tiles", ",".join(map(str, tiles))]
+    run = subprocess.run(args + (["--fp8"] if fp8 else []), capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    mix = json.loads(run.stdout.strip().splitlines()[-1])
+    ops = mix["ops"]
+    block_n, block_k, warps, _ = tiles
+    elements = block_n * block_k // (warps * 32)  # weight elements a thread an iteration
+    assert mix["bytes_per_thread"] == elements * (1 if fp8 else 2)
+    loads = {op.split(".")[-1]: n for op, n in ops.items() if op.startswith("LDG")}
+    assert loads.get("128") == mix["bytes_per_thread"] // 16, ops  # x is read from shared memory
+    assert "U8" not in loads and "U16" not in loads, ops
+    assert sum(n for op, n in ops.items() if op.split(".")[0] in ("FFMA", "FMUL")) == elements, ops
+    if fp8:  # e4m3 pairs widened to half precision in one instruction each
+        assert ops.get("F2FP.F16.E4M3.UNPACK_B") == elements // 2, ops

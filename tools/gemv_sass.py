@@ -1,0 +1,126 @@
+"""What the batch-1 matrix-vector kernel (flexsgl/kernels/gemv.py) executes per weight byte on SM90,
+read from its machine code: no GPU needed.
+
+It compiles the kernel for SM90 as a launch would specialise it (pointers, N, K and the row stride
+divisible by 16, K a multiple of the tile), disassembles the cubin with the nvdisasm that Triton's
+wheel carries, finds the loop over K slices (the code between the loop's label and the branch back
+to it) and prints its instruction mix, its loads' widths and its instructions per weight byte a
+thread. A kernel that must stream weights at the copy bandwidth can spend only so many issue slots
+per byte: an H200 SM issues 4 warp instructions (128 threads') a clock and must take in 16-18 bytes
+a clock, so at 3.7 instructions a byte the loop takes about half of them. The counts belong to the
+installed Triton: compare with the device image's version (printed first).
+
+    python tools/gemv_sass.py --fp8 --tiles 8,2048,8,2     # the FP8 tiles (FP8_TILES)
+    python tools/gemv_sass.py --tiles 4,512,4,3            # bfloat16 weights, o_proj's tiles
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+from flexsgl.kernels import gemv
+
+ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "g_ptr", "out_ptr", "N", "K", "stride_wn", "e_ptr", "s_ptr")
+OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+
+
+@dataclass
+class LoopMix:
+    triton_version: str
+    registers: int
+    ops: collections.Counter  # full opcodes (with modifiers) in one iteration of the loop over K
+    bytes_per_thread: int  # weight bytes a thread reads an iteration
+
+    @property
+    def instructions(self) -> int:
+        return sum(self.ops.values())
+
+    def loads(self, width: str) -> int:
+        """Global loads of `width` bits ("128", "U8", ...) in the loop."""
+        return sum(n for op, n in self.ops.items() if op.startswith("LDG") and op.split(".")[-1] == width)
+
+
+def sass(fp8: bool, tiles: tuple[int, int, int, int]) -> tuple[str, int, str]:
+    """(the kernel's SM90 disassembly, its registers a thread (cuobjdump), Triton's version) for a plain
+    projection with a residual (o_proj's and down_proj's form), FP8 weights with row scales or bf16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    block_n, block_k, warps, stages = tiles
+    kernel = gemv._kernel()
+    weight = "*fp8e4nv" if fp8 else "*bf16"
+    signature = {"x_ptr": "*bf16", "w_ptr": weight, "b_ptr": weight, "r_ptr": "*bf16", "g_ptr": weight,
+                 "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32", "e_ptr": weight,
+                 "stride_we": "i32", "stride_xs": "i32", "stride_os": "i32", "s_ptr": "*fp32" if fp8 else weight,
+                 "stride_sn": "i32"}
+    constants = dict(PROLOGUE=gemv.PLAIN, HAS_BIAS=False, HAS_RESIDUAL=True,
+                     SCALE=gemv.ROW_SCALE if fp8 else gemv.NO_SCALE, SCALE_N=1, SCALE_K=1, BLOCK_N=block_n,
+                     BLOCK_K=block_k, EVEN_K=True, PDL=True, STACKED=False, INNER=gemv.FP8_INNER if fp8 else 1)
+    signature.update({name: "constexpr" for name in constants})
+    names = list(kernel.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "gemv.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        text = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+    return text, int(re.search(r"REG:(\d+)", usage).group(1)), triton.__version__
+
+
+def loop_mix(fp8: bool, tiles: tuple[int, int, int, int]) -> LoopMix:
+    """The instruction mix of one iteration of the kernel's loop over K slices."""
+    text, registers, version = sass(fp8, tiles)
+    lines = text.splitlines()
+    back = [(i, m.group(1)) for i, line in enumerate(lines)
+            if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line))]
+    labels = {line.rstrip(":").strip(): i for i, line in enumerate(lines) if re.match(r"^\s*\.L_x_\d+:", line)}
+    # backward branches, but for the one-instruction loop every kernel ends with (after EXIT)
+    loops = [(labels[target], i) for i, target in back if target in labels and labels[target] < i - 1]
+    if len(loops) != 1:
+        raise SystemExit(f"gemv_sass: expected one loop over K in the kernel, found {len(loops)}")
+    start, end = loops[0]
+    ops = collections.Counter(m.group(1) for line in lines[start:end + 1] if (m := OPCODE.search(line)))
+    block_n, block_k, warps, _ = tiles
+    element = 1 if fp8 else 2
+    return LoopMix(version, registers, ops, block_n * block_k * element // (warps * 32))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights with a scale per row (else bfloat16)")
+    ap.add_argument("--tiles", default=None, help="BLOCK_N,BLOCK_K,warps,stages (default: FP8_TILES, or o_proj's)")
+    ap.add_argument("--json", action="store_true", help="the loop's mix as one JSON object")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("gemv_sass: compiles the kernel; unset TRITON_INTERPRET")
+    tiles = (tuple(int(v) for v in args.tiles.split(",")) if args.tiles
+             else gemv.FP8_TILES if args.fp8 else gemv.config_for(4096, 4096))
+    mix = loop_mix(args.fp8, tiles)
+    if args.json:
+        print(json.dumps({"triton": mix.triton_version, "tiles": tiles, "registers": mix.registers,
+                          "bytes_per_thread": mix.bytes_per_thread, "ops": dict(mix.ops)}))
+        return
+    print(f"triton {mix.triton_version}; {'FP8' if args.fp8 else 'bfloat16'} weights, tiles {tiles}: "
+          f"{mix.registers} registers a thread")
+    print(f"loop over K: {mix.instructions} instructions an iteration for {mix.bytes_per_thread} weight bytes a "
+          f"thread, {mix.instructions / mix.bytes_per_thread:.2f} a byte")
+    for op, n in mix.ops.most_common(16):
+        print(f"{n:6d}  {op}")
+
+
+if __name__ == "__main__":
+    main()
