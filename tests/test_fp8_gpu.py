@@ -1,6 +1,6 @@
-"""FP8 on a GPU with FP8 matrix products (SM89+): Fp8Linear (torch._scaled_mm, rowwise scales, FP8
-activations per token) against float32 references, and the engine running an FP8 checkpoint's and
-`quantization="fp8"`'s FP8 weights as FP8."""
+"""FP8 on a GPU with FP8 matrix products (SM89+): Fp8Linear (torch._scaled_mm, rowwise or block
+scales, FP8 activations per token) against float64 references built with the tests' own quantizers,
+and the engine running an FP8 checkpoint's and `quantization="fp8"`'s FP8 weights as FP8."""
 
 import random
 
