@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from flexsgl.kernels import gemv
 
 ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "g_ptr", "out_ptr", "N", "K", "stride_wn", "e_ptr", "s_ptr")
-OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 
 
 @dataclass
@@ -41,10 +41,6 @@ class LoopMix:
     @property
     def instructions(self) -> int:
         return sum(self.ops.values())
-
-    def loads(self, width: str) -> int:
-        """Global loads of `width` bits ("128", "U8", ...) in the loop."""
-        return sum(n for op, n in self.ops.items() if op.startswith("LDG") and op.split(".")[-1] == width)
 
 
 def sass(fp8: bool, tiles: tuple[int, int, int, int]) -> tuple[str, int, str]:
