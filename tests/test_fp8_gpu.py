@@ -62,7 +62,8 @@ def test_block_scaled_fp8_linear_matches_a_float64_reference(m, k):
     FP8 values, within 1% of the output's largest magnitude: at K of 4 blocks torch._scaled_mm's block
     recipe (on SM90), the activations rounded per token and group of 128 (fp8_tokens) as DeepSeek-V3's
     recipe asks; at K of 2 blocks flexsgl's block kernel, the activations as they are. Against the
-    unquantized product, within 5%."""
+    unquantized product, within 8% (UNQUANTIZED_BOUND). The activations are kept off rounding ties
+    (away_from_ties)."""
     from flexsgl.quant.fp8_linear import SCALED_MM_K, block_gemm_runs
 
     fp8_gpu()
