@@ -25,6 +25,16 @@ def fp8_gpu():
         pytest.skip("FP8 products need an SM89+ GPU")
 
 
+def assert_fp8_product(out: torch.Tensor, same_inputs: torch.Tensor, exact: torch.Tensor, seed: int) -> None:
+    """An Fp8Linear's bfloat16 output `[M, N]` within 1% of the largest output of `same_inputs` (the float64
+    product of the same FP8 values) and within UNQUANTIZED_BOUND of `exact` (the unquantized product)."""
+    assert out.dtype == torch.bfloat16 and out.shape == exact.shape, f"seed={seed}"
+    out, top = out.double().cpu(), exact.abs().max()
+    off, off_exact = ((out - same_inputs).abs().max() / top).item(), ((out - exact).abs().max() / top).item()
+    assert off <= 0.01, f"seed={seed}: {off:.4f} of the largest output off the same FP8 values' product"
+    assert off_exact <= UNQUANTIZED_BOUND, f"seed={seed}: {off_exact:.4f} of the largest output off the unquantized product"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 7, 300])
 def test_fp8_linear_matches_a_float64_reference(m):
@@ -43,15 +53,8 @@ def test_fp8_linear_matches_a_float64_reference(m):
     wq, ws, w_values = quantize(w, "channel")
     linear = Fp8Linear(k, n, bias=True).cuda()
     linear.weight.data, linear.weight_scale.data, linear.bias.data = wq.cuda(), ws.cuda(), bias.cuda()
-    out = linear(x.cuda())
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    out = out.double().cpu()
-    same_inputs = fp8_tokens(x.float()).double() @ w_values.double().T + bias.double()
-    exact = x.double() @ w.double().T + bias.double()
-    top = exact.abs().max()
-    off, off_exact = ((out - same_inputs).abs().max() / top).item(), ((out - exact).abs().max() / top).item()
-    assert off <= 0.01, f"seed={seed}: {off:.4f} of the largest output off the same FP8 values' product"
-    assert off_exact <= UNQUANTIZED_BOUND, f"seed={seed}: {off_exact:.4f} of the largest output off the unquantized product"
+    assert_fp8_product(linear(x.cuda()), fp8_tokens(x.float()).double() @ w_values.double().T + bias.double(),
+                       x.double() @ w.double().T + bias.double(), seed)
 
 
 @pytest.mark.gpu
@@ -77,16 +80,8 @@ def test_block_scaled_fp8_linear_matches_a_float64_reference(m, k):
     wq, ws, w_values = quantize(w, "block")
     linear = Fp8Linear(k, n, bias=False, block=(128, 128)).cuda()
     linear.weight.data, linear.weight_scale.data = wq.cuda(), ws.cuda()
-    out = linear(x.cuda())
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    out = out.double().cpu()
     inputs = fp8_tokens(x.float(), 128) if k % SCALED_MM_K == 0 else x.float()
-    same_inputs = inputs.double() @ w_values.double().T
-    exact = x.double() @ w.double().T
-    top = exact.abs().max()
-    off, off_exact = ((out - same_inputs).abs().max() / top).item(), ((out - exact).abs().max() / top).item()
-    assert off <= 0.01, f"seed={seed}: {off:.4f} of the largest output off the same FP8 values' product"
-    assert off_exact <= UNQUANTIZED_BOUND, f"seed={seed}: {off_exact:.4f} of the largest output off the unquantized product"
+    assert_fp8_product(linear(x.cuda()), inputs.double() @ w_values.double().T, x.double() @ w.double().T, seed)
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 18])
