@@ -10,7 +10,7 @@ does not model them), so the first weight slice, loaded ahead and multiplied bef
 checked there as well. The output is poisoned with
 NaN first, so an unwritten element fails. 16-bit operands with a float32 accumulator land well
 under 1e-2. FP8 weights (float8_e4m3fn, a float32 scale per row) against float64 products of the
-same FP8 values and scales: bfloat16 x on the GPU, float32 x through the interpreter.
+same FP8 values and scales: bfloat16 x on the GPU, float16 and float32 x through the interpreter.
 """
 
 import copy
@@ -79,8 +79,9 @@ def test_fp8_weights_match_float64(n, k, prologue, extras, use_pdl):
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("n,k", CPU_SHAPES)
 @pytest.mark.parametrize("prologue", list(PROLOGUES))
-def test_interpreted_fp8_weights_match_float64(n, k, prologue):
-    check_kernel("cpu", n, k, prologue, True, torch.float32, use_pdl=False, fp8=True)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_interpreted_fp8_weights_match_float64(n, k, prologue, dtype):
+    check_kernel("cpu", n, k, prologue, True, dtype, use_pdl=False, fp8=True)
 
 
 @pytest.fixture
@@ -116,10 +117,11 @@ def test_fp8_block_scaled_weights_match_float64(n, k, prologue):
 
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("n,k,prologue", CPU_BLOCK_SHAPES)
-def test_interpreted_fp8_block_scaled_weights_match_float64(n, k, prologue):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_interpreted_fp8_block_scaled_weights_match_float64(n, k, prologue, dtype):
     """Weights scaled per block (block-wise checkpoints): the kernel scales x by its row block's scale
     of each column block, a program's rows all in one row block."""
-    check_kernel("cpu", n, k, prologue, True, torch.float32, use_pdl=False, fp8=(32, 64))
+    check_kernel("cpu", n, k, prologue, True, dtype, use_pdl=False, fp8=(32, 64))
 
 
 def check_kernel(device, n, k, prologue, extras, dtype, use_pdl, fp8=False):
