@@ -24,7 +24,8 @@ than --slow seconds (compiles happen there) are listed with their shape; TORCH_L
 why they compiled. With --profile-steps N, a third pass runs under torch.profiler from its K-th step
 of MODE (--profile-at MODE:K) for N steps of MODE, and its kernels are printed by device time and
 by host time, with device time per step (kernels summed) against wall time per step, and each
-kernel's share of the critical path (with PDL, kernels overlap and their durations overstate them).
+kernel's share of the critical path (with PDL, kernels overlap and their durations overstate them);
+with --positions also each launch of a step in order (which projection of which layer loses time).
 
     python tools/profile_step.py --model qwen3-0.6b --profile-steps 10     # throughput; decode near batch 228
     python tools/profile_step.py --model qwen3-0.6b --profile-steps 1 --profile-at prefill:3
@@ -196,7 +197,7 @@ def summarize(steps, gpu) -> None:
               + f" {sum(s['wall'] for s, _ in items):>8.2f}")
 
 
-def print_profile(llm, done, rows: int) -> None:
+def print_profile(llm, done, rows: int, positions: bool = False) -> None:
     prof, n, wall = done
     cuda = llm.device.type == "cuda"
     events = prof.key_averages()
@@ -214,25 +215,45 @@ def print_profile(llm, done, rows: int) -> None:
         print("kernels launch with PDL (flexsgl/kernels/launch.py): each starts while the one before runs, so "
               "their durations include that wait and the sum overstates device time; the critical path below "
               "does not")
-    print_critical_path(prof, n, rows)
+    print_critical_path(prof, n, rows, positions)
 
 
-def print_critical_path(prof, n: int, rows: int) -> None:
+def print_critical_path(prof, n: int, rows: int, positions: bool = False) -> None:
     """Each kernel's share of the device's wall time: its end less the latest end before it (in start
     order), summed by name. The shares add up to the profiled span, overlap counted once; a gap
-    (the device idle, waiting for the host) goes to the kernel after it."""
+    (the device idle, waiting for the host) goes to the kernel after it. positions: also each launch
+    of a step in order, its share and duration averaged over the steps (steps that launch the same
+    kernels, as graph replays do)."""
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
-    share, calls, last = defaultdict(float), defaultdict(int), None
+    share, calls, last, launches = defaultdict(float), defaultdict(int), None, []
     for e in kernels:
         end = e.time_range.end
-        share[e.name] += end - (e.time_range.start if last is None else min(last, end))
+        part = end - (e.time_range.start if last is None else min(last, end))
+        share[e.name] += part
         calls[e.name] += 1
+        launches.append((e.name, part, end - e.time_range.start))
         last = end if last is None else max(last, end)
     print(f"\ncritical path of {n} steps (us per step; calls per step):")
     for name, us in sorted(share.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"{us / n:>10.1f} {calls[name] / n:>7.1f}  {name[:100]}")
     print(f"{sum(share.values()) / n:>10.1f}          in all")
+    if positions:
+        print_positions(launches, n)
+
+
+def print_positions(launches: list[tuple[str, float, float]], n: int) -> None:
+    """Each launch of a step in order: critical-path share and duration (us), averaged over n steps."""
+    per_step = len(launches) // n
+    steps = [launches[i * per_step:(i + 1) * per_step] for i in range(n)]
+    if len(launches) % n or any([name for name, _, _ in step] != [name for name, _, _ in steps[0]] for step in steps):
+        print(f"\nlaunches by position: the {n} steps launched different kernels; not averaged")
+        return
+    print(f"\nlaunches of a step in order (us, mean of {n} steps): position, critical-path share, duration, kernel")
+    for i, (name, _, _) in enumerate(steps[0]):
+        part = statistics.fmean(step[i][1] for step in steps)
+        duration = statistics.fmean(step[i][2] for step in steps)
+        print(f"{i:>5} {part:>9.1f} {duration:>9.1f}  {name[:90]}")
 
 
 def main() -> None:
@@ -254,6 +275,8 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0)
     ap.add_argument("--profile-at", default="decode:200", help="MODE:K, the step of MODE the profile starts at")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--positions", action="store_true",
+                    help="also every launch of a step in order, its critical-path share and duration")
     ap.add_argument("--structured", choices=["json-schema"], help="constrain every output (module docstring)")
     a = ap.parse_args()
     structured = {"json": JSON_SCHEMA} if a.structured else None
@@ -300,7 +323,7 @@ def main() -> None:
         if done is None:
             print(f"the pass ended before step {k} of {mode}: nothing profiled")
         else:
-            print_profile(llm, done, a.rows)
+            print_profile(llm, done, a.rows, a.positions)
     llm.shutdown()
 
 
