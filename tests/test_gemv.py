@@ -124,6 +124,21 @@ def test_interpreted_fp8_block_scaled_weights_match_float64(n, k, prologue, dtyp
     check_kernel("cpu", n, k, prologue, True, dtype, use_pdl=False, fp8=(32, 64))
 
 
+def test_register_cap_only_where_triton_specialises_every_size_and_address():
+    """FP8 launches cap registers where the weight's sizes, row stride and every tensor's address are
+    multiples of 16, and nowhere else (an unspecialised kernel would spill under the cap)."""
+    fp8 = torch.empty(64, 256, dtype=gemv.FP8)
+    x, out = torch.empty(1, 256, dtype=torch.bfloat16), torch.empty(1, 64, dtype=torch.bfloat16)
+    capped = {"maxnreg": gemv.FP8_MAX_REGISTERS}
+    assert gemv.register_cap(fp8, x, out, None) == capped
+    assert gemv.register_cap(fp8.to(torch.bfloat16), x, out) == {}  # not FP8
+    assert gemv.register_cap(torch.empty(64, 200, dtype=gemv.FP8), x, out) == {}  # K of 200
+    assert gemv.register_cap(torch.empty(60, 256, dtype=gemv.FP8), x, out) == {}  # N of 60
+    assert gemv.register_cap(torch.empty(64, 264, dtype=gemv.FP8)[:, :256], x, out) == {}  # row stride 264
+    assert gemv.register_cap(fp8, torch.empty(1, 257, dtype=torch.bfloat16)[:, 1:], out) == {}  # x 2 bytes in
+    assert gemv.register_cap(fp8, x, out, torch.empty(65, dtype=torch.float32)[1:]) == {}  # a scale 4 bytes in
+
+
 def check_kernel(device, n, k, prologue, extras, dtype, use_pdl, fp8=False):
     """fp8: True for a scale per row, (bn, bk) for one per block (tests/fp8_checkpoints.py's quantizer)."""
     seed = random.randrange(1 << 30)

@@ -12,6 +12,10 @@ installed Triton: compare with the device image's version (printed first).
 
     python tools/gemv_sass.py --fp8 --tiles 8,2048,8,2     # the FP8 tiles (FP8_TILES)
     python tools/gemv_sass.py --tiles 4,512,4,3            # bfloat16 weights, o_proj's tiles
+    python tools/gemv_sass.py --fp8 --prologue rms_norm --block-scales   # qkv's form, block-wise FP8
+
+FP8 forms compile under the register cap their launches take (gemv.FP8_MAX_REGISTERS); the tool
+prints the registers and the bytes a thread spills.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from flexsgl.kernels import gemv
 
 ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "g_ptr", "out_ptr", "N", "K", "stride_wn", "e_ptr", "s_ptr")
+PROLOGUES = {"plain": gemv.PLAIN, "rms_norm": gemv.RMS_NORM, "silu_gate": gemv.SILU_GATE}
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 
 
@@ -35,6 +40,7 @@ OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*(
 class LoopMix:
     triton_version: str
     registers: int
+    spilled: int  # bytes a thread spilled to local memory (cuobjdump's STACK)
     ops: collections.Counter  # full opcodes (with modifiers) in one iteration of the loop over K
     bytes_per_thread: int  # weight bytes a thread reads an iteration
 
@@ -43,9 +49,13 @@ class LoopMix:
         return sum(self.ops.values())
 
 
-def sass(fp8: bool, tiles: tuple[int, int, int, int]) -> tuple[str, int, str]:
-    """(the kernel's SM90 disassembly, its registers a thread (cuobjdump), Triton's version) for a plain
-    projection with a residual (o_proj's and down_proj's form), FP8 weights with row scales or bf16."""
+def sass(fp8: bool, tiles: tuple[int, int, int, int], prologue: int = gemv.PLAIN,
+         block_scales: bool = False) -> tuple[str, int, int, str]:
+    """(the kernel's SM90 disassembly, its registers a thread and spilled bytes a thread (cuobjdump's
+    REG and STACK), Triton's version) for a projection in one of the engine's forms: the given
+    prologue, a residual but after RMSNorm (norm_linear takes none), FP8 weights with row scales
+    (128 x 128 block scales with block_scales) or bf16, compiled as a launch of the engine's
+    projections would be, FP8 capped at gemv.FP8_MAX_REGISTERS."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -53,18 +63,20 @@ def sass(fp8: bool, tiles: tuple[int, int, int, int]) -> tuple[str, int, str]:
     block_n, block_k, warps, stages = tiles
     kernel = gemv._kernel()
     weight = "*fp8e4nv" if fp8 else "*bf16"
-    signature = {"x_ptr": "*bf16", "w_ptr": weight, "b_ptr": weight, "r_ptr": "*bf16", "g_ptr": weight,
+    signature = {"x_ptr": "*bf16", "w_ptr": weight, "b_ptr": weight, "r_ptr": "*bf16", "g_ptr": "*bf16" if prologue == gemv.RMS_NORM else weight,
                  "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32", "e_ptr": weight,
                  "stride_we": "i32", "stride_xs": "i32", "stride_os": "i32", "s_ptr": "*fp32" if fp8 else weight,
                  "stride_sn": "i32"}
-    constants = dict(PROLOGUE=gemv.PLAIN, HAS_BIAS=False, HAS_RESIDUAL=True,
-                     SCALE=gemv.ROW_SCALE if fp8 else gemv.NO_SCALE, SCALE_N=1, SCALE_K=1, BLOCK_N=block_n,
+    scale = (gemv.BLOCK_SCALE if block_scales else gemv.ROW_SCALE) if fp8 else gemv.NO_SCALE
+    constants = dict(PROLOGUE=prologue, HAS_BIAS=False, HAS_RESIDUAL=prologue != gemv.RMS_NORM, SCALE=scale,
+                     SCALE_N=128 if block_scales else 1, SCALE_K=128 if block_scales else 1, BLOCK_N=block_n,
                      BLOCK_K=block_k, EVEN_K=True, PDL=True, STACKED=False, INNER=gemv.FP8_INNER if fp8 else 1)
     signature.update({name: "constexpr" for name in constants})
     names = list(kernel.arg_names)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+                              options={"num_warps": warps, "num_stages": stages,
+                                       **({"maxnreg": gemv.FP8_MAX_REGISTERS} if fp8 else {})})
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "gemv.cubin")
@@ -74,12 +86,14 @@ def sass(fp8: bool, tiles: tuple[int, int, int, int]) -> tuple[str, int, str]:
                               check=True).stdout
         usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True,
                                text=True, check=True).stdout
-    return text, int(re.search(r"REG:(\d+)", usage).group(1)), triton.__version__
+    registers, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    return text, registers, stack, triton.__version__
 
 
-def loop_mix(fp8: bool, tiles: tuple[int, int, int, int]) -> LoopMix:
+def loop_mix(fp8: bool, tiles: tuple[int, int, int, int], prologue: int = gemv.PLAIN,
+             block_scales: bool = False) -> LoopMix:
     """The instruction mix of one iteration of the kernel's loop over K slices."""
-    text, registers, version = sass(fp8, tiles)
+    text, registers, spilled, version = sass(fp8, tiles, prologue, block_scales)
     lines = text.splitlines()
     back = [(i, m.group(1)) for i, line in enumerate(lines)
             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line))]
@@ -92,26 +106,30 @@ def loop_mix(fp8: bool, tiles: tuple[int, int, int, int]) -> LoopMix:
     ops = collections.Counter(m.group(1) for line in lines[start:end + 1] if (m := OPCODE.search(line)))
     block_n, block_k, warps, _ = tiles
     element = 1 if fp8 else 2
-    return LoopMix(version, registers, ops, block_n * block_k * element // (warps * 32))
+    return LoopMix(version, registers, spilled, ops, block_n * block_k * element // (warps * 32))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with a scale per row (else bfloat16)")
     ap.add_argument("--tiles", default=None, help="BLOCK_N,BLOCK_K,warps,stages (default: FP8_TILES, or o_proj's)")
+    ap.add_argument("--prologue", choices=list(PROLOGUES), default="plain",
+                    help="what the kernel does to x first: nothing (o_proj), RMSNorm (qkv, gate_up), SiLU gate (down)")
+    ap.add_argument("--block-scales", action="store_true", help="with --fp8: 128 x 128 block scales (else per row)")
     ap.add_argument("--json", action="store_true", help="the loop's mix as one JSON object")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("gemv_sass: compiles the kernel; unset TRITON_INTERPRET")
     tiles = (tuple(int(v) for v in args.tiles.split(",")) if args.tiles
              else gemv.FP8_TILES if args.fp8 else gemv.config_for(4096, 4096))
-    mix = loop_mix(args.fp8, tiles)
+    mix = loop_mix(args.fp8, tiles, PROLOGUES[args.prologue], args.block_scales)
     if args.json:
         print(json.dumps({"triton": mix.triton_version, "tiles": tiles, "registers": mix.registers,
+                          "spilled": mix.spilled,
                           "bytes_per_thread": mix.bytes_per_thread, "ops": dict(mix.ops)}))
         return
     print(f"triton {mix.triton_version}; {'FP8' if args.fp8 else 'bfloat16'} weights, tiles {tiles}: "
-          f"{mix.registers} registers a thread")
+          f"{mix.registers} registers a thread, {mix.spilled} bytes spilled")
     print(f"loop over K: {mix.instructions} instructions an iteration for {mix.bytes_per_thread} weight bytes a "
           f"thread, {mix.instructions / mix.bytes_per_thread:.2f} a byte")
     for op, n in mix.ops.most_common(16):

@@ -41,6 +41,13 @@ FP8 byte in a register of its own and merges them every iteration: compiled for 
 FP8 tile's loop is 244 instructions a thread in 64 registers this way, 457 in 161 that way
 (tools/gemv_sass.py prints a tile's loop).
 `config_for` gives the tiles that were fastest inside that chain.
+
+FP8 launches cap the kernel at FP8_MAX_REGISTERS (64) registers a thread wherever Triton specialises
+every size, stride and pointer as a multiple of 16 (the engine's projections): the RMSNorm and
+block-scaled forms otherwise take 72-80, which fits three programs of 8 warps an SM instead of four,
+and capped they compile without spilling on the GPU image's Triton (`tools/gemv_sass.py --fp8
+--prologue rms_norm` prints registers and spills; the step's gain is in docs/BENCHMARKS.md). A launch
+without those facts compiles to over 200 registers and would spill under the cap, so it runs uncapped.
 """
 
 from __future__ import annotations
@@ -135,6 +142,18 @@ def _kernel():
 
 
 FP8_TILES = (8, 2048, 8, 2)  # FP8 weights' tiles, every projection (module docstring)
+FP8_MAX_REGISTERS = 64  # registers a thread for FP8 launches: four programs of 8 warps an SM (module docstring)
+
+
+def register_cap(weight: torch.Tensor, *tensors: torch.Tensor | None) -> dict:
+    """The launch option capping an FP8 weight's kernel at FP8_MAX_REGISTERS: where the weight's sizes
+    and row stride and every tensor's address are multiples of 16 (as Triton then specialises the
+    kernel); none otherwise."""
+    if weight.dtype != FP8:
+        return {}
+    sizes = (weight.shape[0], weight.shape[1], weight.stride(0))
+    addresses = (t.data_ptr() for t in (weight, *tensors) if t is not None)
+    return {"maxnreg": FP8_MAX_REGISTERS} if all(v % 16 == 0 for v in (*sizes, *addresses)) else {}
 
 
 def config_for(n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int]:
@@ -184,7 +203,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         SCALE_N=scale_n, SCALE_K=scale_k,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PDL=use_pdl, STACKED=False,
         INNER=FP8_INNER if weight.dtype == FP8 else 1, num_warps=warps,
-        num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+        num_stages=stages, **({"launch_pdl": True} if use_pdl else {}),
+        **register_cap(weight, x, out, bias, residual, norm_weight, scale))
     return out
 
 
