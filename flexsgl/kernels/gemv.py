@@ -148,8 +148,8 @@ FP8_MAX_REGISTERS = 64  # registers a thread for FP8 launches: four programs of 
 def register_cap(weight: torch.Tensor, *tensors: torch.Tensor | None) -> dict:
     """The launch option capping an FP8 weight's kernel at FP8_MAX_REGISTERS: where the weight's sizes
     and row stride and every tensor's address are multiples of 16 (as Triton then specialises the
-    kernel); none otherwise."""
-    if weight.dtype != FP8:
+    kernel); none otherwise, nor on ROCm, whose Triton has no such option."""
+    if weight.dtype != FP8 or torch.version.hip is not None:
         return {}
     sizes = (weight.shape[0], weight.shape[1], weight.stride(0))
     addresses = (t.data_ptr() for t in (weight, *tensors) if t is not None)
