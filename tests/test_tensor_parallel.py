@@ -960,7 +960,6 @@ def test_torchrun_ranks_give_one_ranks_tokens(hosts):
     LOCAL_RANK 0, the ranks and world size come from the rendezvous). Rank 0 prints the tokens of
     one rank's engine; every process exits 0."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
