@@ -63,7 +63,8 @@ def sass(fp8: bool, tiles: tuple[int, int, int, int], prologue: int = gemv.PLAIN
     block_n, block_k, warps, stages = tiles
     kernel = gemv._kernel()
     weight = "*fp8e4nv" if fp8 else "*bf16"
-    signature = {"x_ptr": "*bf16", "w_ptr": weight, "b_ptr": weight, "r_ptr": "*bf16", "g_ptr": "*bf16" if prologue == gemv.RMS_NORM else weight,
+    norm = "*bf16" if prologue == gemv.RMS_NORM else weight  # the norm weight, or the unused pointer's stand-in
+    signature = {"x_ptr": "*bf16", "w_ptr": weight, "b_ptr": weight, "r_ptr": "*bf16", "g_ptr": norm,
                  "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32", "eps": "fp32", "e_ptr": weight,
                  "stride_we": "i32", "stride_xs": "i32", "stride_os": "i32", "s_ptr": "*fp32" if fp8 else weight,
                  "stride_sn": "i32"}
