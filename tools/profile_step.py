@@ -48,6 +48,7 @@ import torch
 from flexsgl.config import EngineConfig
 from flexsgl.bench import (BenchArgs, build_llm, copy_bandwidth, decode_floor, freeze_heap, plan, random_prompts,
                            sync, throughput_requests)
+from flexsgl.bench.critical_path import by_name, by_position, critical_path
 from flexsgl.bench.serving import JSON_SCHEMA
 from flexsgl.kernels.launch import pdl
 from flexsgl import step_loop
@@ -219,41 +220,23 @@ def print_profile(llm, done, rows: int, positions: bool = False) -> None:
 
 
 def print_critical_path(prof, n: int, rows: int, positions: bool = False) -> None:
-    """Each kernel's share of the device's wall time: its end less the latest end before it (in start
-    order), summed by name. The shares add up to the profiled span, overlap counted once; a gap
-    (the device idle, waiting for the host) goes to the kernel after it. positions: also each launch
-    of a step in order, its share and duration averaged over the steps (steps that launch the same
-    kernels, as graph replays do)."""
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-    share, calls, last, launches = defaultdict(float), defaultdict(int), None, []
-    for e in kernels:
-        end = e.time_range.end
-        part = end - (e.time_range.start if last is None else min(last, end))
-        share[e.name] += part
-        calls[e.name] += 1
-        launches.append((e.name, part, end - e.time_range.start))
-        last = end if last is None else max(last, end)
+    """Each kernel's share of the device's wall time, summed by name (flexsgl/bench/critical_path.py);
+    positions: also each launch of a step in order, averaged over the steps."""
+    launches = critical_path((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                             if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"\ncritical path of {n} steps (us per step; calls per step):")
-    for name, us in sorted(share.items(), key=lambda kv: -kv[1])[:rows]:
-        print(f"{us / n:>10.1f} {calls[name] / n:>7.1f}  {name[:100]}")
-    print(f"{sum(share.values()) / n:>10.1f}          in all")
-    if positions:
-        print_positions(launches, n)
-
-
-def print_positions(launches: list[tuple[str, float, float]], n: int) -> None:
-    """Each launch of a step in order: critical-path share and duration (us), averaged over n steps."""
-    per_step = len(launches) // n
-    steps = [launches[i * per_step:(i + 1) * per_step] for i in range(n)]
-    if len(launches) % n or any([name for name, _, _ in step] != [name for name, _, _ in steps[0]] for step in steps):
+    for name, (us, calls) in sorted(by_name(launches).items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"{us / n:>10.1f} {calls / n:>7.1f}  {name[:100]}")
+    print(f"{sum(launch.share for launch in launches) / n:>10.1f}          in all")
+    if not positions:
+        return
+    step = by_position(launches, n)
+    if step is None:
         print(f"\nlaunches by position: the {n} steps launched different kernels; not averaged")
         return
     print(f"\nlaunches of a step in order (us, mean of {n} steps): position, critical-path share, duration, kernel")
-    for i, (name, _, _) in enumerate(steps[0]):
-        part = statistics.fmean(step[i][1] for step in steps)
-        duration = statistics.fmean(step[i][2] for step in steps)
-        print(f"{i:>5} {part:>9.1f} {duration:>9.1f}  {name[:90]}")
+    for i, launch in enumerate(step):
+        print(f"{i:>5} {launch.share:>9.1f} {launch.duration:>9.1f}  {launch.name[:90]}")
 
 
 def main() -> None:

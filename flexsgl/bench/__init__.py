@@ -11,7 +11,8 @@ What the command, `benchmarks/` and `tools/` use:
 - the machine: `copy_bandwidth()` and `decode_floor()` (the roofline of a decode step), `sync()`,
   `environment()` and `commit()`; `cuda_timing.graph_median_s()` times device work from a CUDA graph.
 
-args.py, passes.py, workloads.py, roofline.py, machine.py, report.py and cuda_timing.py hold one each.
+args.py, passes.py, workloads.py, roofline.py, machine.py, report.py and cuda_timing.py hold one each;
+critical_path.py splits a profiled span of kernels into each one's share (tools/profile_step.py).
 """
 
 from flexsgl.bench.args import WORKLOADS, BenchArgs, Plan, plan
