@@ -31,7 +31,7 @@ SHAPES = [(6144, 4096), (4100, 1000), (37, 3072), (24580, 2048), (4096, 12300), 
 # On the CPU, smaller: every tile but lm_head's (8k programs at least). The interpreter ignores warps
 # and stages, in which alone gate_up's configuration differs from qkv's.
 CPU_SHAPES = [(40, 1024), (37, 1000), (600, 512), (6, 8200)]
-PROLOGUES = {"plain": gemv.PLAIN, "rms_norm": gemv.RMS_NORM, "silu_gate": gemv.SILU_GATE}
+PROLOGUES = gemv.PROLOGUES
 
 
 def reference(prologue, x, w, bias, residual, norm_weight, eps):

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from flexsgl.kernels import gemv
 
 ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "g_ptr", "out_ptr", "N", "K", "stride_wn", "e_ptr", "s_ptr")
-PROLOGUES = {"plain": gemv.PLAIN, "rms_norm": gemv.RMS_NORM, "silu_gate": gemv.SILU_GATE}
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 
 
@@ -114,7 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with a scale per row (else bfloat16)")
     ap.add_argument("--tiles", default=None, help="BLOCK_N,BLOCK_K,warps,stages (default: FP8_TILES, or o_proj's)")
-    ap.add_argument("--prologue", choices=list(PROLOGUES), default="plain",
+    ap.add_argument("--prologue", choices=list(gemv.PROLOGUES), default="plain",
                     help="what the kernel does to x first: nothing (o_proj), RMSNorm (qkv, gate_up), SiLU gate (down)")
     ap.add_argument("--block-scales", action="store_true", help="with --fp8: 128 x 128 block scales (else per row)")
     ap.add_argument("--json", action="store_true", help="the loop's mix as one JSON object")
@@ -123,7 +122,7 @@ def main() -> None:
         raise SystemExit("gemv_sass: compiles the kernel; unset TRITON_INTERPRET")
     tiles = (tuple(int(v) for v in args.tiles.split(",")) if args.tiles
              else gemv.FP8_TILES if args.fp8 else gemv.config_for(4096, 4096))
-    mix = loop_mix(args.fp8, tiles, PROLOGUES[args.prologue], args.block_scales)
+    mix = loop_mix(args.fp8, tiles, gemv.PROLOGUES[args.prologue], args.block_scales)
     if args.json:
         print(json.dumps({"triton": mix.triton_version, "tiles": tiles, "registers": mix.registers,
                           "spilled": mix.spilled,

@@ -63,6 +63,7 @@ from flexsgl.kernels.launch import pdl
 FP8 = torch.float8_e4m3fn
 
 PLAIN, RMS_NORM, SILU_GATE = 0, 1, 2  # what the kernel does to x on the way in
+PROLOGUES = {"plain": PLAIN, "rms_norm": RMS_NORM, "silu_gate": SILU_GATE}  # by name (tests, tools/gemv_sass.py)
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2  # an FP8 weight's scales: none (x's dtype), per row, per block
 FP8_INNER = 16  # FP8 products summed 16 at a time, a 16-byte load's worth (module docstring)
 
