@@ -68,7 +68,7 @@ def run_batch_1_kernels(monkeypatch):
     from flexsgl.kernels import gemv
 
     monkeypatch.setattr(gemv, "applies", lambda x, *_: x.dim() == 2 and x.shape[0] == 1)
-    monkeypatch.setattr(gemv, "config_for", lambda n, k, fp8=False: (64, 512, 4, 1))
+    monkeypatch.setattr(gemv, "config_for", lambda *args: (64, 512, 4, 1))
 
 
 def check_two_prompts(tmp_path, monkeypatch, seed):

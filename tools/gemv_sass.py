@@ -10,7 +10,7 @@ per byte: an H200 SM issues 4 warp instructions (128 threads') a clock and must 
 a clock, so at 3.7 instructions a byte the loop takes about half of them. The counts belong to the
 installed Triton: compare with the device image's version (printed first).
 
-    python tools/gemv_sass.py --fp8 --tiles 8,2048,8,2     # the FP8 tiles (FP8_TILES)
+    python tools/gemv_sass.py --fp8 --tiles 8,2048,8,2     # the FP8 tiles (FP8_TILES; FP8_NORM_TILES: rms_norm)
     python tools/gemv_sass.py --tiles 4,512,4,3            # bfloat16 weights, o_proj's tiles
     python tools/gemv_sass.py --fp8 --prologue rms_norm --block-scales   # qkv's form, block-wise FP8
 
@@ -112,7 +112,7 @@ def loop_mix(fp8: bool, tiles: tuple[int, int, int, int], prologue: int = gemv.P
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with a scale per row (else bfloat16)")
-    ap.add_argument("--tiles", default=None, help="BLOCK_N,BLOCK_K,warps,stages (default: FP8_TILES, or o_proj's)")
+    ap.add_argument("--tiles", default=None, help="BLOCK_N,BLOCK_K,warps,stages (default: the engine's for the form at 4096 x 4096)")
     ap.add_argument("--prologue", choices=list(gemv.PROLOGUES), default="plain",
                     help="what the kernel does to x first: nothing (o_proj), RMSNorm (qkv, gate_up), SiLU gate (down)")
     ap.add_argument("--block-scales", action="store_true", help="with --fp8: 128 x 128 block scales (else per row)")
@@ -121,7 +121,7 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("gemv_sass: compiles the kernel; unset TRITON_INTERPRET")
     tiles = (tuple(int(v) for v in args.tiles.split(",")) if args.tiles
-             else gemv.FP8_TILES if args.fp8 else gemv.config_for(4096, 4096))
+             else gemv.config_for(4096, 4096, args.fp8, gemv.PROLOGUES[args.prologue], args.block_scales))
     mix = loop_mix(args.fp8, tiles, gemv.PROLOGUES[args.prologue], args.block_scales)
     if args.json:
         print(json.dumps({"triton": mix.triton_version, "tiles": tiles, "registers": mix.registers,

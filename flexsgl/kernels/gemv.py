@@ -15,9 +15,11 @@ scales x by its row block's scale of each column block (a program's rows lie in 
 with x as it is (bfloat16; at larger batches Fp8Linear quantizes activations for
 torch._scaled_mm). Its tiles are its own (FP8_TILES, the fastest over an 8B's projections in
 `tools/gemv_bench.py --fp8`): 8 rows of 2,048 bytes with 8 warps, where bfloat16's read 4-16 rows
-of 1,024 bytes with 4. With FP8 weights each thread sums its 16 consecutive products (a 16-byte
-load's worth) into one float32 accumulator as they come (FP8_INNER) rather than keeping an
-accumulator register per element.
+of 1,024 bytes with 4; the RMSNorm form with a scale per row (qkv_proj, gate_up_proj) reads 8 rows
+of 1,024 bytes with 4 warps (FP8_NORM_TILES, faster in the batch-1 step under the register cap
+below; with block scales, whose loads take more registers, it keeps FP8_TILES). With FP8 weights
+each thread sums its 16 consecutive products (a 16-byte load's worth) into one float32 accumulator
+as they come (FP8_INNER) rather than keeping an accumulator register per element.
 
 Everywhere but batch 1 on CUDA they are those PyTorch expressions. At batch 1 each is one kernel:
 the projection reads its whole weight to do two flops per element, so its time is the weight's
@@ -142,7 +144,8 @@ def _kernel():
     return gemv_kernel
 
 
-FP8_TILES = (8, 2048, 8, 2)  # FP8 weights' tiles, every projection (module docstring)
+FP8_TILES = (8, 2048, 8, 2)  # FP8 weights' tiles (module docstring)
+FP8_NORM_TILES = (8, 1024, 4, 3)  # FP8 weights' tiles for the RMSNorm form, per-row scales (module docstring)
 FP8_MAX_REGISTERS = 64  # registers a thread for FP8 launches: four programs of 8 warps an SM (module docstring)
 
 
@@ -157,15 +160,17 @@ def register_cap(weight: torch.Tensor, *tensors: torch.Tensor | None) -> dict:
     return {"maxnreg": FP8_MAX_REGISTERS} if all(v % 16 == 0 for v in (*sizes, *addresses)) else {}
 
 
-def config_for(n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int]:
+def config_for(n: int, k: int, fp8: bool = False, prologue: int = PLAIN,
+               block_scales: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight: the best tiles for an 8B's
     projections timed where the engine runs them, chained as a layer with PDL
     (`tools/gemv_bench.py --chain-sweep`; tiles picked with each projection timed alone lose there),
-    and lm_head's from the sweep alone. fp8: FP8 weights, FP8_TILES."""
+    and lm_head's from the sweep alone. fp8: FP8 weights, FP8_NORM_TILES for the RMSNorm `prologue`
+    with per-row scales (timed in the batch-1 step), FP8_TILES for the other forms."""
     if n >= 65536:
         return 8, 512, 4, 1  # lm_head
     if fp8:
-        return FP8_TILES
+        return FP8_NORM_TILES if prologue == RMS_NORM and not block_scales else FP8_TILES
     if k >= 8192:
         return 4, 512, 4, 3  # long rows (down_proj)
     if n >= 16384:
@@ -186,10 +191,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     contiguous (blocks that divide the weight, bn a multiple of the tile's rows; None: weights in x's
     dtype). use_pdl: launch with programmatic dependent launch (default: launch.pdl's answer for the device)."""
     n, k = weight.shape
-    block_n, block_k, warps, stages = config or config_for(n, k, weight.dtype == FP8)
+    block_scales = scale is not None and scale.dim() == 2
+    block_n, block_k, warps, stages = config or config_for(n, k, weight.dtype == FP8, prologue, block_scales)
     use_pdl = pdl(x.device) if use_pdl is None else use_pdl
     mode, scale_n, scale_k = NO_SCALE, 1, 1
-    if scale is not None and scale.dim() == 2:
+    if block_scales:
         mode, scale_n, scale_k = BLOCK_SCALE, n // scale.shape[0], k // scale.shape[1]
         if scale_n * scale.shape[0] != n or scale_k * scale.shape[1] != k or scale_n % block_n:
             raise ValueError(f"gemv: block scales {tuple(scale.shape)} of a [{n}, {k}] weight in tiles of "
