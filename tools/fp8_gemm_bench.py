@@ -5,7 +5,9 @@ CUDA graph, as the engine runs them (compiled, activations quantized as they com
 
 - bf16: cuBLAS's bfloat16 product (the unquantized model);
 - fp8-row: Fp8Linear with a scale per row (`--quantization fp8`, per-channel checkpoints):
-  activations per token, torch._scaled_mm rowwise;
+  activations per token, flexsgl's FP8 kernel up to fp8_gemm.MAX_ROWS rows on SM90
+  (flexsgl/kernels/fp8_gemm.py), torch._scaled_mm rowwise past them;
+- scaled-mm: the same activations and weight, torch._scaled_mm rowwise (cuBLAS) at every M;
 - fp8-wonly: the same weight, activations as they are: a Triton weight-only product defined here
   (weight_only_kernel: each FP8 weight tile widened to bfloat16 in registers for tl.dot, float32
   sums, the row scales on the way out), the mixed-input product Fp8Linear lacks;
@@ -101,8 +103,12 @@ def candidates(w: torch.Tensor, block_runs: bool) -> dict[str, tuple]:
     row.weight.data, row.weight_scale.data = quantize_rows(w)
     row_w = dequantize(row.weight, row.weight_scale, "channel")
     tokens = lambda x: (lambda q, s: q.float() * s)(*quantize_tokens(x))  # noqa: E731
+    scaled_mm = torch.compile(lambda x: (lambda q, s: torch._scaled_mm(  # noqa: E731
+        q, row.weight.t(), scale_a=s, scale_b=row.weight_scale.view(1, -1), out_dtype=x.dtype))(*quantize_tokens(x)),
+        dynamic=False)
     out = {"bf16": (lambda x: F.linear(x, w), w.float(), lambda x: x.float()),
            "fp8-row": (torch.compile(row, dynamic=False), row_w, tokens),
+           "scaled-mm": (scaled_mm, row_w, tokens),
            "fp8-wonly": (lambda x: weight_only(x, row.weight, row.weight_scale.view(-1), x.new_empty(x.shape[0], n)),
                          row_w, lambda x: x.float())}
     blk = Fp8Linear(k, n, bias=False, block=BLOCK).cuda()

@@ -105,8 +105,8 @@
 #                  (--quantization fp8), FP8 KV (--kv-cache-dtype fp8_e4m3); and bench latency of the Qwen3-8B
 #                  dummy at batch 1, bf16 and --quantization fp8, with their floors (~500 s on a cold cache)
 #   fp8-bench      the fp8 step's benchmarks alone (~400 s on a cold cache, FP8 KV under flex compiling longest)
-#   fp8-tests      every FP8 GPU test in one run: Fp8Linear per row and per block, FP8 and block-wise checkpoints,
-#                  online fp8, the matrix-vector kernel on FP8 weights, FP8 experts (grouped, one-token, block), the
+#   fp8-tests      every FP8 GPU test in one run: Fp8Linear per row and per block, the decode-batch FP8 kernel,
+#                  FP8 and block-wise checkpoints, online fp8, the matrix-vector kernel on FP8 weights, FP8 experts (grouped, one-token, block), the
 #                  FP8 KV cache under flex and each override
 #   fp8-kv         the FP8 KV cache under each override (kernels against float64, engines against HF), then
 #                  bench throughput of the Qwen3-0.6B dummy with auto's SM90 backends named, bf16 and
@@ -225,7 +225,7 @@ for s in "${steps[@]}"; do
     fi-allreduce-build) fi_allreduce_build ;;
     tests) timeout -s INT -k 30 "$LIMIT" python -m pytest -m gpu -v -p no:cacheprovider -rfs "${@:-tests}" ;;
     fp8|fp8-bench) [ "$s" = fp8 ] && timeout -s INT -k 30 200 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
-                     tests/test_fp8_kv_cache.py
+                     tests/test_fp8_gemm.py tests/test_fp8_kv_cache.py
          for q in "" "--quantization fp8" "--kv-cache-dtype fp8_e4m3"; do
            run="fp8-throughput${q//[ -]/_}"
            timeout 160 "${BENCH[@]}" --workload throughput --model qwen3-0.6b --override flex $q \
@@ -237,7 +237,7 @@ for s in "${steps[@]}"; do
              --json "$OUT/fp8-latency${q//[ -]/_}.json" 2>&1 | grep -E "TPOT" | sed "s|^|latency ${q:-bf16}: |"
          done ;;
     fp8-tests) timeout -s INT -k 30 "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
-                 tests/test_fp8_kv_cache.py tests/test_moe.py tests/test_gemv.py tests/test_gpu_overrides.py \
+                 tests/test_fp8_gemm.py tests/test_fp8_kv_cache.py tests/test_moe.py tests/test_gemv.py tests/test_gpu_overrides.py \
                  tests/test_triton_decode.py tests/test_block_fp8_experts.py \
                  -k "fp8 or FP8 or block or overrides_read" ;;
     fp8-kv) timeout -s INT -k 30 300 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gpu_overrides.py \
