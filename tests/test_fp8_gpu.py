@@ -120,6 +120,22 @@ def test_fp8_checkpoint_runs_fp8_projections_on_the_gpu(tmp_path, monkeypatch, f
     assert_fp8_projections_track_hf(tmp_path, monkeypatch, fmt, "cuda")
 
 
+@pytest.mark.gpu
+def test_fp8_checkpoint_on_the_decode_batch_kernel_tracks_hf(tmp_path, monkeypatch):
+    """A per-channel checkpoint whose every dim is a multiple of 128: on SM90 every projection of
+    every step (prompts of up to 60 tokens) runs flexsgl/kernels/fp8_gemm.py, o_proj and down_proj
+    adding the residual in it."""
+    from flexsgl.kernels import fp8_gemm
+
+    fp8_gpu()
+    launches = []
+    real = fp8_gemm.launch
+    monkeypatch.setattr(fp8_gemm, "launch", lambda *a, **k: launches.append(a[5] is not None) or real(*a, **k))
+    assert_fp8_projections_track_hf(tmp_path, monkeypatch, "channel", "cuda", wide=True)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert launches and any(launches), "the kernel did not run, or never added a residual"
+
+
 def cpu_rowwise_scaled_mm_runs() -> bool:
     """Whether this torch multiplies FP8 on the CPU with a scale per row of each operand (Fp8Linear's
     per-token activations: every format here)."""
@@ -171,10 +187,10 @@ def fp8_tokens(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
     return ((x / scale).to(torch.float8_e4m3fn).float() * scale).reshape(shape)
 
 
-def assert_fp8_projections_track_hf(tmp_path, monkeypatch, fmt, device):
+def assert_fp8_projections_track_hf(tmp_path, monkeypatch, fmt, device, wide=False):
     """Projections whose dims are multiples of 16 keep FP8 weights (down_proj, K = 200, is dequantized)
-    and quantize their inputs per token; of a block-wise checkpoint (128 x 128 blocks, every dim a
-    multiple of them), every projection: on a GPU down_proj (K of 4 blocks) quantizes its inputs per
+    and quantize their inputs per token; with every dim a multiple of 128 (`wide`, and every
+    block-wise checkpoint: 128 x 128 blocks), every projection. Of a block-wise checkpoint: on a GPU down_proj (K of 4 blocks) quantizes its inputs per
     token and group of 128, the others (K of 2 blocks) multiply them as they are. Each prompt's first
     logits differ from HF's in float32 (on the weights the checkpoint stands for) by at most twice
     what quantizing those projections' inputs (all of them, for a block-wise one) alone does to
@@ -184,15 +200,16 @@ def assert_fp8_projections_track_hf(tmp_path, monkeypatch, fmt, device):
 
     seed = random.randrange(2**31)
     block = fmt == "block"
-    make_source("qwen3", tmp_path / "src", seed, **(BLOCK_DIMS if block else {}))
+    wide = wide or block
+    make_source("qwen3", tmp_path / "src", seed, **(BLOCK_DIMS if wide else {}))
     make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", fmt)
     llm = LLM(str(tmp_path / "fp8"), device=device, dtype="bfloat16", max_total_tokens=4096, compile=False)
     kept = {n for n, m in llm.runner.model.named_modules() if isinstance(m, Fp8Linear)}
-    assert kept and block == any(n.endswith("down_proj") for n in kept), kept
+    assert kept and wide == any(n.endswith("down_proj") for n in kept), kept
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
     hf_fp8 = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
     for name, m in hf_fp8.named_modules():
-        if isinstance(m, torch.nn.Linear) and ".layers." in name and (block or not name.endswith("down_proj")):
+        if isinstance(m, torch.nn.Linear) and ".layers." in name and (wide or not name.endswith("down_proj")):
             m.register_forward_pre_hook(lambda mod, args: (fp8_tokens(args[0], 128 if block else None),))
     rng = random.Random(seed)
     prompts = [[rng.randrange(320) for _ in range(n)] for n in (3, 17, 60)]

@@ -284,7 +284,7 @@ def linear(x: torch.Tensor, proj: nn.Linear, residual: torch.Tensor | None) -> t
     """residual + proj(x) (proj(x) alone for residual None)."""
     if applies(x, proj.weight):
         return torch.ops.flexsgl.gemv(x, proj.weight, proj.bias, residual, None, 0.0, PLAIN, row_scale(proj))
-    return proj(x) if residual is None else residual + proj(x)
+    return with_residual(proj, x, residual)
 
 
 def silu_linear(gate_up: torch.Tensor, proj: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
@@ -294,5 +294,12 @@ def silu_linear(gate_up: torch.Tensor, proj: nn.Linear, residual: torch.Tensor |
         return torch.ops.flexsgl.gemv(gate_up, proj.weight, proj.bias, residual, None, 0.0, SILU_GATE,
                                       row_scale(proj))
     gate, up = gate_up.chunk(2, dim=-1)
-    out = proj(F.silu(gate) * up)
-    return out if residual is None else residual + out
+    return with_residual(proj, F.silu(gate) * up, residual)
+
+
+def with_residual(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + proj(x) (proj(x) for None), the add inside proj's product where it takes one
+    (`adds_residual`: Fp8Linear)."""
+    if residual is None:
+        return proj(x)
+    return proj(x, residual) if getattr(proj, "adds_residual", False) else residual + proj(x)

@@ -5,7 +5,9 @@ the model's dtype as they load and run as any other nn.Linear (flexsgl/quant/app
 Two kinds of scales:
 
 - one float32 scale per output row, `weight_scale` `[N, 1]` (per-channel and per-tensor checkpoints,
-  `--quantization fp8`): activations quantized per token, `torch._scaled_mm` with rowwise scales;
+  `--quantization fp8`): activations quantized per token, multiplied by flexsgl's FP8 kernel at a
+  decode step's rows on SM90 and by `torch._scaled_mm` with rowwise scales elsewhere
+  (flexsgl/kernels/fp8_gemm.py, which also adds a residual on the way out: `forward(x, residual)`);
 - one per 128 x 128 block, `weight_scale` `[N / 128, K / 128]` (block-wise checkpoints, DeepSeek-V3's
   and Qwen3-FP8's `weight_scale_inv`): activations quantized per token and group of 128 values, and
   `torch._scaled_mm` with those blocks (cuBLAS's 1 x 128 by 128 x 128 recipe, on SM90) where K holds
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexsgl.kernels import block_fp8_experts
+from flexsgl.kernels import block_fp8_experts, fp8_gemm
 from flexsgl.quant.fp8 import FP8, dequantize, quantize_blocks, quantize_groups, quantize_tokens
 
 # torch._scaled_mm takes FP8 operands whose dimensions are multiples of 16.
@@ -115,6 +117,8 @@ def fits(linear: nn.Linear, block: tuple[int, int] | None = None) -> bool:
 
 
 class Fp8Linear(nn.Module):
+    adds_residual = True  # forward(x, residual) returns residual + self(x), added in the product's epilogue
+
     def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int] | None = None):
         """block: the weight's scale blocks (None: a scale per row)."""
         super().__init__()
@@ -135,16 +139,19 @@ class Fp8Linear(nn.Module):
             new.bias.weight_loader = linear.bias.weight_loader
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """self(x), plus `residual` (x's shape but out_features) where given."""
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
-        if self.block is not None and not x.is_cuda:  # the CPU: no block-scaled product there
+        if self.block is None:
+            xq, x_scale = quantize_tokens(x)
+            res = None if residual is None else residual.reshape(-1, self.out_features)
+            out = fp8_gemm.fp8_linear(xq, x_scale, self.weight, self.weight_scale, self.bias, res, x.dtype)
+            return out.view(*lead, self.out_features)
+        if not x.is_cuda:  # the CPU: no block-scaled product there
             weight = dequantize(self.weight, self.weight_scale, "block", self.block).to(x.dtype)
             out = F.linear(x, weight, self.bias)
-        elif self.block is not None:
-            out = block_product(x, self.weight, self.weight_scale, self.bias)
         else:
-            xq, x_scale = quantize_tokens(x)
-            out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
-                                   bias=self.bias, out_dtype=x.dtype)
-        return out.view(*lead, self.out_features)
+            out = block_product(x, self.weight, self.weight_scale, self.bias)
+        out = out.view(*lead, self.out_features)
+        return out if residual is None else residual + out
