@@ -12,8 +12,8 @@ A projection with FP8 weights (flexsgl/quant/fp8_linear.py Fp8Linear: float8_e4m
 scale per row or per 128 x 128 block) runs the same kernel at batch 1: it reads the FP8 bytes,
 widens them to float32 in registers, and multiplies each row's sum by its scale, or with block
 scales x by its row block's scale of each column block (a program's rows lie in one row block),
-with x as it is (bfloat16; at larger batches Fp8Linear quantizes activations for
-torch._scaled_mm). Its tiles are its own (FP8_TILES, the fastest over an 8B's projections in
+with x as it is (bfloat16; at larger batches Fp8Linear quantizes activations for its FP8
+products). Its tiles are its own (FP8_TILES, the fastest over an 8B's projections in
 `tools/gemv_bench.py --fp8`): 8 rows of 2,048 bytes with 8 warps, where bfloat16's read 4-16 rows
 of 1,024 bytes with 4; the RMSNorm form with a scale per row (qkv_proj, gate_up_proj) reads 8 rows
 of 1,024 bytes with 4 warps (FP8_NORM_TILES, faster in the batch-1 step under the register cap
