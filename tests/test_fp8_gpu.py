@@ -190,12 +190,13 @@ def fp8_tokens(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
 def assert_fp8_projections_track_hf(tmp_path, monkeypatch, fmt, device, wide=False):
     """Projections whose dims are multiples of 16 keep FP8 weights (down_proj, K = 200, is dequantized)
     and quantize their inputs per token; with every dim a multiple of 128 (`wide`, and every
-    block-wise checkpoint: 128 x 128 blocks), every projection. Of a block-wise checkpoint: on a GPU down_proj (K of 4 blocks) quantizes its inputs per
-    token and group of 128, the others (K of 2 blocks) multiply them as they are. Each prompt's first
-    logits differ from HF's in float32 (on the weights the checkpoint stands for) by at most twice
-    what quantizing those projections' inputs (all of them, for a block-wise one) alone does to
-    HF's (the noise FP8 activations bring, about 10% of the largest logit on this small random
-    model), plus 1%: a wrong weight, scale or part is many times that."""
+    block-wise checkpoint: 128 x 128 blocks), every projection. Of a block-wise checkpoint, on a GPU
+    down_proj (K of 4 blocks) quantizes its inputs per token and group of 128, the others (K of 2
+    blocks) multiply them as they are. Each prompt's first logits differ from HF's in float32 (on
+    the weights the checkpoint stands for) by at most twice what quantizing those projections' inputs
+    (all of them, for a block-wise one) alone does to HF's (the noise FP8 activations bring, about 10%
+    of the largest logit on this small random model), plus 1%: a wrong weight, scale or part is many
+    times that."""
     from transformers import AutoModelForCausalLM
 
     seed = random.randrange(2**31)

@@ -112,7 +112,8 @@ def loop_mix(fp8: bool, tiles: tuple[int, int, int, int], prologue: int = gemv.P
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with a scale per row (else bfloat16)")
-    ap.add_argument("--tiles", default=None, help="BLOCK_N,BLOCK_K,warps,stages (default: the engine's for the form at 4096 x 4096)")
+    ap.add_argument("--tiles", default=None,
+                    help="BLOCK_N,BLOCK_K,warps,stages (default: the engine's for the form at 4096 x 4096)")
     ap.add_argument("--prologue", choices=list(gemv.PROLOGUES), default="plain",
                     help="what the kernel does to x first: nothing (o_proj), RMSNorm (qkv, gate_up), SiLU gate (down)")
     ap.add_argument("--block-scales", action="store_true", help="with --fp8: 128 x 128 block scales (else per row)")

@@ -106,8 +106,8 @@
 #                  dummy at batch 1, bf16 and --quantization fp8, with their floors (~500 s on a cold cache)
 #   fp8-bench      the fp8 step's benchmarks alone (~400 s on a cold cache, FP8 KV under flex compiling longest)
 #   fp8-tests      every FP8 GPU test in one run: Fp8Linear per row and per block, the decode-batch FP8 kernel,
-#                  FP8 and block-wise checkpoints, online fp8, the matrix-vector kernel on FP8 weights, FP8 experts (grouped, one-token, block), the
-#                  FP8 KV cache under flex and each override
+#                  FP8 and block-wise checkpoints, online fp8, the matrix-vector kernel on FP8 weights, FP8
+#                  experts (grouped, one-token, block), the FP8 KV cache under flex and each override
 #   fp8-kv         the FP8 KV cache under each override (kernels against float64, engines against HF), then
 #                  bench throughput of the Qwen3-0.6B dummy with auto's SM90 backends named, bf16 and
 #                  --kv-cache-dtype fp8_e4m3
@@ -237,8 +237,8 @@ for s in "${steps[@]}"; do
              --json "$OUT/fp8-latency${q//[ -]/_}.json" 2>&1 | grep -E "TPOT" | sed "s|^|latency ${q:-bf16}: |"
          done ;;
     fp8-tests) timeout -s INT -k 30 "$LIMIT" python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_fp8_gpu.py \
-                 tests/test_fp8_gemm.py tests/test_fp8_kv_cache.py tests/test_moe.py tests/test_gemv.py tests/test_gpu_overrides.py \
-                 tests/test_triton_decode.py tests/test_block_fp8_experts.py \
+                 tests/test_fp8_gemm.py tests/test_fp8_kv_cache.py tests/test_moe.py tests/test_gemv.py \
+                 tests/test_gpu_overrides.py tests/test_triton_decode.py tests/test_block_fp8_experts.py \
                  -k "fp8 or FP8 or block or overrides_read" ;;
     fp8-kv) timeout -s INT -k 30 300 python -m pytest -m gpu -q -p no:cacheprovider -rfs tests/test_gpu_overrides.py \
               tests/test_triton_decode.py tests/test_fp8_kv_cache.py -k "fp8 or overrides_read"
