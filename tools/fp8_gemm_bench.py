@@ -21,7 +21,8 @@ Every output is checked against float32 products of the same FP8 values (within 
 magnitude); a product that fails the check or raises is reported instead of timed. The last column
 names the fastest FP8 product. With --tiles, each projection and M also times the weight-only kernel
 over a grid of tiles (TILE_GRID) and prints the three fastest (fp8-wonly's column: its default
-tiles). CUDA only.
+tiles), and flexsgl's FP8 kernel (kernels/fp8_gemm.py) on every (BLOCK_M, BLOCK_N) it can take,
+the three fastest beside the tiles `fp8_gemm.tiles` picks. CUDA only.
 
     python tools/fp8_gemm_bench.py --model qwen3-8b --rows 1,16,64,256,1024,4096 [--tiles]
 """
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from flexsgl.bench.cuda_timing import graph_median_s  # noqa: E402
-from flexsgl.kernels import gemv  # noqa: E402
+from flexsgl.kernels import fp8_gemm, gemv  # noqa: E402
 from flexsgl.model.config import ModelConfig  # noqa: E402
 from flexsgl.model.presets import PRESETS  # noqa: E402
 from flexsgl.quant.fp8 import dequantize, quantize_blocks, quantize_groups, quantize_rows, quantize_tokens  # noqa: E402
@@ -156,6 +157,21 @@ def sweep_tiles(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> str:
     return ", ".join(f"{c}: {us:.1f}" for us, c in sorted(times)[:3])
 
 
+def sweep_fp8_kernel(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> str:
+    """flexsgl's FP8 kernel's three fastest (BLOCK_M, BLOCK_N) for x, "tiles: µs" each, and its own pick's."""
+    m, n = x.shape[0], w8.shape[0]
+    xq, x_scale = quantize_tokens(x)
+    x_scale = x_scale.view(-1)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    times = {}
+    for block in [(bm, bn) for bm in (16, 32, 64, 128) if bm <= row_tile(m) for bn in fp8_gemm.WIDTHS if n % bn == 0]:
+        times[block] = graph_median_s(lambda: fp8_gemm.launch(xq, x_scale, w8, scale, None, None, out, block),
+                                      inner=10) * 1e6
+    pick = fp8_gemm.tiles(m, n, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    best = ", ".join(f"{b}: {us:.1f}" for b, us in sorted(times.items(), key=lambda t: t[1])[:3])
+    return f"{best}; picked {pick}: {times[pick]:.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b")
@@ -199,6 +215,8 @@ def main() -> None:
             print(f"{m:>6} " + " ".join(cells) + f"   {best[0] if best else '-'}", flush=True)
             if args.tiles:
                 print(f"       weight-only tiles, fastest: {sweep_tiles(x, w8, w8_scale)}", flush=True)
+                if k % fp8_gemm.BLOCK_K == 0 and n % fp8_gemm.WIDTHS[-1] == 0 and m <= fp8_gemm.MAX_ROWS:
+                    print(f"       FP8 kernel tiles, fastest: {sweep_fp8_kernel(x, w8, w8_scale)}", flush=True)
 
 
 if __name__ == "__main__":
