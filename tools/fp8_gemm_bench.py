@@ -21,8 +21,9 @@ Every output is checked against float32 products of the same FP8 values (within 
 magnitude); a product that fails the check or raises is reported instead of timed. The last column
 names the fastest FP8 product. With --tiles, each projection and M also times the weight-only kernel
 over a grid of tiles (TILE_GRID) and prints the three fastest (fp8-wonly's column: its default
-tiles), and flexsgl's FP8 kernel (kernels/fp8_gemm.py) on every (BLOCK_M, BLOCK_N) it can take,
-the three fastest beside the tiles `fp8_gemm.tiles` picks. CUDA only.
+tiles), and, where the engine runs it (`fp8_gemm.applies`), flexsgl's FP8 kernel
+(kernels/fp8_gemm.py) on every (BLOCK_M, BLOCK_N) it can take, the three fastest beside the tiles
+`fp8_gemm.tiles` picks. CUDA only.
 
     python tools/fp8_gemm_bench.py --model qwen3-8b --rows 1,16,64,256,1024,4096 [--tiles]
 """
@@ -215,7 +216,7 @@ def main() -> None:
             print(f"{m:>6} " + " ".join(cells) + f"   {best[0] if best else '-'}", flush=True)
             if args.tiles:
                 print(f"       weight-only tiles, fastest: {sweep_tiles(x, w8, w8_scale)}", flush=True)
-                if k % fp8_gemm.BLOCK_K == 0 and n % fp8_gemm.WIDTHS[-1] == 0 and m <= fp8_gemm.MAX_ROWS:
+                if fp8_gemm.applies(x, w8):  # where the engine would run it
                     print(f"       FP8 kernel tiles, fastest: {sweep_fp8_kernel(x, w8, w8_scale)}", flush=True)
 
 
