@@ -40,7 +40,7 @@ def check(m, n, k, extras, dtype, device, block=None, sms=132):
     want = reference(xq, xs, wq, ws, bias, residual)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
     off = ((out.double().cpu() - want).abs().max() / want.abs().max()).item()
-    assert off <= tol, f"seed={seed}: {off:.2e} of the largest output off, tiles {block or fp8_gemm.tiles(m, n, sms)}"
+    assert off <= tol, f"seed={seed}: {off:.2e} of the largest output off, tiles {block or fp8_gemm.tiles(m, n, k, sms)}"
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 96, 128), (7, 64, 256), (33, 128, 384), (64, 32, 128), (100, 192, 256)])
@@ -51,10 +51,11 @@ def test_interpreted_kernel_matches_float64(m, n, k, extras, dtype):
     check(m, n, k, extras, dtype, "cpu", sms=8)  # 8 SMs: the widest tiles these sizes allow
 
 
-@pytest.mark.parametrize("block", [(16, 32), (64, 64), (32, 128)])
+@pytest.mark.parametrize("block", [(16, 32, 128), (64, 64, 256), (32, 128, 128), (16, 32, 512)])
 @pytest.mark.usefixtures("triton_interpreter")
 def test_interpreted_kernel_on_each_tile(block):
-    check(40, 128, 256, True, torch.float32, "cpu", block=block)
+    """Each depth of K too: 512 columns a slice sum four ACC_K-column runs of the FP8 accumulator."""
+    check(40, 128, 1024, True, torch.float32, "cpu", block=block)
 
 
 def test_tiles_fill_the_sms():
@@ -62,19 +63,24 @@ def test_tiles_fill_the_sms():
     tiles of 64): gate_up and qkv leave 192 and 128 programs on 128 rows, o_proj and down_proj (1,024
     rows) 128 on 32; at 100 tokens (2 row tiles) 4,096 rows give 64 on 128 rows, 128 on 64; 7 tokens
     make one row tile of 16, and 1,024 rows in 32s only 32 programs: the narrowest; 96 rows divide
-    only by 32."""
-    assert fp8_gemm.tiles(224, 6144, 132) == (64, 128)
-    assert fp8_gemm.tiles(224, 4096, 132) == (64, 128)
-    assert fp8_gemm.tiles(224, 1024, 132) == (64, 32)
-    assert fp8_gemm.tiles(100, 4096, 132) == (64, 64)
-    assert fp8_gemm.tiles(7, 1024, 132) == (16, 32)
-    assert fp8_gemm.tiles(33, 96, 8) == (64, 32)
+    only by 32. K: 16 KiB of weight a slice, 128 x 128, 64 x 256 or 32 x 512, where the depth
+    divides K (1,152 only by 128)."""
+    assert fp8_gemm.tiles(224, 6144, 1024, 132) == (64, 128, 128)
+    assert fp8_gemm.tiles(224, 4096, 1024, 132) == (64, 128, 128)
+    assert fp8_gemm.tiles(224, 1024, 3072, 132) == (64, 32, 512)
+    assert fp8_gemm.tiles(100, 4096, 4096, 132) == (64, 64, 256)
+    assert fp8_gemm.tiles(7, 1024, 2048, 132) == (16, 32, 512)
+    assert fp8_gemm.tiles(7, 1024, 768, 132) == (16, 32, 256)
+    assert fp8_gemm.tiles(7, 1024, 1152, 132) == (16, 32, 128)
+    assert fp8_gemm.tiles(33, 96, 256, 8) == (64, 32, 256)
 
 
 def test_launch_refuses_tiles_that_do_not_divide():
     xq, xs, wq, ws, *_ = operands(4, 96, 128, 0, torch.float32, "cpu", False)
     with pytest.raises(ValueError, match="tiles of 64 rows"):
-        fp8_gemm.launch(xq, xs.view(-1), wq, ws.view(-1), None, None, torch.empty(4, 96), block=(16, 64))
+        fp8_gemm.launch(xq, xs.view(-1), wq, ws.view(-1), None, None, torch.empty(4, 96), block=(16, 64, 128))
+    with pytest.raises(ValueError, match="256 columns"):
+        fp8_gemm.launch(xq, xs.view(-1), wq, ws.view(-1), None, None, torch.empty(4, 96), block=(16, 32, 256))
 
 
 def test_op_off_the_kernel_adds_the_residual():
