@@ -63,13 +63,15 @@ def check_outputs(hf, llm, seen, prompts, outs, seed, what: str) -> None:
                           f"{what}: prompt {i} (len {len(prompt)}), seed={seed}", steps=STEPS)
 
 
-def well_drawn(path, make_hf, prompts_of, steps: int = STEPS):
+def well_drawn(path, make_hf, prompts_of, steps: int = STEPS, own_attention: bool = True):
     """(hf, seed, prompts): a checkpoint make_hf(path, seed) saves and returns, and the prompts
-    prompts_of(rng, vocab) draws, drawn again while HF's run over them holds a near-tie."""
+    prompts_of(rng, vocab) draws, drawn again while HF's run over them holds a near-tie. HF runs its
+    modeling code's own attention, or (own_attention False) the one make_hf gave it."""
     for _ in range(DRAWS):
         seed = random.randrange(1 << 30)
         hf = make_hf(path, seed)
-        hf.config._attn_implementation = "eager"
+        if own_attention:
+            hf.config._attn_implementation = "eager"
         prompts = prompts_of(random.Random(seed), hf.config.vocab_size)
         margin = rounding_margin(hf, [p + hf_reference(hf, p, steps)[0] for p in prompts])
         if margin >= ROUNDING_MARGIN:

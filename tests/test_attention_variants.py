@@ -469,6 +469,40 @@ def test_per_request_parameters_reach_each_request(tmp_path, monkeypatch):
         assert rel < 1e-4 and out.token_ids == tokens, f"window {w}: {rel:.2e}, seed={seed}"
 
 
+def per_layer_variants(heads: int, window: int = 24, cap: float = 20.0):
+    """A user's choice per layer and each written out for tests/variant_hf.py: layer 0 a sliding
+    window with a softcap, layer 1 ALiBi (slopes for `heads` heads), layer 2 the per-head
+    temperature written above; layers past them plain. (engine's attention=, HF's written)."""
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / heads) for h in range(heads)], dtype=torch.float64)
+    temps = torch.linspace(0.5, 2.0, heads, dtype=torch.float64)
+    engine = {"0": V.sliding_window(window) & V.softcap(cap), "1": V.alibi(), "2": user_head_temperature()}
+    written = {0: (lambda h, q, kv: q - kv < window, lambda s, h, q, kv: cap * torch.tanh(s / cap)),
+               1: (lambda h, q, kv: kv <= q, lambda s, h, q, kv: s - slopes[h] * (q - kv)),
+               2: (lambda h, q, kv: kv <= q, lambda s, h, q, kv: s / temps[h] + torch.where(kv == 0, 1.5, 0.0))}
+    return engine, written
+
+
+def test_a_users_variants_per_layer_track_hf_with_them_written_out(tmp_path, monkeypatch):
+    """Through the whole engine (a ragged batch beyond the window, prefill in chunks of 40 tokens,
+    pages of 16): per_layer_variants on a random Qwen3 checkpoint against HF's modeling code with
+    each layer's attention written out in float64 (tests/variant_hf.py). Every step's logits within
+    1e-4 of HF's and 32 greedy tokens equal."""
+    from flexsgl import LLM, SamplingParams
+    from tests.family_parity import STEPS, check_outputs, prompts_for, well_drawn
+    from tests.hf_models import capture_logits, make_checkpoint
+    from tests.variant_hf import hf_with_variants
+
+    engine, written = per_layer_variants(heads=4)
+    make_hf = lambda path, seed: (make_checkpoint("qwen3", path, seed), hf_with_variants(path, written))[1]  # noqa: E731
+    hf, seed, prompts = well_drawn(tmp_path, make_hf, lambda rng, vocab: prompts_for(rng, vocab, 24),
+                                   own_attention=False)
+    llm = LLM(str(tmp_path), attention=engine, device="cpu", page_size=16, max_num_batched_tokens=40)
+    llm.allocator.shuffle(seed)
+    seen = capture_logits(llm, monkeypatch)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=STEPS, temperature=0.0))
+    check_outputs(hf, llm, seen, prompts, outs, seed, "per-layer variants")
+
+
 def test_a_whole_number_parameter_refuses_a_fraction():
     from flexsgl import LLM, SamplingParams
     from flexsgl.errors import SamplingParamsError

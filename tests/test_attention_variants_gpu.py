@@ -2,9 +2,9 @@
 tests/test_attention_variants.py, compiled, in bfloat16, with pages of 16 and 64, against float64
 attention; decode replayed from a CUDA graph (its block mask rebuilt inside the graph); their prefill on
 FlexAttention's FLASH backend where flash-attn-4 is installed (the default there). And whole
-engines with per-layer variants, compiled with CUDA graphs, against the same engines run eagerly, and
-the families that need variants (Mistral, Gemma 2 and 3) against transformers, their prefill on the
-Triton kernel and on FLASH."""
+engines with a user's variants per layer, compiled with CUDA graphs, against transformers with those
+variants written out in float64, and the families that need variants (Mistral, Gemma 2 and 3)
+against transformers, their prefill on the Triton kernel and on FLASH."""
 
 import random
 
@@ -16,11 +16,13 @@ from flexsgl.attention.bound_variant import VariantSet
 from flexsgl.attention.flash_mods import flash_miscompiles
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.flex_options import FLASH, FLASH_VARIANTS_ENV, flash_prefill_runs
-from flexsgl.attention.variants import alibi, sliding_window, softcap
 from flexsgl.cache.pool import KVPool, PageAllocator
 from tests.attention_reference import dense_variant_attention, random_paged_batch
 from flexsgl.compile import settings
-from tests.test_attention_variants import CASES, HKV, HQ, LONG_PREFILL, PAST_WINDOW, REFERENCE
+from tests.family_parity import STEPS, check_outputs, prompts_for, well_drawn
+from tests.hf_models import capture_logits, make_checkpoint
+from tests.test_attention_variants import CASES, HKV, HQ, LONG_PREFILL, PAST_WINDOW, REFERENCE, per_layer_variants
+from tests.variant_hf import hf_with_variants
 from tests.test_gemma import make_gemma2, make_gemma3
 from tests.test_gpu import check_tracks_hf
 from tests.test_mistral import make_mistral
@@ -130,23 +132,25 @@ def test_windowed_prefill_past_long_prefixes_matches_float64(name, case, flash, 
                  flash=flash)
 
 
-@pytest.mark.parametrize("model,attention,page_size", [
-    ("tiny-mistral", None, 16),  # its own window on every layer, pages behind it given back
-    ("tiny", {"0": sliding_window(24) & softcap(20.0), "1": alibi()}, 64),  # a user's variants per layer
-])
-def test_engine_with_variants_graphed_matches_eager(model, attention, page_size):
-    """Greedy tokens of a compiled engine replaying CUDA graphs equal the same engine run eagerly
-    (float32 on the GPU), over prompts longer than the window and generations past it."""
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(500) for _ in range(n)] for n in (5, 70, 150)]
-    sampling = SamplingParams(max_new_tokens=80, temperature=0.0, ignore_eos=True)
-    outs = []
-    for compiled in (True, False):
-        llm = LLM(model, load_format="dummy", device="cuda", dtype="float32", page_size=page_size, compile=compiled,
-                  disable_cuda_graph=not compiled, max_total_tokens=8192, attention=attention)
-        outs.append([o.token_ids for o in llm.generate(prompts, sampling)])
-    assert outs[0] == outs[1], f"seed={seed}"
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_engine_with_variants_graphed_tracks_hf(tmp_path, monkeypatch, page_size):
+    """A user's variants per layer (per_layer_variants: a window with a softcap, ALiBi, a per-head
+    temperature) in a compiled float32 engine whose decode replays CUDA graphs, over a ragged batch
+    beyond the window prefilled in chunks, against HF on the CPU with each layer's attention written
+    out in float64 (tests/variant_hf.py): every step's logits within 1e-4 of HF's, 32 greedy tokens
+    equal. (Mistral's own window, graphed, is test_family_engine_tracks_hf's.)"""
+    engine, written = per_layer_variants(heads=4)
+    make_hf = lambda path, seed: (make_checkpoint("qwen3", path, seed, head_dim=D),  # noqa: E731
+                                  hf_with_variants(path, written))[1]
+    hf, seed, prompts = well_drawn(tmp_path, make_hf, lambda rng, vocab: prompts_for(rng, vocab, 24),
+                                   own_attention=False)
+    llm = LLM(str(tmp_path), attention=engine, device="cuda", dtype="float32", page_size=page_size, compile=True,
+              cuda_graph_bs=[1, 2, 4], max_num_batched_tokens=40, max_total_tokens=8192)
+    assert sorted(llm.runner.graphs.graphs) == [1, 2, 4], f"seed={seed}"
+    llm.allocator.shuffle(seed)
+    seen = capture_logits(llm, monkeypatch)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=STEPS, temperature=0.0))
+    check_outputs(hf, llm, seen, prompts, outs, seed, f"graphed, pages of {page_size}")
 
 
 FAMILIES = {"mistral": make_mistral, "gemma2": make_gemma2, "gemma3": make_gemma3}
