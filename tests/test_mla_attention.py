@@ -113,7 +113,11 @@ def test_compiled_expanded_prefill_on_cpu_matches_float64(case):
     run_expanded_case(CASES[case], 16, "cpu", torch.float32, rtol=1e-4, atol=1e-5)
 
 
-# ---- GPU: DeepSeek-V2's latent sizes (512 + 64), 16 heads, bf16
+# ---- GPU: DeepSeek-V2's latent sizes (512 + 64), 16 heads, bf16; flex also on others
+
+# latent shapes on the GPU: DeepSeek-V2's (FlashInfer's MLA takes only these), a tiny model's, one between
+LATENT_SHAPES = {"v2": dict(hq=16, rank=512, rope=64), "tiny": dict(hq=4, rank=32, rope=8),
+                 "mid": dict(hq=8, rank=256, rope=32)}
 
 def skip_unless_runs(name: str) -> None:
     reason = why_not(SPECS[name], torch.device("cuda"), "mla", 576, "bfloat16")
@@ -124,10 +128,15 @@ def skip_unless_runs(name: str) -> None:
 @gpu
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("page_size", [64])
-def test_fi_mla_and_flex_match_float64_on_gpu(case, page_size):
-    shape = dict(hq=16, rank=512, rope=64, seed=random.randrange(1 << 30))
+@pytest.mark.parametrize("latent", list(LATENT_SHAPES))
+def test_fi_mla_and_flex_match_float64_on_gpu(case, page_size, latent):
+    """Compiled flex on each latent shape, and FlashInfer's MLA on DeepSeek-V2's, against float64 and
+    each other."""
+    shape = dict(LATENT_SHAPES[latent], seed=random.randrange(1 << 30))
     flex = run_mla_case(CASES[case], page_size, "cuda", torch.bfloat16, 1e-2, 1e-2, compiled=True,
                         forward=torch.compile(FlexMLABackend.forward, dynamic=False), **shape)
+    if latent != "v2":
+        return
     skip_unless_runs("fi-mla")
     ours = run_mla_case(CASES[case], page_size, "cuda", torch.bfloat16, 1e-2, 1e-2,
                         backend_cls=backend_class(SPECS["fi-mla"], "mla"), **shape)
@@ -171,17 +180,21 @@ def test_expanded_prefill_matches_float64_on_gpu(case):
 @gpu
 @pytest.mark.parametrize("one_at_a_time", [False, True], ids=["together", "batch1"])
 # fi-mla,fi-mla,triton-mla<=2: the graphs of batch 1 and 2 on triton-mla, that of 8 on fi-mla
-@pytest.mark.parametrize("override", ["flex", "fi-mla", "triton-mla", "fi-mla,fi-mla,triton-mla<=2"])
-def test_bf16_mla_engine_tracks_hf(tmp_path, monkeypatch, override, one_at_a_time):
+@pytest.mark.parametrize("override,latent", [("flex", "v2"), ("fi-mla", "v2"), ("triton-mla", "v2"),
+                                             ("fi-mla,fi-mla,triton-mla<=2", "v2"), ("flex", "tiny"),
+                                             ("triton-mla", "tiny")])
+def test_bf16_mla_engine_tracks_hf(tmp_path, monkeypatch, override, latent, one_at_a_time):
     """The compiled bf16 engine with decode from CUDA graphs, on a tiny DeepSeek-V2 with the real
-    latent sizes, against transformers in float32 and bf16 (tests/test_gpu.py's bounds); the prompts
-    together, and one at a time (decode at batch 1: the matrix-vector kernels and fused routing)."""
+    latent sizes (v2: 512 + 64) or a tiny model's (32 + 8, on the backends that take them), against
+    transformers in float32 and bf16 (tests/test_gpu.py's bounds); the prompts together, and one at a
+    time (decode at batch 1: the matrix-vector kernels and fused routing)."""
     from tests.test_gpu import check_tracks_hf
 
     for name in {*override.replace("<=2", "").split(",")} - {"flex"}:
         skip_unless_runs(name)
     seed = random.randrange(1 << 30)
-    make_deepseek_checkpoint(tmp_path, seed, q_lora_rank=48, kv_lora_rank=512, qk_rope_head_dim=64,
-                             qk_nope_head_dim=32, v_head_dim=32, initializer_range=0.05)
+    latent_sizes = dict(kv_lora_rank=512, qk_rope_head_dim=64) if latent == "v2" else {}  # the tiny defaults
+    make_deepseek_checkpoint(tmp_path, seed, q_lora_rank=48, qk_nope_head_dim=32, v_head_dim=32,
+                             initializer_range=0.05, **latent_sizes)
     check_tracks_hf(str(tmp_path), monkeypatch, seed, 64, one_at_a_time, override=override, max_total_tokens=32768,
                     cuda_graph_bs=[1, 2, 8])
