@@ -472,7 +472,8 @@ def test_per_request_parameters_reach_each_request(tmp_path, monkeypatch):
 def per_layer_variants(heads: int, window: int = 24, cap: float = 20.0):
     """A user's choice per layer and each written out for tests/variant_hf.py: layer 0 a sliding
     window with a softcap, layer 1 ALiBi (slopes for `heads` heads), layer 2 the per-head
-    temperature written above; layers past them plain. (engine's attention=, HF's written)."""
+    temperature written above; layers past them plain. Returns (the engine's `attention=`, the written
+    forms tests/variant_hf.py takes)."""
     slopes = torch.tensor([2.0 ** (-8 * (h + 1) / heads) for h in range(heads)], dtype=torch.float64)
     temps = torch.linspace(0.5, 2.0, heads, dtype=torch.float64)
     engine = {"0": V.sliding_window(window) & V.softcap(cap), "1": V.alibi(), "2": user_head_temperature()}
@@ -493,7 +494,8 @@ def test_a_users_variants_per_layer_track_hf_with_them_written_out(tmp_path, mon
     from tests.variant_hf import hf_with_variants
 
     engine, written = per_layer_variants(heads=4)
-    make_hf = lambda path, seed: (make_checkpoint("qwen3", path, seed), hf_with_variants(path, written))[1]  # noqa: E731
+    make_hf = lambda path, seed: (make_checkpoint("qwen3", path, seed),  # noqa: E731
+                                  hf_with_variants(path, written))[1]
     hf, seed, prompts = well_drawn(tmp_path, make_hf, lambda rng, vocab: prompts_for(rng, vocab, 24),
                                    own_attention=False)
     llm = LLM(str(tmp_path), attention=engine, device="cpu", page_size=16, max_num_batched_tokens=40)
