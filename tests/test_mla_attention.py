@@ -119,6 +119,7 @@ def test_compiled_expanded_prefill_on_cpu_matches_float64(case):
 LATENT_SHAPES = {"v2": dict(hq=16, rank=512, rope=64), "tiny": dict(hq=4, rank=32, rope=8),
                  "mid": dict(hq=8, rank=256, rope=32)}
 
+
 def skip_unless_runs(name: str) -> None:
     reason = why_not(SPECS[name], torch.device("cuda"), "mla", 576, "bfloat16")
     if reason:
