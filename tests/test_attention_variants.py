@@ -67,9 +67,18 @@ def user_head_temperature():
 SINK = torch.tensor([0.5, -1.0, 2.0, 0.0])
 
 
+def written_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's slopes for a power of two of heads, written out: 2^(-8 (h + 1) / heads)."""
+    return torch.tensor([2.0 ** (-8 * (h + 1) / heads) for h in range(heads)], dtype=torch.float64)
+
+
+def written_temperatures(heads: int) -> torch.Tensor:
+    """user_head_temperature's temperatures, written out."""
+    return torch.linspace(0.5, 2.0, heads, dtype=torch.float64)
+
+
 def _reference_cases():
-    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / HQ) for h in range(HQ)], dtype=torch.float64)
-    temps = torch.linspace(0.5, 2.0, HQ, dtype=torch.float64)
+    slopes, temps = written_slopes(HQ), written_temperatures(HQ)
     return {
         "causal": (V.causal(), lambda i, h, q, kv, c: _causal(q, kv), None, None),
         "sliding_window": (V.sliding_window(20), lambda i, h, q, kv, c: _causal(q, kv) & (q - kv < 20), None, None),
@@ -474,12 +483,13 @@ def per_layer_variants(heads: int, window: int = 24, cap: float = 20.0):
     window with a softcap, layer 1 ALiBi (slopes for `heads` heads), layer 2 the per-head
     temperature written above; layers past them plain. Returns (the engine's `attention=`, the written
     forms tests/variant_hf.py takes)."""
-    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / heads) for h in range(heads)], dtype=torch.float64)
-    temps = torch.linspace(0.5, 2.0, heads, dtype=torch.float64)
+    from tests.variant_hf import anywhere
+
+    slopes, temps = written_slopes(heads), written_temperatures(heads)
     engine = {"0": V.sliding_window(window) & V.softcap(cap), "1": V.alibi(), "2": user_head_temperature()}
     written = {0: (lambda h, q, kv: q - kv < window, lambda s, h, q, kv: cap * torch.tanh(s / cap)),
-               1: (lambda h, q, kv: kv <= q, lambda s, h, q, kv: s - slopes[h] * (q - kv)),
-               2: (lambda h, q, kv: kv <= q, lambda s, h, q, kv: s / temps[h] + torch.where(kv == 0, 1.5, 0.0))}
+               1: (anywhere, lambda s, h, q, kv: s - slopes[h] * (q - kv)),
+               2: (anywhere, lambda s, h, q, kv: s / temps[h] + torch.where(kv == 0, 1.5, 0.0))}
     return engine, written
 
 
