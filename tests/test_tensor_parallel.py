@@ -108,7 +108,9 @@ def test_argmax_over_vocabulary_slices_is_row_argmax(ranks, vocab):
 def test_vocabulary_slices_race_to_the_samplers_tokens(ranks, vocab):
     """A step whose rows are greedy or sampled by temperature alone: each rank races its slice
     (l / T - log E with the noise of its own vocab ids) and the ranks exchange maxima; the tokens
-    are exactly what the sampler draws from the whole rows."""
+    are exactly what the sampler draws from the whole rows. Four steps' noise over the same logits,
+    and at least one sampled row off its argmax in one of them (a race returning the argmax fails):
+    in a single step all six sampled rows land on their argmax for about one seed in 2,500."""
     from flexsgl.sampling.sampler import race, sample
     from tests.test_sampling import make_st
 
@@ -116,14 +118,17 @@ def test_vocabulary_slices_race_to_the_samplers_tokens(ranks, vocab):
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     rows = vocab_rows(vocab, ranks)
     logits = torch.randn(8, vocab, generator=g).mul(3).to(torch.bfloat16)
-    st = make_st(rng, [0.0, 0.7, 1.0, 1.3, 0.0, 0.5, 2.0, 1.0], step=[rng.randrange(50) for _ in range(8)])
     padded = torch.full((8, rows * ranks), 1e4, dtype=torch.bfloat16)  # padding past the vocabulary must not win
     padded[:, :vocab] = logits
-    every = torch.stack([slice_summary(race(padded[:, r * rows:(r + 1) * rows], st, r * rows), vocab, r)
-                         for r in range(ranks)], dim=1)
-    tokens, finite = pick_argmax(every)
-    assert finite.all() and torch.equal(tokens, sample(logits, st)), f"seed={seed}"
-    assert not torch.equal(tokens, logits.float().argmax(-1)), f"seed={seed}: every sampled row at its argmax"
+    off_argmax = False
+    for _ in range(4):
+        st = make_st(rng, [0.0, 0.7, 1.0, 1.3, 0.0, 0.5, 2.0, 1.0], step=[rng.randrange(50) for _ in range(8)])
+        every = torch.stack([slice_summary(race(padded[:, r * rows:(r + 1) * rows], st, r * rows), vocab, r)
+                             for r in range(ranks)], dim=1)
+        tokens, finite = pick_argmax(every)
+        assert finite.all() and torch.equal(tokens, sample(logits, st)), f"seed={seed}"
+        off_argmax |= not torch.equal(tokens, logits.float().argmax(-1))
+    assert off_argmax, f"seed={seed}: every sampled row at its argmax in four steps"
 
 
 class TestTwoRanksOfTiny:
