@@ -1,6 +1,7 @@
 """HF transformers' model of a checkpoint, each layer's attention replaced by a float64 one that
 applies an attention variant as a test writes it out (logical positions: no pages, blocks or
-flex): the reference for an engine serving that checkpoint with those variants."""
+flex; tests/attention_reference.py's dense_variant_attention): the reference for an engine serving
+that checkpoint with those variants."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import itertools
 from typing import Callable
 
 import torch
+
+from tests.attention_reference import dense_variant_attention
 
 # layer index -> (visible(h, q_pos, kv_pos) -> bool, score(s, h, q_pos, kv_pos) -> s, or None);
 # s is q.k scaled by 1/sqrt(head_dim), h the query head; causality is added to every layer
@@ -28,18 +31,12 @@ def hf_with_variants(path, written: Written):
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         visible, score = written.get(module.layer_idx, (anywhere, None))
-        q, k, v = query.double(), key.double(), value.double()  # [B, H, S, D], K and V on fewer heads
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
-        h = torch.arange(q.shape[1])[:, None, None]
-        q_pos = torch.arange(k.shape[2] - q.shape[2], k.shape[2])[None, :, None]
-        kv_pos = torch.arange(k.shape[2])[None, None, :]
-        if score is not None:
-            s = score(s, h, q_pos, kv_pos)
-        s = s.masked_fill(~((kv_pos <= q_pos) & visible(h, q_pos, kv_pos)).expand(s.shape), float("-inf"))
-        out = torch.softmax(s, dim=-1) @ v
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        tokens = lambda t: t[0].transpose(0, 1).double()  # noqa: E731  [1, H, S, D] -> [S, H, D]
+        out = dense_variant_attention(
+            tokens(query), [(tokens(key), tokens(value))], [(0, query.shape[2])],
+            lambda i, h, q, kv: (kv <= q) & visible(h, q, kv),
+            None if score is None else lambda s, i, h, q, kv: score(s, h, q, kv), scale=scaling)
+        return out.to(query.dtype)[None], None
 
     name = f"flexsgl_written_variants_{next(_names)}"  # one per model: the registry is global
     AttentionInterface.register(name, attention)
