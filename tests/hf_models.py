@@ -73,7 +73,7 @@ def assert_matches_hf(hf, prompt, tokens: list[int], logits=None, what: str = ""
     assert short[step] <= tol, (f"{what}: step {step} chose token {tokens[step]}, HF's argmax is "
                                 f"{int(ref[step].argmax())}, {short[step]:.2e} of the step's largest logit above it")
     if logits is not None:
-        ours = (torch.stack(list(logits)) if not torch.is_tensor(logits) else logits).to(ref.dtype)
+        ours = (torch.stack(list(logits)) if not torch.is_tensor(logits) else logits).to(ref.device, ref.dtype)
         assert ours.shape == ref.shape, f"{what}: logits of shape {tuple(ours.shape)}, HF's {tuple(ref.shape)}"
         rel = logits_rel_error(ours, ref)
         assert rel < tol, f"{what}: logits relative error {rel:.2e}"
