@@ -3,7 +3,7 @@ symmetric memory (flexsgl/distributed/nvlink_allreduce.py: one-shot, two-shot), 
 picks for the size ("flexsgl", "picks": flexsgl/distributed/allreduce.py, FLEXSGL_ALLREDUCE as
 the engine reads it), and, where FlashInfer is installed, its TensorRT-LLM all-reduce
 (`flashinfer.comm`, one-shot and two-shot, over IPC memory without multicast) alone and fused with
-the residual add and RMSNorm that follow it in a layer ("trt1+norm", one-shot); bfloat16 messages
+the residual add and RMSNorm that follow it in a layer ("trt1+norm", "trt2+norm"); bfloat16 messages
 from 8 KB to 4 MB, as rows of HIDDEN values (a Qwen3-8B hidden state per row).
 
 Each figure is one all-reduce's share of a CUDA graph of 50 in a row on the same buffer, replayed
@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-SIZES_KB = (8, 16, 32, 64, 256, 1024, 4096)
+SIZES_KB = (8, 16, 32, 64, 256, 1024, 2048, 4096)
 CALLS, REPLAYS, TIMINGS = 50, 20, 5
 HIDDEN = 4096
 
@@ -119,7 +119,7 @@ class FlashInferAllReduce:
     RMSNorm, and checked against NCCL's sum (a column is None where FlashInfer refuses the case;
     why goes to `errors`)."""
 
-    COLUMNS = ("trt-1shot", "trt-2shot", "trt1+norm")
+    COLUMNS = ("trt-1shot", "trt-2shot", "trt1+norm", "trt2+norm")
 
     def __init__(self, trt):
         self.comm, self.workspace, self.errors = trt.comm, trt.workspace, set()
@@ -142,7 +142,8 @@ class FlashInferAllReduce:
         residual = torch.randn_like(x2)
         gamma = torch.rand(HIDDEN, device=x.device, dtype=x.dtype) + 0.5
         residual_out, norm_out = torch.empty_like(x2), torch.empty_like(x2)
-        kinds = {"trt-1shot": (True, False), "trt-2shot": (False, False), "trt1+norm": (True, True)}
+        kinds = {"trt-1shot": (True, False), "trt-2shot": (False, False), "trt1+norm": (True, True),
+                 "trt2+norm": (False, True)}
         row = {}
         for col, (oneshot, norm) in kinds.items():
             pattern = self.comm.AllReduceFusionPattern.kARResidualRMSNorm if norm else \
