@@ -341,7 +341,9 @@ BAD = [
     {"structured_outputs": {"regex": "[a-"}}, {"guided_json": {"type": "nope"}}, {"guided_grammar": "root ::= x"},
     {"structured_outputs": {"regex": "a", "choice": ["a"]}}, {"guided_regex": "a", "guided_choice": ["a"]},
     {"prompt": ""}, {"prompt": []}, {"prompt": [99999999]}, {"prompt": 5}, {"max_tokens": 5000},
-    {"stream_options": {"include_usage": True}}, {"stop_token_ids": [-3]},
+    {"stream_options": {"include_usage": True}}, {"stop_token_ids": [-3]}, {"response_format": {"type": "xml"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+    {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
 ]
 
 
@@ -363,6 +365,9 @@ def test_bad_requests_through_the_client_and_by_hand(server, client):
     assert post(server + "/v1/chat/completions", json.dumps({"messages": []}).encode())[0] == 400
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny-docs"]
+    assert client.models.retrieve("tiny-docs").model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
 
 
 @pytest.mark.parametrize("args", [["no/such-model-dir"], ["--port", "0"], ["--max-total-tokens", "-5"],
@@ -423,15 +428,48 @@ def test_an_engine_process_that_dies_ends_every_request_with_an_error():
         assert proc.poll() is None, "the HTTP server keeps answering"
 
 
-def test_stopping_the_server_stops_its_engine_process():
+def descendants(pid: int) -> list[int]:
+    kids = [int(p) for p in filter(str.isdigit, os.listdir("/proc"))
+            if (stat := proc_stat(p)) is not None and int(stat[1]) == pid]
+    return kids + [d for k in kids for d in descendants(k)]
+
+
+@pytest.mark.parametrize("case", ["idle", "streaming", "twice"])
+def test_stopping_the_server_ends_its_requests_and_processes(case):
+    """Ctrl-C ends the server and every process it started (the engine, multiprocessing's resource
+    tracker), without a traceback. A stream in flight ends at once with finish reason "abort", its
+    last chunk and [DONE]. "twice": a second Ctrl-C while a request's body is still arriving (so
+    uvicorn is waiting on it) makes uvicorn skip the app's shutdown; the engine must end anyway."""
     with server_process() as (base, proc):
-        engine = engine_pid(proc.pid)
-        assert alive(engine)
+        kids = descendants(proc.pid)
+        assert alive(engine_pid(proc.pid)) and kids
+        if case == "streaming":
+            body = {"model": "tiny-docs", "prompt": "Return the", "max_tokens": 900, "ignore_eos": True,
+                    "stream": True}
+            stream = urllib.request.urlopen(urllib.request.Request(
+                base + "/v1/completions", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"}), timeout=TIMEOUT)
+            assert stream.readline().startswith(b"data: ")  # it runs
+        elif case == "twice":
+            slow = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=TIMEOUT)
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            time.sleep(0.5)
         proc.send_signal(signal.SIGINT)  # Ctrl-C
+        if case == "streaming":
+            rest = stream.read().decode()
+            assert '"finish_reason": "abort"' in rest and rest.endswith("data: [DONE]\n\n"), rest[-300:]
+        elif case == "twice":
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
         proc.wait(timeout=TIMEOUT)
+        output = proc.stdout.read()
+        assert "Traceback" not in output, output[-3000:]
+        if case == "twice":
+            slow.close()
     deadline = time.monotonic() + TIMEOUT
-    while alive(engine):
-        assert time.monotonic() < deadline, "the engine process outlived its server"
+    while any(alive(k) for k in kids):
+        assert time.monotonic() < deadline, f"processes the server started outlived it: {kids}"
         time.sleep(0.1)
 
 
@@ -458,3 +496,26 @@ def test_mid_stream_chunks_from_the_template_equal_the_general_encoding(chat, in
         c = {"index": i, "logprobs": None, "finish_reason": None}
         c.update({"delta": {"content": text}} if chat else {"text": text})
         assert choices._token_chunk(i, text, include_usage) == choices._chunk(c, include_usage)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_requests_are_logged_only_with_the_request_log_flag(enabled):
+    """--enable-log-requests alone decides: the "flexsgl" logger at info (--log-level info) must not
+    log prompts without it, and at warning must not hide them with it."""
+    import logging
+
+    pytest.importorskip("prometheus_client")
+    from flexsgl.config import EngineConfig
+    from flexsgl.log import logger
+    from flexsgl.serve.app import ServerOptions, build_app, request_log
+    from flexsgl.serve.engine_client import EngineClient
+    from flexsgl.serve.metrics import Metrics
+
+    before = logger.level
+    try:
+        for level in (logging.INFO, logging.WARNING):
+            logger.setLevel(level)
+            build_app(EngineClient(EngineConfig(), Metrics("tiny-docs")), "tiny-docs", ServerOptions(request_log=enabled))
+            assert request_log.isEnabledFor(logging.INFO) == enabled, logging.getLevelName(level)
+    finally:
+        logger.setLevel(before)

@@ -186,7 +186,7 @@ def test_json_schema_outputs_parse_and_validate(client):
     assert whole.choices[0].finish_reason == "stop", f"seed={seed} {text!r}"
     jsonschema.validate(json.loads(text), schema)
     assert stream_fields(chunks, "content") == text, f"seed={seed}"
-    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": schema}}):
+    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": schema}}, {"response_format": fmt}):
         out = complete(client, prompt=random_prompt(rng), max_tokens=200, temperature=0.8, seed=seed,
                        extra_body=extra)
         assert out.choices[0].finish_reason == "stop", f"seed={seed}"

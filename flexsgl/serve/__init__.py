@@ -13,6 +13,8 @@ structured outputs and required tool calls) too.
 from __future__ import annotations
 
 import errno
+import logging
+import signal
 import socket
 
 
@@ -52,6 +54,18 @@ def serve(engine_config, host: str = "127.0.0.1", port: int = 8000, served_model
 
     sock = sock or listen(host, port)
     name = served_model_name or engine_config.model or DEFAULT_MODEL
-    app = build_app(EngineClient(engine_config, Metrics(name)), name, options)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    engine = EngineClient(engine_config, Metrics(name))
+    app = build_app(engine, name, options)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:  # the first Ctrl-C or SIGTERM: the requests in flight end now
+                engine.drain()
+            elif sig == signal.SIGINT:  # a second Ctrl-C: uvicorn exits at once, and would log each
+                logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # task it leaves as a traceback
+            super().handle_exit(sig, frame)
+
+    try:
+        Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        engine.stop()  # also where a second Ctrl-C made uvicorn skip the app's shutdown

@@ -74,8 +74,8 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
         async with big_bodies:
             await asyncio.sleep(0)  # what else is ready runs first
             return _validate(raw, model)
-    if options.request_log:
-        request_log.setLevel(logging.INFO)
+    # its own level either way: under the "flexsgl" logger it would otherwise log at --log-level info
+    request_log.setLevel(logging.INFO if options.request_log else logging.WARNING)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -91,17 +91,27 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
     @app.get("/health")
     async def health():
         if not engine.serving:
-            return JSONResponse({"status": engine.failure or "loading"}, status_code=503)
+            status = engine.failure or ("stopping" if engine.draining else "loading")
+            return JSONResponse({"status": status}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "flexsgl",
+                "max_model_len": engine.info.config.max_position if engine.serving else None}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "flexsgl",
-                                            "max_model_len": engine.info.config.max_position if engine.serving else None}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # ids may hold slashes (a hub id)
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise _no_such_model(model_id, model_name)
+        return card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -215,12 +225,15 @@ def _decode(tokenizer, ids: list[int]) -> str:
 
 def _check(engine: EngineClient, model: str | None, model_name: str):
     if not engine.serving:
-        raise APIError(503, engine.failure or "The model is still loading; try again when /health says ok.",
-                       kind="service_unavailable")
+        raise APIError(503, engine.unavailable, kind="service_unavailable")
     if model is not None and model != model_name:
-        raise APIError(404, f"The model {model!r} does not exist; this server serves {model_name!r}.",
-                       code="model_not_found")
+        raise _no_such_model(model, model_name)
     return engine.info
+
+
+def _no_such_model(model: str, model_name: str) -> APIError:
+    return APIError(404, f"The model {model!r} does not exist; this server serves {model_name!r}.",
+                    code="model_not_found")
 
 
 def _prompt_tokens(reqs) -> int:

@@ -8,7 +8,8 @@ queue and records the metrics (metrics.py) from the messages' arrival times: per
 (a Call, whatever its number of choices), its TTFT, TPOT, latency and queue time.
 
 If the engine fails or its process ends, every request in flight ends with an error, /health
-answers 503 with the reason, and later requests are answered 503 with it.
+answers 503 with the reason, and later requests are answered 503 with it. When the server stops,
+`drain` ends the requests in flight (finish reason "abort") before the engine process is stopped.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flexsgl.serve.messages import Abort, Add, EngineInfo, Event, Failed, Ready,
 from flexsgl.serve.metrics import Metrics
 
 STOP_TIMEOUT_S = 30  # how long shutdown waits for the engine process before terminating it
+SHUTTING_DOWN = "The server is shutting down."
 
 
 @dataclass
@@ -66,6 +68,7 @@ class EngineClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.process = None
         self.stopping = False
+        self.draining = False  # the server is stopping: requests in flight are being ended (drain)
 
     # ---- lifetime
 
@@ -98,18 +101,34 @@ class EngineClient:
             self.process.join(STOP_TIMEOUT_S)
         self.outbox.put(None)
 
+    def drain(self) -> None:
+        """The server is stopping: end every request in flight now, each with finish reason "abort"
+        and the tokens it has (a stream with its last chunk and [DONE]), so that their responses
+        complete before the connections close; later requests are answered 503. Callable from a
+        signal handler."""
+        self.draining = True
+        if self.loop is not None:  # else nothing has started
+            self._call(lambda: self.abort(list(self.streams)))
+
     @property
     def serving(self) -> bool:
-        return self.ready.is_set() and self.failure is None
+        return self.ready.is_set() and self.failure is None and not self.draining
+
+    @property
+    def unavailable(self) -> str:
+        """Why the engine does not take requests (when not `serving`)."""
+        if self.failure is not None:
+            return self.failure
+        return SHUTTING_DOWN if self.draining else "The model is still loading; try again when /health says ok."
 
     # ---- the event loop's side
 
     def submit(self, reqs: list[Request], events: asyncio.Queue) -> list[Stream]:
         call = Call(len(reqs), sum(r.prompt_len for r in reqs if r.index == 0))
         streams = [Stream(i, events, call) for i in range(len(reqs))]
-        if self.failure is not None:
+        if not self.serving:  # failed, or stopping since the handler checked
             for s in streams:
-                events.put_nowait(Event(s.choice, "", error=self.failure))
+                events.put_nowait(Event(s.choice, "", error=self.unavailable))
             return streams
         for r, s in zip(reqs, streams):
             self.streams[r.request_id] = s

@@ -6,7 +6,8 @@ generation_config.json), then SamplingParams' own. Besides OpenAI's fields, the 
 SGLang take are accepted: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, include_stop_str_in_output, prompt_logprobs, chat_template_kwargs, and the
 structured-output constraints (`structured_outputs` {json, regex, choice, grammar, json_object},
-and the older guided_json, guided_regex, guided_grammar, guided_choice). Unknown fields are
+and the older guided_json, guided_regex, guided_grammar, guided_choice); OpenAI's response_format
+constrains completions as well as chat, as in vLLM. Unknown fields are
 ignored, as vLLM does.
 """
 
@@ -26,6 +27,13 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "gra
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    json_schema: dict[str, Any] | None = None
 
 
 class SamplingFields(BaseModel):
@@ -58,6 +66,7 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     COPIED: ClassVar[tuple[str, ...]] = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
@@ -95,6 +104,22 @@ class SamplingFields(BaseModel):
             raise SamplingParamsError(f"Give one guided_ field, got {', '.join('guided_' + k for k in given)}.")
         return StructuredOutputsParams.of(given) if given else None
 
+    def response_format_constraint(self) -> StructuredOutputsParams | None:
+        """response_format as a constraint: json_schema (its `schema`), json_object, or none for text."""
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if rf.type == "json_schema":
+            schema = (rf.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise SamplingParamsError("response_format of type json_schema needs json_schema.schema, "
+                                          "a JSON schema object.")
+            return StructuredOutputsParams(json=schema)
+        raise SamplingParamsError(f"response_format type must be text, json_object or json_schema, "
+                                  f"got {rf.type[:40]!r}.")
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -128,7 +153,7 @@ class CompletionRequest(SamplingFields):
             raise SamplingParamsError("suffix is not supported.")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise SamplingParamsError("best_of is not supported (other than equal to n).")
-        sp = self.sampling(defaults, self.max_tokens, self.logprobs)
+        sp = self.sampling(defaults, self.max_tokens, self.logprobs, self.response_format_constraint())
         if self.echo and self.logprobs is not None and sp.prompt_logprobs is None:  # echo shows the prompt's too
             sp = sp.replace(prompt_logprobs=self.logprobs)
         # OpenAI's default for completions is 16 tokens; a model's generation_config may say otherwise.
@@ -142,13 +167,6 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: str
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
@@ -159,7 +177,6 @@ class ChatRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: ResponseFormat | None = None
 
     def to_sampling(self, defaults: SamplingParams, room: int,
                     structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -175,22 +192,6 @@ class ChatRequest(SamplingFields):
             raise SamplingParamsError("response_format cannot be combined with a required or named tool call.")
         return self.sampling(defaults, limit, (self.top_logprobs or 0) if self.logprobs else None,
                              formatted or structured)
-
-    def response_format_constraint(self) -> StructuredOutputsParams | None:
-        """response_format as a constraint: json_schema (its `schema`), json_object, or none for text."""
-        rf = self.response_format
-        if rf is None or rf.type == "text":
-            return None
-        if rf.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if rf.type == "json_schema":
-            schema = (rf.json_schema or {}).get("schema")
-            if not isinstance(schema, dict):
-                raise SamplingParamsError("response_format of type json_schema needs json_schema.schema, "
-                                          "a JSON schema object.")
-            return StructuredOutputsParams(json=schema)
-        raise SamplingParamsError(f"response_format type must be text, json_object or json_schema, "
-                                  f"got {rf.type[:40]!r}.")
 
     def message_dicts(self) -> list[dict]:
         """The messages for apply_chat_template; content given as parts is joined from its text parts."""
