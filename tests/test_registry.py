@@ -229,3 +229,25 @@ def test_flashinfer_page_lists_by_hand():
     assert indptr == [0, 1, 2, 5, 6]
     assert last == [1, 4, 1, 1]
     assert indices == [7, 3, 5, 2, 8, 0]
+
+
+def test_a_users_mod_without_kernel_features_runs_on_flex_only(fake_gpu):
+    """A variant with a mask_mod or score_mod and no `kernel=` (the ATTENTION.md way of writing one):
+    no kernel override may take it, for the kernels would run plain attention in its place; a
+    variant without mods (a window) and one that names its kernel features may go to kernels."""
+    from flexsgl.attention.variant import AttentionVariant
+
+    fake_gpu(90)
+    kw = dict(head_dim=128, dtype="bfloat16", page_size=64)
+    mods = [AttentionVariant("near", mask_mod=lambda b, h, q, kv: q - kv < 8),
+            AttentionVariant("halved", score_mod=lambda s, b, h, q, kv: s * 0.5)]
+    for v in mods:
+        assert v.kernel is None and v.features() is None
+        assert resolve_override("auto", GPU, variants=[v], **kw).label == "flex"
+        for name in ("fa3", "fi", "fa3-prefill,fi-decode", "flex,triton-decode"):
+            with pytest.raises(ValueError, match="whose mods only flex runs"):
+                resolve_override(name, GPU, variants=[v], **kw)
+    window = AttentionVariant("window", window=8)
+    assert window.kernel == {} and resolve_override("fa3", GPU, variants=[window], **kw).label == "fa3"
+    capped = AttentionVariant("capped", score_mod=lambda s, b, h, q, kv: s, kernel={"softcap": 30.0})
+    assert resolve_override("fa3", GPU, variants=[capped], **kw).label == "fa3"

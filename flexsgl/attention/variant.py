@@ -27,7 +27,8 @@ Besides the mods, a variant declares what flexsgl can use to read less or to han
 - `scale`: the softmax scale (default 1/sqrt(head dim)).
 - `kernel`: what a kernel override may run instead of the mods, as the features it understands
   (`{"softcap": 50.0}`, `{"chunk": 8192}`); a window and a sink are features by themselves. A
-  variant whose mods are not all covered runs on flex only.
+  variant whose mods are not all covered runs on flex only: left out, `kernel` is None (flex only)
+  for a variant with a mod, and `{}` for one without (a window, a sink, a scale).
 
 Variants compose with `&`: both masks hold, the score mods apply left to right, the smaller window
 wins. `docs/ATTENTION.md` has runnable examples; flexsgl/attention/variants.py the shipped ones.
@@ -103,7 +104,7 @@ class AttentionVariant:
     sink: str | PerHead | None = None
     scale: float | None = None
     params: dict[str, Param] = field(default_factory=dict)
-    kernel: dict | None = field(default_factory=dict)  # None: the mods are flex's alone
+    kernel: dict | None = ...  # None: the mods are flex's alone; left out (...): see the module docstring
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -124,6 +125,8 @@ class AttentionVariant:
             if not name.isidentifier() or not isinstance(param, (PerRequest, PromptLength, PerHead)):
                 raise VariantError(f"{where}: parameter {name!r} must be an identifier mapped to a PerRequest, "
                                    f"PromptLength or PerHead.")
+        if self.kernel is ...:  # mods no kernel is told about are flex's alone
+            object.__setattr__(self, "kernel", None if self.mask_mod or self.score_mod else {})
         if self.kernel is not None and not isinstance(self.kernel, dict):
             raise VariantError(f"{where}: kernel must be a dict of kernel features or None.")
 
