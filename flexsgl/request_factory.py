@@ -130,11 +130,11 @@ class RequestFactory:
             takes = f"it takes {', '.join(takes)}" if takes else "it takes none"
             raise SamplingParamsError(f"attention_params of prompt {index} name {unknown[0]!r}, which no attention "
                                       f"variant of this engine takes ({takes}).")
-        fractional = [(k, v) for k, v in (sampling.attention_params or {}).items()
-                      if self.variants.whole_numbers(k) and not float(v).is_integer()]
-        if fractional:
-            raise SamplingParamsError(f"attention_params of prompt {index} give {fractional[0][0]} "
-                                      f"{fractional[0][1]!r}, and it takes whole numbers.")
+        for name, value in (sampling.attention_params or {}).items():
+            takes = self.variants.refusal(name, value)
+            if takes is not None:
+                raise SamplingParamsError(f"attention_params of prompt {index} give {name} {value!r}, and it takes "
+                                          f"{takes}.")
         if any(t >= vocab for t, _ in sampling.logit_bias):
             raise SamplingParamsError(f"logit_bias of prompt {index} names ids outside the vocabulary [0, {vocab}).")
         if sampling.structured_outputs is not None:

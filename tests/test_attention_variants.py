@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -521,8 +522,9 @@ def test_a_whole_number_parameter_refuses_a_fraction():
 
     assert PerRequest(48).dtype == torch.int32 and PerRequest(0.5).dtype == torch.float32
     llm = LLM("tiny", attention=per_request_window(), load_format="dummy", device="cpu", max_total_tokens=1024)
-    with pytest.raises(SamplingParamsError, match=r"give w 2\.5, and it takes whole numbers"):
-        llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, attention_params={"w": 2.5}))
+    for bad in (2.5, 2**31, -2**31 - 1, float("inf")):  # int32: beyond it a value would wrap in the tensor
+        with pytest.raises(SamplingParamsError, match=rf"give w {re.escape(repr(bad))}, and it takes whole numbers"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, attention_params={"w": bad}))
     out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, attention_params={"w": 2.0}))[0]
     assert out.error is None
 

@@ -344,6 +344,7 @@ BAD = [
     {"stream_options": {"include_usage": True}}, {"stop_token_ids": [-3]}, {"response_format": {"type": "xml"}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
     {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+    {"attention_params": {"window": 4}}, {"attention_params": {"window": "wide"}},
 ]
 
 
@@ -519,3 +520,26 @@ def test_requests_are_logged_only_with_the_request_log_flag(enabled):
             assert request_log.isEnabledFor(logging.INFO) == enabled, logging.getLevelName(level)
     finally:
         logger.setLevel(before)
+
+
+def test_attention_params_reach_a_users_variant():
+    """A server running a user's variant with a per-request window (`--attention module:attr`): a
+    request's attention_params give the tokens an offline engine gives with them; a value the
+    parameter does not take, or a name no variant takes, is a 400."""
+    from tests.test_attention_variants import per_request_window
+
+    spec = "tests.test_attention_variants:per_request_window"
+    rng = random.Random(rng_seed := random.randrange(1 << 30))
+    prompt, w = random_prompt(rng), rng.randrange(1, 4)
+    offline = LLM(**OPTIONS, attention=per_request_window())
+    greedy = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    want = offline.generate(prompt, SamplingParams(**greedy, attention_params={"w": w}))[0].text
+    full = offline.generate(prompt, SamplingParams(**greedy))[0].text
+    assert want != full, f"a window of {w} changes nothing here (seed={rng_seed})"
+    with running_server("--attention", spec) as base:
+        body = {"model": "tiny-docs", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        status, out = post(base + "/v1/completions", json.dumps({**body, "attention_params": {"w": w}}).encode())
+        assert status == 200 and out["choices"][0]["text"] == want, (out, rng_seed)
+        for bad in ({"w": 2.5}, {"nope": 1}):
+            status, err = post(base + "/v1/completions", json.dumps({**body, "attention_params": bad}).encode())
+            assert status == 400 and "attention_params" in err["error"]["message"], err

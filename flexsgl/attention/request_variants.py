@@ -1,7 +1,8 @@
 """What an engine's attention variants take from each request, and what they mean for reusing its K/V.
 
 A request may give the variants' per-request parameters (`PerRequest`) through
-`SamplingParams.attention_params`; an integer parameter takes whole numbers only.
+`SamplingParams.attention_params`; an integer parameter takes whole numbers its dtype holds, a
+floating one finite numbers (`refusal`).
 
 The prefix cache hands a request the K/V another computed for the same tokens. That is right only
 where both computed them alike, and a token's K/V after the first layer depend on every earlier
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import torch
+
 from flexsgl.attention.variant import AttentionVariant, PerRequest, PromptLength
 
 
@@ -34,8 +37,17 @@ class RequestVariants:
         self.whole_prompt = any(not v.causal or any(isinstance(p, PromptLength) for p in v.params.values())
                                 for v in variants)
 
-    def whole_numbers(self, name: str) -> bool:
-        return not self.params[name].dtype.is_floating_point
+    def refusal(self, name: str, value: float | int) -> str | None:
+        """What parameter `name` takes, where `value` is not that (else None): an integer one whole
+        numbers its dtype holds, a floating one finite numbers it holds."""
+        dtype = self.params[name].dtype
+        if dtype.is_floating_point:
+            top = torch.finfo(dtype).max
+            return None if -top <= value <= top else f"finite numbers of {dtype} (magnitude up to {top:.4g})"
+        low, top = torch.iinfo(dtype).min, torch.iinfo(dtype).max
+        if float(value).is_integer() and low <= value <= top:
+            return None
+        return f"whole numbers from {low} to {top}"
 
     def salt(self, prompt_ids: Sequence[int], given: dict | None) -> Hashable | None:
         """The prefix cache partition of a request with this prompt and these attention_params
