@@ -92,6 +92,10 @@ def _reference_cases():
         "chunked_local": (V.chunked_local(16), lambda i, h, q, kv, c: _causal(q, kv) & (q // 16 == kv // 16),
                           None, None),
         "prefix_lm": (V.prefix_lm(), lambda i, h, q, kv, c: _causal(q, kv) | (kv < c["prompt_len"][i]), None, None),
+        # a variant without a mask_mod leaves the other's causal=False standing
+        "softcap_and_prefix_lm": (V.softcap(5.0) & V.prefix_lm(),
+                                  lambda i, h, q, kv, c: _causal(q, kv) | (kv < c["prompt_len"][i]),
+                                  lambda s, i, h, q, kv, c: 5.0 * torch.tanh(s / 5.0), None),
         "user_local_window": (user_local_window(),
                               lambda i, h, q, kv, c: _causal(q, kv) & (q - kv < c["win"][i])
                               & ((q - kv < 8) | (kv % 3 != 1)), None, None),
@@ -581,3 +585,22 @@ def test_a_prompt_longer_than_a_step_is_refused_where_prompts_are_seen_whole():
     long, short = llm.generate([list(range(1, 30)), list(range(1, 10))], SamplingParams(max_new_tokens=3))
     assert long.finish_reason == "refused" and "longer than a prefill step (16 tokens" in long.error
     assert short.error is None and len(short.token_ids) == 3
+
+
+def test_layer_specs_pick_layers_compose_with_and_and_refuse_a_layer_given_two():
+    """`--attention`'s form: parts by layer (`@selector`), `&` composing on the same layers; a layer
+    two parts name is refused rather than one part dropped."""
+    from flexsgl.attention.layer_variants import user_variants
+
+    got = user_variants("alibi@0::2;softcap:cap=30@1::2", 4)
+    assert [v.name for v in got] == ["alibi", "softcap(30)", "alibi", "softcap(30)"]
+    assert got[0] is got[2]  # one object per part: one compiled layer serves both
+    both = user_variants("alibi&softcap:cap=30", 3)
+    assert both[0].name == "alibi&softcap(30)" and all(v is both[0] for v in both)
+    assert both[0].params.keys() == {"slopes"} and both[0].kernel is None
+    partial = user_variants("sliding_window:window=8@1", 3)
+    assert partial[0] is None and partial[2] is None and partial[1].window == 8
+    for bad in ("alibi;softcap:cap=30", "alibi@0;softcap:cap=30@0", "alibi@all;causal@2",
+                {"all": "alibi", "1": "softcap:cap=30"}):
+        with pytest.raises(VariantError, match=r"Layer \d is given two attention variants"):
+            user_variants(bad, 3)

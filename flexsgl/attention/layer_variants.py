@@ -8,9 +8,10 @@ variants for chosen layers:
     attention=sliding_window(512)                        every layer
     attention={"0::2": alibi(), "1::2": "softcap:cap=30"}  layers by slice, index, "i,j,k" or "all"
     --attention "alibi@0::2;softcap:cap=30@1::2"         the same on the command line
+    --attention "alibi&softcap:cap=30"                   both on every layer (variants.resolve composes)
 
-A variant named by a string is resolved by variants.resolve. Layers the user leaves out keep the
-model's own attention. Each distinct composition is one object shared by its layers, so one
+A variant named by a string is resolved by variants.resolve. A layer given two variants is refused
+(compose them with `&`). Layers the user leaves out keep the model's own attention. Each distinct composition is one object shared by its layers, so one
 compiled decoder layer serves all of them.
 """
 
@@ -26,19 +27,21 @@ def user_variants(spec, num_layers: int) -> list[AttentionVariant | None]:
     if spec is None:
         return out
     if isinstance(spec, str):
-        parts = [p.strip() for p in spec.split(";") if p.strip()]
-        spec = dict(_split_layers(p) for p in parts)
+        pairs = [_split_layers(p.strip()) for p in spec.split(";") if p.strip()]
     elif isinstance(spec, AttentionVariant):
-        spec = {"all": spec}
-    if not isinstance(spec, dict):
+        pairs = [("all", spec)]
+    elif isinstance(spec, dict):
+        pairs = list(spec.items())
+    else:
         raise VariantError(f"attention must be a variant, a name, or a dict of layers to variants, got "
                            f"{type(spec).__name__}.")
     resolved: dict[int, AttentionVariant] = {}  # one object per distinct spec
-    for layers, variant in spec.items():
+    for layers, variant in pairs:
         v = resolve(variant)
         for i in select_layers(layers, num_layers):
             if out[i] is not None:
-                raise VariantError(f"Layer {i} is given two attention variants ({out[i].name} and {v.name}).")
+                raise VariantError(f"Layer {i} is given two attention variants ({out[i].name} and {v.name}); "
+                                   f"give it one, composed with & where both should apply.")
             out[i] = resolved.setdefault(id(v), v)
     return out
 

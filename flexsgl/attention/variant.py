@@ -31,7 +31,8 @@ Besides the mods, a variant declares what flexsgl can use to read less or to han
   for a variant with a mod, and `{}` for one without (a window, a sink, a scale).
 
 Variants compose with `&`: both masks hold, the score mods apply left to right, the smaller window
-wins. `docs/ATTENTION.md` has runnable examples; flexsgl/attention/variants.py the shipped ones.
+wins; a variant without a mask_mod leaves another's causal=False standing (softcap & prefix-LM is
+prefix-LM with a softcap). `docs/ATTENTION.md` has runnable examples; flexsgl/attention/variants.py the shipped ones.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class AttentionVariant:
         covered = self.kernel is not None and other.kernel is not None
         return AttentionVariant(
             f"{self.name}&{other.name}", mask_mod=_and_masks(self, other), score_mod=_chain_scores(self, other),
-            causal=self.causal or other.causal, window=min(windows) if windows else None,
+            causal=_and_causal(self, other), window=min(windows) if windows else None,
             sink=self.sink if self.sink is not None else other.sink,
             scale=self.scale if self.scale is not None else other.scale,
             params={**self.params, **other.params},
@@ -175,6 +176,15 @@ class AttentionVariant:
 
     def with_scale(self, scale: float | None) -> "AttentionVariant":
         return self if scale is None else replace(self, scale=scale)
+
+
+def _and_causal(a: AttentionVariant, b: AttentionVariant) -> bool:
+    """Whether `a & b` is causal. Both masks hold, so a causal variant with a mask_mod (whose mask
+    assumes causality) keeps it causal; a causal one without (a score_mod, a window: the default
+    mask) says nothing about it, so another's causal=False stands."""
+    if (a.causal and a.mask_mod is not None) or (b.causal and b.mask_mod is not None):
+        return True
+    return a.causal and b.causal
 
 
 def _check_signature(mod: Callable, kind: str, n: int, where: str) -> None:

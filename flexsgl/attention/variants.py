@@ -16,8 +16,10 @@ AttentionVariant, or a function returning one).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
+import operator
 
 import torch
 
@@ -95,12 +97,15 @@ def names() -> list[str]:
 
 def resolve(spec) -> AttentionVariant:
     """An AttentionVariant from `spec`: a variant, or `NAME[:key=value,...]` where NAME is shipped,
-    registered, or `module:attribute`; VariantError in one sentence if it cannot be had."""
+    registered, or `module:attribute`, or several such joined by `&` (composed, left to right);
+    VariantError in one sentence if it cannot be had."""
     if isinstance(spec, AttentionVariant):
         return spec
     if not isinstance(spec, str) or not spec.strip():
         raise VariantError(f"An attention variant is an AttentionVariant or a name like "
                            f"'sliding_window:window=4096', got {spec!r}.")
+    if "&" in spec:
+        return functools.reduce(operator.and_, (resolve(part) for part in spec.split("&")))
     name, kwargs = _parse(spec.strip())
     target = SHIPPED.get(name) or _REGISTERED.get(name)
     if target is None and (":" in name or "." in name):
