@@ -604,3 +604,31 @@ def test_layer_specs_pick_layers_compose_with_and_and_refuse_a_layer_given_two()
                 {"all": "alibi", "1": "softcap:cap=30"}):
         with pytest.raises(VariantError, match=r"Layer \d is given two attention variants"):
             user_variants(bad, 3)
+
+
+def test_a_variant_that_cannot_run_is_refused_in_one_sentence():
+    """Values and mods that would run as nonsense or fail inside a step: each a VariantError naming
+    the variant or parameter, before any request runs."""
+    from flexsgl import LLM
+
+    cases = [
+        (lambda: V.softcap(0), "cap must be a positive number"),
+        (lambda: V.softcap(-1.5), "cap must be a positive number"),
+        (lambda: PerRequest("abc"), "default must be a number"),
+        (lambda: AttentionVariant("x", causal="no"), "causal must be True or False"),
+        (lambda: check(AttentionVariant("boolean", score_mod=lambda s, b, h, q, kv: s > 0)),
+         "'boolean': its score_mod must return the score, a float tensor"),
+        (lambda: check(AttentionVariant("t", score_mod=lambda s, b, h, q, kv, p: s / p.temp[h],
+                                        params={"temp": PerHead(lambda n: 1 / 0)})),
+         "'t''s parameter 'temp' could not be made for 4 heads \\(ZeroDivisionError"),
+        (lambda: check(AttentionVariant("t", score_mod=lambda s, b, h, q, kv, p: s / p.temp[h],
+                                        params={"temp": PerHead(torch.ones(3))})),
+         "'t''s parameter 'temp' has shape \\(3,\\), and the model has 4 query heads"),
+    ]
+    for make, match in cases:
+        with pytest.raises(VariantError, match=match):
+            make()
+    for sink, what in (("sinks", "nothing"), ("o_proj", "Linear")):  # the embedded model has no sinks
+        with pytest.raises(VariantError, match=f"its sink '{sink}' names {what} in this model's attention layers"):
+            LLM("tiny", load_format="dummy", device="cpu", max_total_tokens=512,
+                attention=AttentionVariant("s", sink=sink))

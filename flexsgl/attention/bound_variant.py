@@ -22,7 +22,8 @@ import itertools
 import torch
 from torch import nn
 
-from flexsgl.attention.variant import AttentionVariant, Params, PerHead, PerRequest, PromptLength, with_params
+from flexsgl.attention.variant import (AttentionVariant, Params, PerHead, PerRequest, PromptLength, VariantError,
+                                      with_params)
 
 _ids = itertools.count()
 BOUND: dict[int, "BoundVariant"] = {}  # by id: flex_ops' decode op finds a layer's variant by its id
@@ -92,7 +93,13 @@ class BoundVariant:
     def layer_sink(self, attn) -> torch.Tensor | None:
         """The sink logits `[heads]` an attention layer attends with (None: no sink)."""
         if self.sink_name is not None:
-            return getattr(attn, self.sink_name)
+            sink, heads = getattr(attn, self.sink_name, None), getattr(attn, "hq", None)
+            if not isinstance(sink, torch.Tensor) or sink.dim() != 1 or heads not in (None, sink.numel()):
+                what = "nothing" if sink is None else (f"a tensor of shape {tuple(sink.shape)}"
+                                                       if isinstance(sink, torch.Tensor) else type(sink).__name__)
+                raise VariantError(f"Attention variant {self.variant.name!r}: its sink {self.sink_name!r} names "
+                                   f"{what} in this model's attention layers, not a tensor of one logit per head.")
+            return sink
         return self.sink
 
 
@@ -116,9 +123,11 @@ class VariantSet:
 
     def _bind(self, v: AttentionVariant, num_heads: int, offset: int, total: int) -> BoundVariant:
         heads = slice(offset, offset + num_heads)
-        params = {n: (p.tensor(total)[heads].to(self.device) if isinstance(p, PerHead) else self.request_tensors[n])
-                  for n, p in v.params.items()}
-        sink = v.sink.tensor(total)[heads].float().to(self.device) if isinstance(v.sink, PerHead) else None
+        where = f"Attention variant {v.name!r}'s"
+        params = {n: (p.tensor(total, f"{where} parameter {n!r}")[heads].to(self.device) if isinstance(p, PerHead)
+                      else self.request_tensors[n]) for n, p in v.params.items()}
+        sink = (v.sink.tensor(total, f"{where} sink")[heads].float().to(self.device) if isinstance(v.sink, PerHead)
+                else None)
         return BoundVariant(v, params, sink)
 
     @property

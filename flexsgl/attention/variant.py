@@ -60,6 +60,8 @@ class PerRequest:
     dtype: torch.dtype | None = None
 
     def __post_init__(self):
+        if isinstance(self.default, bool) or not isinstance(self.default, (int, float)) or self.default != self.default:
+            raise VariantError(f"A PerRequest parameter's default must be a number, got {self.default!r}.")
         if self.dtype is None:
             object.__setattr__(self, "dtype", torch.float32 if isinstance(self.default, float) else torch.int32)
 
@@ -81,12 +83,15 @@ class PerHead:
 
     values: torch.Tensor | Callable[[int], torch.Tensor]
 
-    def tensor(self, num_heads: int) -> torch.Tensor:
-        values = self.values(num_heads) if callable(self.values) else self.values
-        values = torch.as_tensor(values)
+    def tensor(self, num_heads: int, what: str = "A PerHead parameter") -> torch.Tensor:
+        """The values `[num_heads]`; VariantError, naming the parameter as `what`, where they cannot be had."""
+        try:
+            values = torch.as_tensor(self.values(num_heads) if callable(self.values) else self.values)
+        except Exception as e:  # the user's function failed, or gave no numbers
+            raise VariantError(f"{what} could not be made for {num_heads} heads ({type(e).__name__}: "
+                               f"{str(e)[:200]}).") from None
         if values.shape != (num_heads,):
-            raise VariantError(f"a PerHead parameter has shape {tuple(values.shape)}, and the model has "
-                               f"{num_heads} query heads.")
+            raise VariantError(f"{what} has shape {tuple(values.shape)}, and the model has {num_heads} query heads.")
         return values
 
 
@@ -111,6 +116,8 @@ class AttentionVariant:
         if not isinstance(self.name, str) or not self.name:
             raise VariantError(f"An attention variant needs a name (a non-empty string), got {self.name!r}.")
         where = f"Attention variant {self.name!r}"
+        if not isinstance(self.causal, bool):
+            raise VariantError(f"{where}: causal must be True or False, got {self.causal!r}.")
         for mod, kind, n in ((self.mask_mod, "mask_mod", 4), (self.score_mod, "score_mod", 5)):
             if mod is not None:
                 _check_signature(mod, kind, n, where)
@@ -285,6 +292,10 @@ def check(variant: AttentionVariant, num_heads: int = 4) -> None:
             create_block_mask(mask, b, h, n, n, device="cpu", BLOCK_SIZE=n)  # under vmap, as flex runs it
         if variant.score_mod is not None:
             score = lambda s, b_, h_, q, kv: call_score(variant.score_mod, s, b_, h_, q, kv, p)  # noqa: E731
+            out = score(torch.tensor(0.5), torch.tensor(0), torch.tensor(0), torch.tensor(3), torch.tensor(1))
+            if not (isinstance(out, torch.Tensor) and out.dtype.is_floating_point):
+                raise VariantError(f"{where}: its score_mod must return the score, a float tensor, got "
+                                   f"{getattr(out, 'dtype', type(out).__name__)}.")
             q = torch.randn(b, h, n, 8)
             import warnings
             with warnings.catch_warnings():
@@ -305,7 +316,7 @@ def trial_params(variant: AttentionVariant, num_heads: int, requests: int, devic
     out = {}
     for name, param in variant.params.items():
         if isinstance(param, PerHead):
-            out[name] = param.tensor(num_heads).to(device)
+            out[name] = param.tensor(num_heads, f"Attention variant {variant.name!r}'s parameter {name!r}").to(device)
         elif isinstance(param, PromptLength):
             out[name] = torch.zeros(requests, dtype=param.dtype, device=device)
         else:

@@ -35,6 +35,9 @@ def sliding_window(window: int) -> AttentionVariant:
 
 
 def softcap(cap: float) -> AttentionVariant:
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+        raise VariantError(f"softcap: cap must be a positive number, got {cap!r}.")
+
     def score(s, b, h, q_pos, kv_pos):
         return cap * torch.tanh(s / cap)
 
