@@ -516,7 +516,8 @@ def test_requests_are_logged_only_with_the_request_log_flag(enabled):
     try:
         for level in (logging.INFO, logging.WARNING):
             logger.setLevel(level)
-            build_app(EngineClient(EngineConfig(), Metrics("tiny-docs")), "tiny-docs", ServerOptions(request_log=enabled))
+            build_app(EngineClient(EngineConfig(), Metrics("tiny-docs")), "tiny-docs",
+                      ServerOptions(request_log=enabled))
             assert request_log.isEnabledFor(logging.INFO) == enabled, logging.getLevelName(level)
     finally:
         logger.setLevel(before)

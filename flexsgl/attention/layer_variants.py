@@ -11,8 +11,8 @@ variants for chosen layers:
     --attention "alibi&softcap:cap=30"                   both on every layer (variants.resolve composes)
 
 A variant named by a string is resolved by variants.resolve. A layer given two variants is refused
-(compose them with `&`). Layers the user leaves out keep the model's own attention. Each distinct composition is one object shared by its layers, so one
-compiled decoder layer serves all of them.
+(compose them with `&`). Layers the user leaves out keep the model's own attention. Each distinct
+composition is one object shared by its layers, so one compiled decoder layer serves all of them.
 """
 
 from __future__ import annotations

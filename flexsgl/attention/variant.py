@@ -32,7 +32,8 @@ Besides the mods, a variant declares what flexsgl can use to read less or to han
 
 Variants compose with `&`: both masks hold, the score mods apply left to right, the smaller window
 wins; a variant without a mask_mod leaves another's causal=False standing (softcap & prefix-LM is
-prefix-LM with a softcap). `docs/ATTENTION.md` has runnable examples; flexsgl/attention/variants.py the shipped ones.
+prefix-LM with a softcap). `docs/ATTENTION.md` has runnable examples; flexsgl/attention/variants.py
+the shipped ones.
 """
 
 from __future__ import annotations
