@@ -117,6 +117,25 @@ def test_unknown_weight_is_refused(source, tmp_path):
     assert extra in msg and "no place" in msg and WEIGHTS in msg, msg
 
 
+def test_a_tied_config_takes_an_lm_head_equal_to_the_embeddings_and_refuses_another(source, tmp_path):
+    """config.json ties the LM head, and the weights hold an lm_head.weight too: the tie written out
+    (equal values) loads as HF's tied model; other values are refused, where transformers would untie
+    and use them."""
+    path, config, tensors, seed, _ = source
+    tied = {**config, "tie_word_embeddings": True}
+    embed = tensors["model.embed_tokens.weight"]
+    llm = LLM(write(tmp_path, tied, {**tensors, "lm_head.weight": embed.clone()}), device="cpu")
+    hf = make_checkpoint("qwen3", tmp_path / "hf", seed, tie=True)  # the same seed: the same embeddings
+    assert torch.equal(hf.model.embed_tokens.weight, embed), f"seed={seed}"
+    prompt = [random.Random(seed).randrange(1, 320) for _ in range(6)]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
+    assert_matches_hf(hf, prompt, out.token_ids, what=f"seed={seed}", steps=6)
+    other = embed + 0.01 * torch.randn_like(embed)
+    (tmp_path / "other").mkdir()
+    msg = refused(write(tmp_path / "other", tied, {**tensors, "lm_head.weight": other}))
+    assert "tie_word_embeddings" in msg and "lm_head.weight" in msg, msg
+
+
 def test_missing_weight_is_refused(source, tmp_path):
     _, config, tensors, seed, _ = source
     dropped = random.Random(seed).choice(sorted(tensors))

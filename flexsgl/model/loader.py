@@ -135,6 +135,23 @@ class NonFinite(Exception):
         self.name, self.file = name, file
 
 
+def _check_tied_head(model, head_file: Path, by_name: dict) -> None:
+    """A checkpoint whose config ties the LM head to the embeddings may still hold an lm_head.weight:
+    the same values are the tie written out; other values are refused (transformers would untie and
+    use them, flexsgl's model is built tied)."""
+    embed = next((n for n in by_name if n != "lm_head.weight"
+                  and model.checkpoint_name(n)[0] == "model.embed_tokens.weight"), None)
+    if embed is None:
+        return  # the embeddings' absence is reported as missing
+    with safe_open(str(head_file), framework="pt", device="cpu") as h, \
+            safe_open(str(by_name[embed][0]), framework="pt", device="cpu") as e:
+        same = torch.equal(h.get_tensor("lm_head.weight"), e.get_tensor(embed))
+    if not same:
+        raise CheckpointError(f"config.json ties the LM head to the embeddings (tie_word_embeddings), but "
+                              f"{str(head_file)!r} holds an lm_head.weight other than {embed!r}; set "
+                              f"tie_word_embeddings to false in config.json to use it.")
+
+
 def _read(t: torch.Tensor, name: str, file: Path | None = None) -> torch.Tensor:
     if not all_finite(t):
         raise NonFinite(name, file)
@@ -226,6 +243,7 @@ def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tup
             raise CheckpointError(f"Weight {hf_name!r} in {str(f)!r} has dtype {dtype}; flexsgl loads "
                                   f"unquantized weights ({', '.join(FLOAT_DTYPES)}) and FP8 ones ({FP8_DTYPE}).")
         if hf_name == "lm_head.weight" and tied:
+            _check_tied_head(model, f, by_name)
             continue
         parts = filled.setdefault(target, {})
         clash = parts.get(part) or (next(iter(parts.values()), None) if part is None else parts.get(None))
