@@ -256,7 +256,10 @@ class LLM:
         except EngineDeadError:
             raise
         except BaseException as e:  # a bug, or a second Ctrl-C half-way through the step
-            self.health.kill(f"a step stopped half-way ({describe(e)})")
+            reason = f"a step stopped half-way ({describe(e)})"
+            self.health.kill(reason)
+            if self._channel is not None:  # the other ranks may be inside the step's collectives,
+                self._channel.abandon(reason)  # where no message reaches them: end them now
             raise
         if interrupt is not None:
             raise interrupt

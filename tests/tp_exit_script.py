@@ -7,6 +7,9 @@ It starts `tiny` at TP ranks (2 by default; compiled steps and CUDA graphs on a 
     exit         returns: the engine is left to the interpreter's exit
     shutdown     LLM.shutdown(), then returns
     rank-killed  kills rank 1 (SIGKILL), generates again, prints `dead` on EngineDeadError, returns
+    step-interrupted  a KeyboardInterrupt on rank 0 half-way through a step whose plan went out (a
+                 second Ctrl-C there; rank 1 then waits inside the step's collectives): prints
+                 `interrupted` when it comes out of generate, returns
     signal       generates until the test signals the process: SIGTERM to rank 0 alone ends it;
                  after Ctrl-C (SIGINT to its process group) it prints `interrupted`, generates once
                  more (the engine must still run: the workers ignore Ctrl-C), prints `continued`
@@ -39,6 +42,15 @@ if __name__ == "__main__":
             llm.generate([[1, 2, 3]], greedy)
         except EngineDeadError:
             print("dead", flush=True)
+    elif mode == "step-interrupted":
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        llm.runner._launch = interrupted
+        try:
+            llm.generate([[1, 2, 3]], greedy)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
     elif mode == "signal":
         try:
             while True:

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -117,8 +119,17 @@ def spawn(cfg: EngineConfig, device: torch.device, build):
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=worker_main, args=(r, n, cfg, device.type, store.port, build), daemon=True,
                          name=f"flexsgl-tp{r}") for r in range(1, n)]
-    for p in procs:
-        p.start()
+    # Started with Ctrl-C ignored, which they inherit: ignored from their first instruction, they
+    # print no KeyboardInterrupt of their own when the terminal's Ctrl-C reaches the whole group
+    # while they start (worker_main ignores it too; rank 0 decides).
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
     try:
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while not store.check([f"joined/{r}" for r in range(1, n)]):
