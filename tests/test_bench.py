@@ -341,3 +341,29 @@ def test_plan_checks_overrides_against_the_models_attention(monkeypatch):
     monkeypatch.setattr(registry, "resolve_override", lambda o, dev, kind, *a: seen.append(kind) or real(o, dev, kind, *a))
     p = bench.plan(bench.BenchArgs(workload="latency", overrides=["flex"], engine=EngineConfig(device="cpu", model="tiny-mla")))
     assert p.backends == ["flex"] and seen == ["mla"]
+
+
+def test_a_default_length_beside_a_given_one_is_cut_to_fit_the_context():
+    """The embedded model's context is 1,024 tokens: a length given on the command line stands, and
+    the default beside it gives way (the both-default case halves the context between them)."""
+    from flexsgl import bench
+    from flexsgl.config import EngineConfig
+
+    cpu = EngineConfig(device="cpu")
+    ctx = 1024
+    cases = [("throughput", dict(output_len="4:8"), None, (4, 8)),
+             ("throughput", dict(input_len="8:16"), (8, 16), None),
+             ("throughput", dict(input_len="900:1000"), (900, 1000), None),
+             ("latency", dict(output_len="4"), None, (4, 4)),
+             ("latency", dict(input_len="1000"), (1000, 1000), None), ("throughput", {}, None, None)]
+    for workload, given, want_in, want_out in cases:
+        prompts = dict(num_prompts=2) if workload == "throughput" else {}
+        p = bench.plan(bench.BenchArgs(workload=workload, engine=cpu, **prompts, **given))
+        assert p.input_range[1] + p.output_range[1] <= ctx, (workload, given, p.input_range, p.output_range)
+        assert want_in is None or p.input_range == want_in, (given, p.input_range)
+        assert want_out is None or p.output_range == want_out, (given, p.output_range)
+        assert min(p.input_range + p.output_range) >= 1
+    with pytest.raises(ValueError, match="leaves 2 output tokens"):
+        bench.plan(bench.BenchArgs(workload="latency", engine=cpu, input_len="1022"))
+    with pytest.raises(ValueError, match="exceeds the context"):
+        bench.plan(bench.BenchArgs(workload="throughput", engine=cpu, input_len="900:1000", output_len="100:200"))

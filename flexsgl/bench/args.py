@@ -181,11 +181,14 @@ def plan(args: BenchArgs) -> Plan:
         p.prefill_lens = parse_lengths(d["input_len"], "--input-len")
         longest = max(p.prefill_lens) + 1
     ctx = mcfg.max_position
-    if longest > ctx and args.input_len is None and args.output_len is None:
-        longest = _fit_defaults(p, ctx)
+    if longest > ctx and (args.input_len is None or (args.output_len is None and w != "prefill")):
+        longest = _fit_defaults(p, ctx, args.input_len is not None, args.output_len is not None)
     if longest > ctx:
         raise ValueError(f"The longest request ({longest} tokens with its output) exceeds the context of "
                          f"{model} ({ctx} tokens); pass smaller --input-len/--output-len.")
+    if w == "latency" and p.output_range[0] < 3:
+        raise ValueError(f"--input-len {p.input_range[0]} leaves {p.output_range[0]} output tokens in {model}'s "
+                         f"context of {ctx}, and the latency workload needs at least 3; pass a smaller --input-len.")
     if p.engine.torch_device.type == "cpu":
         seconds = cpu_seconds(p, mcfg.num_params())
         if seconds > SLOW_ON_CPU_S:
@@ -216,11 +219,19 @@ def cpu_seconds(p: Plan, params: int) -> float:
     return passes * (2 * params * tokens / CPU_FLOPS + steps * CPU_STEP_S) * len(p.overrides)
 
 
-def _fit_defaults(p: Plan, ctx: int) -> int:
-    """Cut the default lengths (sized for the presets' long contexts) to fit a model's shorter one;
-    lengths given on the command line are never changed. Returns the new longest request."""
+def _fit_defaults(p: Plan, ctx: int, input_given: bool, output_given: bool) -> int:
+    """Cut the default lengths (sized for the presets' long contexts) to fit a model's shorter one:
+    both, or the one not given beside one that is; lengths given on the command line are never
+    changed. Returns the new longest request."""
     w = p.args.workload
-    if w in ("throughput", "serve"):
+    if w in ("throughput", "serve", "latency") and (input_given or output_given):
+        if input_given:  # the output's range gives way, down to one token
+            room = max(1, ctx - p.input_range[1])
+            p.output_range = tuple(min(n, room) for n in p.output_range)
+        else:
+            room = max(1, ctx - p.output_range[1])
+            p.input_range = tuple(min(n, room) for n in p.input_range)
+    elif w in ("throughput", "serve"):
         half = ctx // 2
         p.input_range = tuple(min(n, half) for n in p.input_range)
         p.output_range = tuple(min(n, half) for n in p.output_range)
