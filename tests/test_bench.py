@@ -327,6 +327,10 @@ def test_cpu_warns_before_a_long_default_run_and_names_a_quick_one(caplog):
             p = bench.plan(bench.BenchArgs(workload=workload, engine=EngineConfig(device="cpu", model="qwen3-0.6b"),
                                            **args))
             assert p.args.workload == workload and caplog.records == [], caplog.records
+        caplog.clear()  # one request on the embedded model: seconds (a step of a few ms), no warning
+        p = bench.plan(bench.BenchArgs(num_prompts=1, engine=EngineConfig(device="cpu")))
+        warned = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert warned == [] and bench.args.cpu_seconds(p, 3_400_000) < 30, warned
     finally:
         logger.removeHandler(caplog.handler)
 

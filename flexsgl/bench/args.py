@@ -199,24 +199,30 @@ def plan(args: BenchArgs) -> Plan:
 
 SLOW_ON_CPU_S = 180
 CPU_FLOPS = 5e10  # what a few CPU cores reach on these models' matrix products, generously
-CPU_STEP_S = 0.2  # a step's cost beyond the matrix work on the CPU: the embedded model's decode step took
-# 0.19-0.38 s on a shared 2-core machine with the default 16k-token pool (eager flex evaluates every slot)
+# A step's cost beyond the matrix work on the CPU, fixed and per running request: the embedded model
+# decoded one request at 3.4 ms a step and 256 at 0.19-0.38 s on a shared 2-core machine
+CPU_STEP_S, CPU_REQUEST_STEP_S = 0.003, 0.0008
+CPU_BYTES_PER_S = 2e10  # and a step reads every float32 weight once, generously fast
 QUICK = {"throughput": "--num-prompts 8 --input-len 16:64 --output-len 16:64",
          "serve": "--num-prompts 8 --input-len 16:64 --output-len 16:64",
          "latency": "--input-len 64 --output-len 16 --repeats 1", "prefill": "--input-len 256 --repeats 1"}
 
 
 def cpu_seconds(p: Plan, params: int) -> float:
-    """A rough estimate of a run's time on the CPU: its tokens' matrix work plus a fixed cost per step."""
+    """A rough estimate of a run's time on the CPU: its tokens' matrix work, and each step's fixed cost,
+    its requests' and its read of the weights."""
     passes = 1 + p.repeats if p.args.workload not in ("throughput", "serve") else 2
     if p.args.workload in ("throughput", "serve"):
         tokens = p.num_prompts * (sum(p.input_range) + sum(p.output_range)) / 2
-        steps = p.output_range[1] * -(-p.num_prompts // p.engine.max_running_requests)
+        running = min(p.num_prompts, p.engine.max_running_requests)
+        steps = p.output_range[1] * -(-p.num_prompts // running)
     elif p.args.workload == "latency":
         tokens, steps = p.batch_size * (p.input_range[0] + p.output_range[0]), p.output_range[0]
+        running = p.batch_size
     else:
-        tokens, steps = sum(p.prefill_lens), len(p.prefill_lens)
-    return passes * (2 * params * tokens / CPU_FLOPS + steps * CPU_STEP_S) * len(p.overrides)
+        tokens, steps, running = sum(p.prefill_lens), len(p.prefill_lens), 1
+    step_s = CPU_STEP_S + running * CPU_REQUEST_STEP_S + 4 * params / CPU_BYTES_PER_S
+    return passes * (2 * params * tokens / CPU_FLOPS + steps * step_s) * len(p.overrides)
 
 
 def _fit_defaults(p: Plan, ctx: int, input_given: bool, output_given: bool) -> int:
