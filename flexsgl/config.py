@@ -90,7 +90,7 @@ class EngineConfig:
         if self.device is not None:
             kind = torch.device(self.device).type
             if kind == "cuda" and not torch.cuda.is_available():
-                raise ValueError("Device 'cuda' was asked for, but this machine has no CUDA GPU.")
+                raise ValueError(f"Device {str(self.device)!r} was asked for, but this machine has no CUDA GPU.")
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> "EngineConfig":

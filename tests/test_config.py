@@ -41,6 +41,14 @@ def test_bad_values_are_refused_in_one_sentence(options):
         repr(next(iter(options.values()))) in str(e.value)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the device exists here")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_a_cuda_device_on_a_machine_without_one_is_named_as_given(device):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(device=device)
+    assert f"Device {device!r} was asked for" in one_sentence(e)
+
+
 def test_unknown_option_is_refused_before_anything_loads():
     with pytest.raises(ValueError) as e:
         LLM("tiny", device="cpu", kv_cache_size=1024)
