@@ -887,6 +887,24 @@ def test_unguarded_script_is_told_to_guard_its_top_level(tmp_path):
         proc.stderr[-3000:]
 
 
+def test_a_script_read_from_stdin_is_told_to_be_saved(tmp_path):
+    """`python - < script.py`: the spawned ranks cannot re-run a main script that has no file; the
+    error says so in one sentence, before any rank starts."""
+    import subprocess
+    import sys
+
+    script = ("from flexsgl import LLM\n"
+              "if __name__ == '__main__':\n"
+              "    LLM('tiny', load_format='dummy', tensor_parallel_size=2, device='cpu', compile=False)\n"
+              "    print('started')\n")
+    proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode != 0 and "started" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("flexsgl.errors.TensorParallelError: ") and "<stdin> cannot be re-run" in last, \
+        proc.stderr[-3000:]
+
+
 # ---- memory: a rank holds its part of the weights, at every moment of loading
 
 def _peak_cpu_bytes(fn, mapped: tuple[int, ...] = ()):

@@ -115,6 +115,10 @@ def spawn(cfg: EngineConfig, device: torch.device, build):
     Each worker builds its rank with `build(cfg, group)` (engine_core.build_core, a module-level
     function: the spawn context pickles it by name). Returns (group, worker processes, store)."""
     n = cfg.tensor_parallel_size
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if isinstance(main_file, str) and main_file.startswith("<"):  # `python - < script.py`: "<stdin>"
+        raise TensorParallelError(f"The other tensor-parallel ranks start by re-running the main script, and one "
+                                  f"read from {main_file} cannot be re-run; save it to a file and run that.")
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=worker_main, args=(r, n, cfg, device.type, store.port, build), daemon=True,
