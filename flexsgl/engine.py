@@ -25,8 +25,8 @@ Errors (flexsgl/errors.py has the types):
   once with the same reason: a fault of the device itself (torch's AcceleratorError, a
   "CUDA error", or a device that fails to synchronise after an error), since a CUDA context that
   saw one cannot run anything more; an error in the scheduler's own bookkeeping; a step broken
-  off half-way (a second Ctrl-C). The process must make a new LLM (after a device fault, a new
-  process).
+  off half-way (a second Ctrl-C; under tensor parallelism the other ranks are ended with it). The
+  process must make a new LLM (after a device fault, a new process).
 """
 
 from __future__ import annotations
