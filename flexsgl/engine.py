@@ -184,8 +184,9 @@ class LLM:
 
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                     on_token: Callable[[Request], None] | None = None) -> int:
-        """Queue one request; returns its id. Malformed input raises ValueError; a request that can
-        never run here (longer than the context or the whole cache) finishes at once as "refused",
+        """Queue one request; returns its id. Malformed input raises ValueError, a prompt that leaves no
+        room in the context among it (PromptError); a request that can never run here (its prompt and
+        max_new_tokens past the context, or more than the whole cache) finishes at once as "refused",
         with the reason in its output's `error`. For n > 1 samples, add_requests."""
         sampling = self.default_sampling if sampling is None else sampling
         if isinstance(sampling, SamplingParams) and sampling.n > 1:

@@ -135,6 +135,9 @@ class RequestFactory:
             if takes is not None:
                 raise SamplingParamsError(f"attention_params of prompt {index} give {name} {value!r}, and it takes "
                                           f"{takes}.")
+        if sampling.stop and self.tokenizer is None:
+            raise SamplingParamsError(f"stop strings of prompt {index} are looked for in the text, and model "
+                                      f"{self.model_name!r} has no tokenizer to make one; use stop_token_ids.")
         if any(t >= vocab for t, _ in sampling.logit_bias):
             raise SamplingParamsError(f"logit_bias of prompt {index} names ids outside the vocabulary [0, {vocab}).")
         if sampling.structured_outputs is not None:

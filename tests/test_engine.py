@@ -140,3 +140,22 @@ def test_text_prompts_use_the_model_directorys_tokenizer(checkpoint, tmp_path):
                           eos_token_id=hf_tok.eos_token_id, pad_token_id=0)[0, len(ids):].tolist()
     assert out.token_ids == ref, f"seed={seed}"
     assert out.text == hf_tok.decode(ref, skip_special_tokens=True), f"seed={seed}"
+
+
+def test_a_model_without_a_tokenizer_refuses_what_needs_one(checkpoint):
+    """The checkpoint has no tokenizer: token-id prompts run; a text prompt and stop strings (looked
+    for in text) are refused in one sentence rather than ignored; an option SamplingParams does not
+    have is a SamplingParamsError too."""
+    from flexsgl.errors import PromptError, SamplingParamsError
+
+    path, _, seed = checkpoint
+    llm = LLM(str(path), device="cpu")
+    assert llm.tokenizer is None
+    prompt = [random.Random(seed).randrange(1, 320) for _ in range(5)]
+    assert len(llm.generate([prompt], greedy(4))[0].token_ids) == 4
+    with pytest.raises(PromptError, match="has no tokenizer"):
+        llm.generate(["the lazy cat"], greedy(4))
+    with pytest.raises(SamplingParamsError, match="stop strings of prompt 0 are looked for in the text"):
+        llm.generate([prompt], SamplingParams(max_new_tokens=4, stop=["x"]))
+    with pytest.raises(SamplingParamsError, match="has no option 'stop_sequences'"):
+        SamplingParams(stop_sequences=["x"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import operator
@@ -153,6 +154,25 @@ class SamplingParams:
     def replace(self, **changes) -> "SamplingParams":
         """A copy with `changes`, checked again (max_tokens is folded into max_new_tokens)."""
         return dataclasses.replace(self, **{"max_tokens": None, **changes})
+
+
+def _refusing_unknown_options(init):
+    """SamplingParams' constructor, an option it does not have refused in one sentence (a
+    SamplingParamsError, as every bad value is) rather than a TypeError."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise SamplingParamsError(f"SamplingParams has no option {unknown[0]!r}; its options are "
+                                      f"{', '.join(sorted(names))}.")
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+SamplingParams.__init__ = _refusing_unknown_options(SamplingParams.__init__)
 
 
 def _integer(name: str, value, low: int, high: int, what: str) -> int:
