@@ -15,7 +15,8 @@ TokenEvent per token; OutputProcessor.process takes them in batch order. For eac
    reason "error");
 3. the text (TextState) grows by what the token completes; a stop string in that text ends the
    output there ("stop", with the string as `stop_reason`), from the min_tokens-th token on, the
-   token that reached max_new_tokens included; after a stop token no stop string is looked for;
+   token that reached max_new_tokens included; a stop token (EOS, stop_token_ids) adds no text of
+   its own unless include_stop_str_in_output (as vLLM), and no stop string is looked for after it;
 4. the on_token callback runs and sees the decision (`finish_reason`, `stop_reason`).
 
 The requests that end come back as Endings, for the engine to finish in the scheduler. A callback
@@ -148,6 +149,9 @@ class OutputProcessor:
     def _add_text(self, r: Request, token: int) -> None:
         sp, text = r.sampling, r.text_state
         try:
+            if r.finish_reason is FinishReason.STOP and token in r.stop_ids and not sp.include_stop_str_in_output:
+                text.finish()  # a stop token's own text is left out, as a stop string's is
+                return
             may_stop = r.finish_reason in (None, FinishReason.LENGTH) and len(r.output_ids) >= sp.min_tokens
             stop = text.add(token, sp.stop if may_stop else (), sp.include_stop_str_in_output)
             if stop is not None:

@@ -231,14 +231,15 @@ def run_output_path(tokens: bytes, eos=(), on_token=None, **sampling):
 
 
 @pytest.mark.parametrize("tokens, eos, sampling, want", [
-    (b"abXcd", (), dict(stop_token_ids=[ord("X")]), (b"abX", "abX", "stop", ord("X"))),
-    (b"ab!cd", (ord("!"),), {}, (b"ab!", "ab!", "stop", None)),
+    (b"abXcd", (), dict(stop_token_ids=[ord("X")]), (b"abX", "ab", "stop", ord("X"))),
+    (b"abXcd", (), dict(stop_token_ids=[ord("X")], include_stop_str_in_output=True), (b"abX", "abX", "stop", ord("X"))),
+    (b"ab!cd", (ord("!"),), {}, (b"ab!", "ab", "stop", None)),
     (b"ab!cd", (ord("!"),), dict(ignore_eos=True, max_tokens=4), (b"ab!c", "ab!c", "length", None)),
     (b"abcd", (), dict(max_tokens=3, stop="bc"), (b"abc", "a", "stop", "bc")),
     (b"abcd", (), dict(max_tokens=3, stop="bc", include_stop_str_in_output=True), (b"abc", "abc", "stop", "bc")),
     (b"aabab", (), dict(min_tokens=3, stop="a"), (b"aaba", "aab", "stop", "a")),
-    (b"abcd", (), dict(stop_token_ids=[ord("c")], stop="bc"), (b"abc", "abc", "stop", ord("c"))),
-], ids=["stop-token-id", "eos", "ignore-eos", "stop-string-on-the-last-token", "include-stop-string",
+    (b"abcd", (), dict(stop_token_ids=[ord("c")], stop="bc"), (b"abc", "ab", "stop", ord("c"))),
+], ids=["stop-token-id", "stop-token-id-kept", "eos", "ignore-eos", "stop-string-on-the-last-token", "include-stop-string",
         "min-tokens-then-stop-string", "stop-token-before-stop-string"])
 def test_output_path_stop_decisions(tokens, eos, sampling, want):
     """Each stop rule of flexsgl/output.py on a hand-worked byte sequence."""

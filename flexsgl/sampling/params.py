@@ -37,7 +37,8 @@ class SamplingParams:
     - n: samples of the prompt; they share its KV pages (add_requests, generate). Sample i with a
       seed draws with seed + i.
     - stop: strings that end the output once its text holds one (checked on the detokenized text,
-      not before min_tokens); the stop string is cut from the text unless include_stop_str_in_output.
+      not before min_tokens); the stop string is cut from the text unless include_stop_str_in_output,
+      as is the text of a stop token (EOS, stop_token_ids), which stays among the token ids.
     - logprobs: None, or how many of the most likely tokens to report with each output token's own
       log-probability (0: only its own), up to MAX_LOGPROBS; of the model's distribution before
       penalties, temperature and filters.
