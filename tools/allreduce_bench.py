@@ -19,13 +19,13 @@ FlashInfer's workspace is made without multicast).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import socket
 import statistics
 
 import torch
+from flexsgl.tool_args import need_gpus, parser, positive_int
 
 SIZES_KB = (8, 16, 32, 64, 256, 1024, 2048, 4096)
 CALLS, REPLAYS, TIMINGS = 50, 20, 5
@@ -166,9 +166,11 @@ class FlashInferAllReduce:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tp", type=int, default=min(torch.cuda.device_count(), 8))
+    ap = parser(__doc__)
+    ap.add_argument("--tp", type=positive_int, default=None, help="GPUs (default: every GPU of the host, at most 8)")
     args = ap.parse_args()
+    args.tp = args.tp or max(2, min(torch.cuda.device_count(), 8))
+    need_gpus("allreduce_bench", args.tp)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     with socket.socket() as s:

@@ -15,7 +15,6 @@ compare small cells over several runs.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -29,6 +28,7 @@ from benchmarks.attention_matrix import (  # noqa: E402
     CHECK_ROWS, INNER, KV_HEADS, ROUNDS, attend_fn, gathered, paged_batch, reference_rows)
 from flexsgl.attention import flex_ops  # noqa: E402
 from flexsgl.bench.cuda_timing import graph_median_s  # noqa: E402
+from flexsgl.tool_args import need_gpus, parser, positive_int, positive_ints  # noqa: E402
 
 D = 128
 
@@ -40,20 +40,20 @@ def option_sets(page: int, splits, warps, stages) -> list[tuple[str, dict]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--page", type=int, default=16)
-    ap.add_argument("--batches", default="8,32,128")
-    ap.add_argument("--contexts", default="1024,4096,16384")
-    ap.add_argument("--gqa", default="4")
-    ap.add_argument("--splits", default="2,4,8")
-    ap.add_argument("--warps", default="2")
-    ap.add_argument("--stages", default="3")
+    ap = parser(__doc__)
+    ap.add_argument("--page", type=positive_int, default=16)
+    ap.add_argument("--batches", type=positive_ints, default="8,32,128")
+    ap.add_argument("--contexts", type=positive_ints, default="1024,4096,16384")
+    ap.add_argument("--gqa", type=positive_ints, default="4")
+    ap.add_argument("--splits", type=positive_ints, default="2,4,8")
+    ap.add_argument("--warps", type=positive_ints, default="2")
+    ap.add_argument("--stages", type=positive_ints, default="3")
     ap.add_argument("--json", default=None, help="append one JSON line per cell to this file")
     a = ap.parse_args()
-    ints = lambda arg: [int(x) for x in arg.split(",")]  # noqa: E731
+    need_gpus("decode_sweep")
     chosen = flex_ops.decode_options
-    sets = option_sets(a.page, ints(a.splits), ints(a.warps), ints(a.stages))
-    for bs, ctx, gqa in itertools.product(ints(a.batches), ints(a.contexts), ints(a.gqa)):
+    sets = option_sets(a.page, a.splits, a.warps, a.stages)
+    for bs, ctx, gqa in itertools.product(a.batches, a.contexts, a.gqa):
         hq = KV_HEADS * gqa
         with torch.inference_mode():
             specs = [(ctx - 1, 1)] * bs

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from tests.hf_models import make_checkpoint  # noqa: E402
 from tests.test_fp8_kv_cache import LENGTHS, STEPS, add_kv_scales, fake_quantize  # noqa: E402
+from flexsgl.tool_args import positive_int  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 TOP = torch.finfo(FP8).max
@@ -60,7 +61,7 @@ def attention_rounding(queries: bool, probabilities: bool):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoints", type=int, default=12, help="random checkpoints, as the test makes them")
+    ap.add_argument("--checkpoints", type=positive_int, default=12, help="random checkpoints, as the test makes them")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args()
     from transformers import AttentionInterface, AutoModelForCausalLM

@@ -32,7 +32,6 @@ three fastest, beside bf16's and torch._scaled_mm's products timed the same way.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -49,6 +48,7 @@ from flexsgl.model.config import ModelConfig  # noqa: E402
 from flexsgl.model.presets import PRESETS  # noqa: E402
 from flexsgl.quant.fp8 import dequantize, quantize_blocks, quantize_groups, quantize_rows, quantize_tokens  # noqa: E402
 from flexsgl.quant.fp8_linear import BLOCK, Fp8Linear, block_gemm_runs  # noqa: E402
+from flexsgl.tool_args import need_gpus, parser, positive_ints, preset  # noqa: E402
 
 
 L2_BYTES = 200_000_000  # weight copies the cold timings rotate through: past any GPU's L2 (an H200's: 50 MB)
@@ -198,14 +198,15 @@ def sweep_fp8_kernel(x: torch.Tensor, w: torch.Tensor, w8: torch.Tensor, scale: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3-8b")
-    ap.add_argument("--rows", default="1,16,64,256,1024,4096", help="numbers of rows (tokens) M")
+    ap = parser(__doc__)
+    ap.add_argument("--model", type=preset, default="qwen3-8b")
+    ap.add_argument("--rows", type=positive_ints, default="1,16,64,256,1024,4096", help="numbers of rows (tokens) M")
     ap.add_argument("--tiles", action="store_true",
                     help="sweep the weight-only kernel's tiles (TILE_GRID) and, weights cold, the FP8 kernel's")
     args = ap.parse_args()
+    need_gpus("fp8_gemm_bench")
     cfg = ModelConfig.from_hf(PRESETS[args.model]["config"])
-    rows = [int(m) for m in args.rows.split(",")]
+    rows = args.rows
     # one compiled Fp8Linear.forward per projection and M: at dynamo's default limit (8) the rest would run eager
     torch._dynamo.config.recompile_limit = 8 * len(rows) * len(projections(cfg))
     block_runs = block_gemm_runs(torch.device("cuda"), torch.bfloat16)

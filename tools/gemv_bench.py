@@ -19,7 +19,6 @@ one CUDA graph, each layer with its own weights (so nothing comes from L2):
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -27,6 +26,7 @@ from flexsgl.bench.cuda_timing import graph_median_s
 from flexsgl.kernels import gemv
 from flexsgl.model.config import ModelConfig
 from flexsgl.model.presets import PRESETS
+from flexsgl.tool_args import need_gpus, parser, preset
 
 # tiles (BLOCK_N, BLOCK_K, warps, stages) tried per projection inside the chained, PDL-launched layer
 CHAIN_CANDIDATES = [(8, 512, 4, 1), (8, 512, 4, 2), (8, 512, 4, 3), (16, 512, 4, 2), (16, 512, 4, 3),
@@ -45,12 +45,13 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen3-8b")
+    ap = parser(__doc__)
+    ap.add_argument("--model", type=preset, default="qwen3-8b")
     ap.add_argument("--chain-sweep", action="store_true",
                     help="try CHAIN_CANDIDATES for each projection in the chained PDL layer")
     ap.add_argument("--fp8", action="store_true", help="also time FP8 weights (module docstring)")
     args = ap.parse_args()
+    need_gpus("gemv_bench")
     cfg = ModelConfig.from_hf(PRESETS[args.model]["config"])
     dev, dt = torch.device("cuda"), torch.bfloat16
     # A whole step's projections from one graph: every layer its own weights.

@@ -30,6 +30,7 @@ import tempfile
 from dataclasses import dataclass
 
 from flexsgl.kernels import gemv
+from flexsgl.tool_args import positive_ints
 
 ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "g_ptr", "out_ptr", "N", "K", "stride_wn", "e_ptr", "s_ptr")
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
@@ -109,19 +110,30 @@ def loop_mix(fp8: bool, tiles: tuple[int, int, int, int], prologue: int = gemv.P
     return LoopMix(version, registers, spilled, ops, block_n * block_k * element // (warps * 32))
 
 
+def tiles_arg(text: str) -> tuple[int, int, int, int]:
+    """BLOCK_N,BLOCK_K,warps,stages: four positive numbers, BLOCK_N, BLOCK_K and warps powers of two."""
+    values = positive_ints(text)
+    if len(values) != 4 or any(v & (v - 1) for v in values[:3]):
+        raise argparse.ArgumentTypeError(f"{text!r} is not BLOCK_N,BLOCK_K,warps,stages with the first three "
+                                         "powers of two")
+    return tuple(values)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with a scale per row (else bfloat16)")
-    ap.add_argument("--tiles", default=None,
+    ap.add_argument("--tiles", type=tiles_arg, default=None,
                     help="BLOCK_N,BLOCK_K,warps,stages (default: the engine's for the form at 4096 x 4096)")
     ap.add_argument("--prologue", choices=list(gemv.PROLOGUES), default="plain",
                     help="what the kernel does to x first: nothing (o_proj), RMSNorm (qkv, gate_up), SiLU gate (down)")
     ap.add_argument("--block-scales", action="store_true", help="with --fp8: 128 x 128 block scales (else per row)")
     ap.add_argument("--json", action="store_true", help="the loop's mix as one JSON object")
     args = ap.parse_args()
+    if args.block_scales and not args.fp8:
+        ap.error("--block-scales applies to FP8 weights: add --fp8")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("gemv_sass: compiles the kernel; unset TRITON_INTERPRET")
-    tiles = (tuple(int(v) for v in args.tiles.split(",")) if args.tiles
+    tiles = (args.tiles if args.tiles
              else gemv.config_for(4096, 4096, args.fp8, gemv.PROLOGUES[args.prologue], args.block_scales))
     mix = loop_mix(args.fp8, tiles, gemv.PROLOGUES[args.prologue], args.block_scales)
     if args.json:

@@ -135,6 +135,8 @@
 #   (the tree travels without .git, so the reports take the commit from FLEXSGL_COMMIT), e.g.
 #   bash tools/gpu.sh tests -- tests/test_triton_decode.py -k "not 8b"
 set -uo pipefail
+case "${1:-}" in -h|--help)  # the header above is the help
+  sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 # The CUTLASS DSL's package sits in a folder its .pth file adds to sys.path, and Python reads .pth
 # files only in site directories, not on PYTHONPATH: name that folder too (tools/stage_flash.sh).
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages:${PYTHONPATH:-}

@@ -13,6 +13,7 @@ The selection is collected here, on the CPU (`pytest --collect-only -m gpu`), so
 hold the same tests.
 """
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -42,6 +43,9 @@ def main() -> None:
     parser.add_argument("--log", action="append", default=[], help="a log of an earlier run (repeatable)")
     parser.add_argument("pytest_args", nargs="+", help="after --: the run's pytest arguments")
     args = parser.parse_args()
+    missing = [log for log in args.log if not os.path.isfile(log)]
+    if missing:
+        parser.error(f"--log {missing[0]!r} is not a file")
     done = passed_in(args.log)
     left = [t for t in selected(args.pytest_args) if t not in done]
     print("\n".join(left))

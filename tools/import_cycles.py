@@ -10,6 +10,7 @@ record. Exits 1 if any cycle runs. tests/test_import_cycles.py keeps the reposit
 Usage: python tools/import_cycles.py [REPO_ROOT]
 """
 
+import argparse
 import ast
 import sys
 from pathlib import Path
@@ -154,4 +155,9 @@ def main(root: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else ".")))
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    ap.add_argument("root", nargs="?", default=".", help="the checkout to read (default: this folder)")
+    root = Path(ap.parse_args().root)
+    if not (root / "flexsgl").is_dir():
+        ap.error(f"{str(root)!r} holds no flexsgl/ folder to read")
+    sys.exit(main(root))

@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 
 import torch
 
 from flexsgl import LLM, SamplingParams
+from flexsgl.tool_args import parser, positive_int, preset
 
 
 def workload(rng: random.Random, n: int, vocab: int, max_prompt: int, max_new: int):
@@ -33,20 +35,22 @@ def workload(rng: random.Random, n: int, vocab: int, max_prompt: int, max_new: i
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen3-0.6b")
+    ap = parser(__doc__)
+    ap.add_argument("--model", type=preset, default="qwen3-0.6b")
     ap.add_argument("--dtype", default="float32", help="float32 keeps batched and lone greedy runs comparable")
-    ap.add_argument("--requests", type=int, default=500)
-    ap.add_argument("--max-prompt", type=int, default=512)
-    ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--max-total-tokens", type=int, default=8192)
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--requests", type=positive_int, default=500)
+    ap.add_argument("--max-prompt", type=positive_int, default=512)
+    ap.add_argument("--max-new", type=positive_int, default=128)
+    ap.add_argument("--max-total-tokens", type=positive_int, default=8192)
+    ap.add_argument("--page-size", type=positive_int, default=64)
+    ap.add_argument("--max-running-requests", type=positive_int, default=64)
     ap.add_argument("--check-alone", type=int, default=0, metavar="N",
                     help="compare the first N requests' outputs with lone runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     args = ap.parse_args()
+    if args.max_prompt < 34:
+        ap.error("--max-prompt must be at least 34 (prompts share 8 heads of 16 tokens or more)")
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, max_total_tokens=args.max_total_tokens,
               page_size=args.page_size, max_running_requests=args.max_running_requests, compile=args.compile)
     prompts, params = workload(random.Random(args.seed), args.requests, llm.config.vocab_size,
@@ -74,6 +78,8 @@ def main():
         print(f"outputs equal to lone runs: {n - len(diff)}/{n}; differing: {diff[:20]}")
     ok = finished == len(outs) and leaked == 0 and stats.get("preemptions", 0) > 0 and stats.get("evicted_pages", 0) > 0
     print("LOAD TEST", "PASS" if ok else "FAIL")
+    if not ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

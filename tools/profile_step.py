@@ -255,13 +255,15 @@ def main() -> None:
                     "includes sending the step's plan to the other ranks)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slow", type=float, default=0.3, help="list steps whose launch took longer (seconds)")
-    ap.add_argument("--profile-steps", type=int, default=0)
+    ap.add_argument("--profile-steps", type=int, default=0, help="steps to profile (0: none)")
     ap.add_argument("--profile-at", default="decode:200", help="MODE:K, the step of MODE the profile starts at")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--positions", action="store_true",
                     help="also every launch of a step in order, its critical-path share and duration")
     ap.add_argument("--structured", choices=["json-schema"], help="constrain every output (module docstring)")
     a = ap.parse_args()
+    if a.profile_steps < 0:
+        ap.error(f"--profile-steps must be 0 or more, got {a.profile_steps}")
     structured = {"json": JSON_SCHEMA} if a.structured else None
     mode, _, k = a.profile_at.partition(":")
     if mode not in ("decode", "prefill") or not k.isdigit() or int(k) < 1:

@@ -9,6 +9,8 @@
 # `cutlass.cute` package; 4.5.3's base wheel carries the whole DSL. flash-attn-4 4.0.0b19 and
 # quack-kernels 0.5.0 are the newest releases that accept it.
 set -euo pipefail
+case "${1:-}" in -h|--help)  # the header above is the help
+  sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(git rev-parse --show-toplevel)"
 gitdir=$(git rev-parse --git-dir); mkdir -p "$gitdir/info"
 grep -qxF '/.gpu/' "$gitdir/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$gitdir/info/exclude"

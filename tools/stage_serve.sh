@@ -4,6 +4,8 @@
 # which has no package registry: wheels for its Python 3.12 in .gpu/serve (git-ignored), with an
 # install.sh. Carry it with a device call that runs `bash .gpu/serve/install.sh` before `tools/gpu.sh serve`.
 set -euo pipefail
+case "${1:-}" in -h|--help)  # the header above is the help
+  sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(git rev-parse --show-toplevel)"
 gitdir=$(git rev-parse --git-dir); mkdir -p "$gitdir/info"
 grep -qxF '/.gpu/' "$gitdir/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$gitdir/info/exclude"

@@ -5,6 +5,8 @@
 # them offline over the image's; numpy stays the image's. Carry .gpu/transformers with a device call that runs
 # `bash .gpu/transformers/install.sh`; every later GPU test in that machine's life compares against it.
 set -euo pipefail
+case "${1:-}" in -h|--help)  # the header above is the help
+  sed -n '2,/^[^#]/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(git rev-parse --show-toplevel)"
 gitdir=$(git rev-parse --git-dir); mkdir -p "$gitdir/info"
 grep -qxF '/.gpu/' "$gitdir/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$gitdir/info/exclude"

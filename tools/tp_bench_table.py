@@ -7,9 +7,9 @@ per rank, TTFT of a 4k prompt and default-workload throughput, each with its rat
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 
@@ -25,7 +25,12 @@ def load(folder: Path) -> dict:
 
 
 def main() -> None:
-    runs = load(Path(sys.argv[1]))
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    ap.add_argument("folder", help="where tools/gpu.sh tp-bench wrote tp-bench-<part>-tp<N>.json")
+    folder = Path(ap.parse_args().folder)
+    runs = load(folder) if folder.is_dir() else None
+    if not runs:
+        ap.error(f"{str(folder)!r} holds no tp-bench-<part>-tp<N>.json report")
     sizes = sorted({tp for _, tp in runs})
     print("TP bench (Qwen3-8B dummy; llama3-70b dummy at batch 1; ratio to TP=1 in brackets)")
     print(f"{'':<26}" + "".join(f"{'TP=' + str(tp):>18}" for tp in sizes))

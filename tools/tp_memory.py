@@ -17,12 +17,12 @@ largest. Prints short tables (GiB).
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
 
 import torch
+from flexsgl.tool_args import need_gpus, parser, positive_ints, preset
 
 GIB = 1 << 30
 
@@ -72,20 +72,21 @@ def engine(model: str, tp: int, max_total_tokens: int | None) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="llama3-70b")
-    ap.add_argument("--tp", default="2", help="tensor-parallel sizes, comma-separated")
+    ap = parser(__doc__)
+    ap.add_argument("--model", type=preset, default="llama3-70b")
+    ap.add_argument("--tp", type=positive_ints, default="2", help="tensor-parallel sizes, comma-separated")
     ap.add_argument("--max-total-tokens", type=int, default=None)
     ap.add_argument("--part", choices=("both", "loading", "engine"), default="both")
     args = ap.parse_args()
-    sizes = [int(t) for t in args.tp.split(",")]
+    sizes = args.tp
+    need_gpus("tp_memory", max(sizes))
     if args.part == "loading":
         for tp in sizes:
             loading(args.model, tp)
         return
     if args.part == "both":  # in a process of its own: the engine's GPUs then hold nothing of it
-        subprocess.run([sys.executable, __file__, "--model", args.model, "--tp", args.tp, "--part", "loading"],
-                       check=True)
+        subprocess.run([sys.executable, __file__, "--model", args.model, "--tp", ",".join(map(str, sizes)),
+                        "--part", "loading"], check=True)
     engine(args.model, max(sizes), args.max_total_tokens)
 
 

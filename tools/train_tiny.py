@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+from flexsgl.tool_args import positive_int
+
 SKIP = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__main__", "lib2to3",
         "ensurepip", "venv", "test", "msilib", "webbrowser", "pydoc_data", "unittest"}
 EOS = "<|endoftext|>"
@@ -131,17 +133,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--steps", type=positive_int, default=800)
+    ap.add_argument("--batch", type=positive_int, default=64)
+    ap.add_argument("--seq-len", type=positive_int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--inter", type=int, default=512)
+    ap.add_argument("--vocab", type=positive_int, default=4096)
+    ap.add_argument("--hidden", type=positive_int, default=256)
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--inter", type=positive_int, default=512)
     ap.add_argument("--held-out", type=float, default=0.05)
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=positive_int, default=250)
     args = ap.parse_args()
+    if args.hidden % 64:
+        ap.error(f"--hidden must be a multiple of 64 (heads of 64 dimensions), got {args.hidden}")
+    if not 0 < args.held_out < 1:
+        ap.error(f"--held-out must be a fraction between 0 and 1, got {args.held_out}")
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.manual_seed(args.seed)
