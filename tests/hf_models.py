@@ -8,12 +8,14 @@ import flexsgl.runner
 from flexsgl.bench.sampled_logits import logit_recorder
 
 
-def make_checkpoint(arch: str, path, seed: int, tie: bool = False, vocab: int = 320, head_dim: int = 16):
+def make_checkpoint(arch: str, path, seed: int, tie: bool = False, vocab: int = 320, head_dim: int = 16,
+                    attention_bias: bool = False):
     import transformers
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-6,
                   max_position_embeddings=2048, tie_word_embeddings=tie, initializer_range=0.15,
+                  attention_bias=attention_bias,
                   eos_token_id=None, bos_token_id=None)
     if arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, rope_theta=10000.0)

@@ -332,6 +332,31 @@ def test_checkpoint_loaded_shard_by_shard_matches_hf(tmp_path, monkeypatch):
         assert_matches_hf(hf, prompt, o.token_ids, seen[o.request_id], f"seed={seed}", steps=6)
 
 
+def test_attention_biases_o_proj_included_match_hf_on_one_and_two_ranks(tmp_path, monkeypatch):
+    """Llama with attention_bias: q, k, v and o_proj carry biases, as in transformers; under two ranks
+    rank 0 alone adds o_proj's (a row-parallel bias). Tokens equal one rank's, logits HF's."""
+    seed = random.randrange(1 << 30)
+    hf = make_checkpoint("llama", tmp_path, seed, attention_bias=True)
+    with torch.no_grad():  # HF initialises biases to zero: make them count
+        for name, p in hf.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.uniform_(-0.5, 0.5)
+    hf.save_pretrained(tmp_path)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 320) for _ in range(n)] for n in (4, 19, 37)]
+    one = LLM(str(tmp_path), **OPTIONS)
+    seen_one = capture_logits(one, monkeypatch)
+    ref = one.generate(prompts, greedy(6))
+    for prompt, o in zip(prompts, ref):
+        assert_matches_hf(hf, prompt, o.token_ids, seen_one[o.request_id], f"one rank, seed={seed}", steps=6)
+    with LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS) as two:
+        seen = capture_logits(two, monkeypatch)
+        out = two.generate(prompts, greedy(6))
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
+    for prompt, o in zip(prompts, out):
+        assert_matches_hf(hf, prompt, o.token_ids, seen[o.request_id], f"two ranks, seed={seed}", steps=6)
+
+
 def test_four_ranks_replicate_kv_heads_and_a_killed_rank_stops_the_engine():
     """tp=4 with 2 KV heads: each KV head serves two ranks. Then a worker is killed: rank 0's next
     step raises EngineDeadError naming it, promptly, and so does every later call."""

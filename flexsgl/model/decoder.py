@@ -34,7 +34,7 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.attention_bias)  # as Llama and Qwen3 have it
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
