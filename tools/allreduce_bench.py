@@ -25,6 +25,7 @@ import socket
 import statistics
 
 import torch
+
 from flexsgl.tool_args import need_gpus, parser, positive_int
 
 SIZES_KB = (8, 16, 32, 64, 256, 1024, 2048, 4096)

@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+
 from flexsgl.tool_args import need_gpus, parser, positive_ints, preset
 
 GIB = 1 << 30
