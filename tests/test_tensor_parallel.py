@@ -246,6 +246,22 @@ def test_mla_dummy_tokens_and_logits_identical_to_one_rank(sampled_logits):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"seed={seed}")
 
 
+def two_ranks_match_one_and_hf(path, hf, prompts, monkeypatch, seed: int, check_one: bool = False) -> None:
+    """The checkpoint at `path` on one rank and on two: six greedy tokens of each prompt equal, and
+    each step's logits at TP=2 (and on one rank too, with check_one) within HF's tolerance."""
+    one = LLM(str(path), **OPTIONS)
+    seen_one = capture_logits(one, monkeypatch) if check_one else None
+    ref = one.generate(prompts, greedy(6))
+    for prompt, o in zip(prompts, ref if check_one else ()):
+        assert_matches_hf(hf, prompt, o.token_ids, seen_one[o.request_id], f"one rank, seed={seed}", steps=6)
+    with LLM(str(path), tensor_parallel_size=2, **OPTIONS) as two:
+        seen = capture_logits(two, monkeypatch)
+        out = two.generate(prompts, greedy(6))
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
+    for prompt, o in zip(prompts, out):
+        assert_matches_hf(hf, prompt, o.token_ids, seen[o.request_id], f"two ranks, seed={seed}", steps=6)
+
+
 @pytest.mark.parametrize("q_lora_rank, topk_method", [(None, "greedy"), (24, "group_limited_greedy")])
 def test_mla_checkpoint_loaded_shard_by_shard_matches_hf(tmp_path, monkeypatch, q_lora_rank, topk_method):
     """HF's random DeepSeek-V2 checkpoint (one tensor per expert) at TP=2: each rank reads its heads'
@@ -258,13 +274,7 @@ def test_mla_checkpoint_loaded_shard_by_shard_matches_hf(tmp_path, monkeypatch, 
     hf.config._attn_implementation = "eager"
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 320) for _ in range(n)] for n in (3, 21, 40)]
-    ref = LLM(str(tmp_path), **OPTIONS).generate(prompts, greedy(6))
-    with LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS) as two:
-        seen = capture_logits(two, monkeypatch)
-        out = two.generate(prompts, greedy(6))
-    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
-    for prompt, o in zip(prompts, out):
-        assert_matches_hf(hf, prompt, o.token_ids, seen[o.request_id], f"seed={seed}", steps=6)
+    two_ranks_match_one_and_hf(tmp_path, hf, prompts, monkeypatch, seed)
 
 
 def test_structured_outputs_follow_their_constraints_as_one_rank():
@@ -322,14 +332,7 @@ def test_checkpoint_loaded_shard_by_shard_matches_hf(tmp_path, monkeypatch):
     hf = make_checkpoint("qwen3", tmp_path, seed, tie=True, vocab=321)
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 321) for _ in range(n)] for n in (5, 23, 41)]
-    one = LLM(str(tmp_path), **OPTIONS)
-    ref = one.generate(prompts, greedy(6))
-    with LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS) as two:
-        seen = capture_logits(two, monkeypatch)
-        out = two.generate(prompts, greedy(6))
-    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
-    for prompt, o in zip(prompts, out):
-        assert_matches_hf(hf, prompt, o.token_ids, seen[o.request_id], f"seed={seed}", steps=6)
+    two_ranks_match_one_and_hf(tmp_path, hf, prompts, monkeypatch, seed)
 
 
 def test_attention_biases_o_proj_included_match_hf_on_one_and_two_ranks(tmp_path, monkeypatch):
@@ -344,17 +347,7 @@ def test_attention_biases_o_proj_included_match_hf_on_one_and_two_ranks(tmp_path
     hf.save_pretrained(tmp_path)
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 320) for _ in range(n)] for n in (4, 19, 37)]
-    one = LLM(str(tmp_path), **OPTIONS)
-    seen_one = capture_logits(one, monkeypatch)
-    ref = one.generate(prompts, greedy(6))
-    for prompt, o in zip(prompts, ref):
-        assert_matches_hf(hf, prompt, o.token_ids, seen_one[o.request_id], f"one rank, seed={seed}", steps=6)
-    with LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS) as two:
-        seen = capture_logits(two, monkeypatch)
-        out = two.generate(prompts, greedy(6))
-    assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
-    for prompt, o in zip(prompts, out):
-        assert_matches_hf(hf, prompt, o.token_ids, seen[o.request_id], f"two ranks, seed={seed}", steps=6)
+    two_ranks_match_one_and_hf(tmp_path, hf, prompts, monkeypatch, seed, check_one=True)
 
 
 def test_four_ranks_replicate_kv_heads_and_a_killed_rank_stops_the_engine():
