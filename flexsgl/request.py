@@ -115,8 +115,8 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when SamplingParams.prompt_logprobs is set
 
     def __post_init__(self):
-        if self.sampling.seed is not None:
-            self.rng_seed = self.sampling.seed + self.index
+        if self.sampling.seed is not None:  # sample i of n draws with seed + i, wrapped into int64's range
+            self.rng_seed = (self.sampling.seed + self.index) % 2**63
         self.fill_ids = self.prompt_ids
         if self.sampling.logprobs is not None:
             self.logprobs = []

@@ -114,6 +114,20 @@ def test_engine_penalties_follow_a_float64_greedy_reference(tiny_docs, hf):
     assert out.token_ids == hf_greedy(hf, prompt, 16, pen), f"seed={seed}"
 
 
+def test_sample_i_of_the_largest_seed_wraps_and_fails_no_request(tiny_docs, hf):
+    """Sample i of n draws with seed + i modulo 2**63: with seed 2**63 - 1, sample 1 draws as seed 0 does,
+    and the greedy request beside it is untouched (an int64 overflow used to fail the whole step)."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 4096) for _ in range(rng.randrange(5, 20))]
+    wide = SamplingParams(max_tokens=8, temperature=1.0, seed=2**63 - 1, n=2)
+    greedy, first, second = tiny_docs.generate([prompt, prompt], [SamplingParams(max_tokens=8, temperature=0), wide])
+    zero = tiny_docs.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=0))[0]
+    assert all(o.error is None for o in (greedy, first, second)), f"seed={seed}"
+    assert second.token_ids == zero.token_ids, f"seed={seed}"
+    assert greedy.token_ids == hf_greedy(hf, prompt, 8), f"seed={seed}"
+
+
 def test_min_tokens_keeps_eos_out_until_then(tiny_docs, hf):
     plain = tiny_docs.generate(["Return the"], SamplingParams(max_tokens=40, temperature=0))[0]
     assert plain.finish_reason == "stop", "the embedded model ends this prompt with EOS"

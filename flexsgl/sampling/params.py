@@ -35,7 +35,7 @@ class SamplingParams:
 
     - max_tokens: OpenAI's name for max_new_tokens (give either; given both, they must agree).
     - n: samples of the prompt; they share its KV pages (add_requests, generate). Sample i with a
-      seed draws with seed + i.
+      seed draws with seed + i (modulo 2**63).
     - stop: strings that end the output once its text holds one (checked on the detokenized text,
       not before min_tokens); the stop string is cut from the text unless include_stop_str_in_output,
       as is the text of a stop token (EOS, stop_token_ids), which stays among the token ids.
