@@ -184,6 +184,36 @@ def test_min_p():
     check_filtered(seed, rng, temperature, p >= min_p * p.max(), logit_seed, min_p=min_p)
 
 
+def test_min_p_then_top_k_then_top_p_over_what_they_kept():
+    """All three filters at once, against float64 in vLLM's order: min_p on the whole distribution,
+    top_k, then top_p over the survivors renormalised (top_p once measured the mass of the whole
+    distribution, keeping tokens that top_k or min_p had made too likely to need)."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    temperature = rng.uniform(0.5, 2.0)
+    while True:
+        logit_seed = rng.randrange(2**31)
+        p = ref_probs(random_logits(1, V, logit_seed)[0], temperature)
+        order = np.argsort(-p)
+        ratios = p[order] / p.max()
+        cut = rng.randrange(4, V)  # min_p between the ratios of sorted tokens cut-1 and cut
+        if ratios[cut - 1] - ratios[cut] < 1e-3:
+            continue
+        min_p = float(ratios[cut] + rng.uniform(0.2, 0.8) * (ratios[cut - 1] - ratios[cut]))
+        k = rng.randrange(3, cut + 1)
+        kept = p[order[:min(k, cut)]] / p[order[:min(k, cut)]].sum()
+        cum = np.cumsum(kept)
+        gaps = [j for j in range(1, len(kept) - 1) if cum[j] - cum[j - 1] > 1e-3]
+        if gaps:
+            break
+    j = rng.choice(gaps)
+    top_p = float(cum[j - 1] + rng.uniform(0.2, 0.8) * (cum[j] - cum[j - 1]))
+    n_keep = next(n for n in range(1, len(kept) + 1) if cum[n - 1] >= top_p)
+    allowed = np.zeros(V, bool)
+    allowed[order[:n_keep]] = True
+    check_filtered(seed, rng, temperature, allowed, logit_seed, top_k=k, top_p=top_p, min_p=min_p)
+
+
 def test_top_k_1_is_greedy():
     seed = random.randrange(2**31)
     rng = random.Random(seed)

@@ -45,6 +45,9 @@ class SamplingParams:
     - presence_penalty, frequency_penalty (OpenAI, [-2, 2]) lower the logits of tokens the output
       holds, by a constant and per occurrence; repetition_penalty (> 0; 1 is off) divides positive
       and multiplies negative logits of tokens in the prompt or output.
+    - min_p, top_k, top_p filter the tempered distribution in that order (vLLM's): min_p drops tokens
+      less likely than min_p times the most likely, top_k keeps the k most likely, and top_p keeps the
+      most likely tokens while the renormalised mass of those before them is below top_p.
     - min_tokens: EOS and stop_token_ids cannot be sampled before this many output tokens.
     - attention_params: values of the engine's attention variants' per-request parameters
       (PerRequest, docs/ATTENTION.md), by name.

@@ -208,10 +208,12 @@ def sample(logits: torch.Tensor, st: SamplingTensors, argmax: torch.Tensor | Non
     probs, ids = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)
     k = torch.where(st.top_k > 0, st.top_k, vocab)
-    drop = rank[None, :] >= k[:, None]
-    drop |= (probs.cumsum(dim=-1) - probs) > st.top_p[:, None]  # keep the smallest prefix reaching top_p
-    drop |= probs < st.min_p[:, None] * probs[:, :1]
+    drop = (probs < st.min_p[:, None] * probs[:, :1]) | (rank[None, :] >= k[:, None])
     probs = probs.masked_fill(drop, 0.0)
+    # top-p over what min-p and top-k kept, renormalised (vLLM's order): a token stays while the mass
+    # of those before it is below top_p, i.e. while its own and the later ones' exceed 1 - top_p
+    tail = probs.flip(-1).cumsum(dim=-1).flip(-1)
+    probs = probs.masked_fill(tail <= (1 - st.top_p[:, None]) * tail[:, :1], 0.0)
     choice = row_argmax(probs / exponential_noise(st.seed, st.step, ids))
     token = ids.gather(1, choice[:, None]).squeeze(1)
     return torch.where(st.temperature > 0, token, greedy)
