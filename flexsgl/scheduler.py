@@ -163,8 +163,8 @@ class Scheduler:
         def take(r: Request) -> None:
             nonlocal budget
             n = min(len(r.fill_ids) - r.num_computed, budget)
+            self._drop_behind_window(r, r.num_computed)  # before growing: within held_tokens at every moment
             if self._grow_or_preempt(r, r.num_computed + n):
-                self._drop_behind_window(r, r.num_computed)
                 reqs.append(r), starts.append(r.num_computed), num_new.append(n)
                 budget -= n
 

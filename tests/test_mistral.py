@@ -51,3 +51,27 @@ def test_a_long_windowed_generation_holds_only_the_window(tmp_path):
     assert max(held) <= math.ceil(WINDOW / PAGE) + 1, f"seed={seed}: {max(held)} pages held"
     assert llm.scheduler.counters["window_pages_freed"] >= (405 - WINDOW) // PAGE - 1, f"seed={seed}"
     assert llm.allocator.num_free + llm.scheduler.cache.num_pages == llm.allocator.capacity, f"seed={seed}"
+
+
+def test_a_chunked_prompt_runs_in_a_pool_of_exactly_what_a_request_may_hold(tmp_path):
+    """A prompt many windows long, prefilled in chunks, in a KV pool the size of the engine's own bound
+    on what a request holds at once (Scheduler.held_tokens: the window, a chunk and two pages): it
+    finishes with HF's tokens. A chunk's pages were taken before the previous chunk's pages behind
+    the window were given back, so it needed a window and two chunks, and preempted itself forever."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    window, page, chunk = 12, rng.choice([1, 2, 4]), rng.choice([4, 8, 16])
+    hf = make_mistral(tmp_path, seed, window=window)
+    prompt = [rng.randrange(320) for _ in range(rng.randrange(60, 120))]
+    llm = LLM(str(tmp_path), device="cpu", page_size=page, max_num_batched_tokens=chunk,
+              max_total_tokens=window + chunk + 2 * page)
+    rid = llm.add_request(prompt, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    out = None
+    for _ in range(4 * len(prompt)):  # a finite number of steps: a request that preempts itself never ends
+        out = next((o for o in llm.step() if o.request_id == rid), out)
+        if out is not None:
+            break
+    assert out is not None, f"seed={seed}: unfinished after {4 * len(prompt)} steps, {llm.stats()}"
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert out.token_ids == want, f"seed={seed} page={page} chunk={chunk}"
