@@ -116,6 +116,7 @@ class LLM:
                                        self.scheduler.whole_prompt_tokens)
         self.grammars = grammar.GrammarQueue(self.tokenizer, mcfg.vocab_size)  # requests waiting for their grammar
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
+        self._unclaimed: list[RequestOutput] = []  # add_request's outputs that a generate() call read back
         self._next_id = 0  # above every id added (abort tells a finished request from an unknown one)
         self.loop = StepLoop(self.scheduler, self.runner, self.outputs, self.grammars, self.health, self.device)
         self._startup = {"startup_s": time.perf_counter() - started, "resolve_s": resolve_s, "load_s": core.load_s,
@@ -268,7 +269,8 @@ class LLM:
         done, self.loop.done = self.loop.done, []
         for r in done:
             del self._live[r.request_id]
-        return [self.outputs.request_output(r) for r in done]
+        unclaimed, self._unclaimed = self._unclaimed, []
+        return unclaimed + [self.outputs.request_output(r) for r in done]
 
     @property
     def has_unfinished(self) -> bool:
@@ -285,7 +287,8 @@ class LLM:
                  on_token: Callable[[Request], None] | None = None) -> list[RequestOutput]:
         """Run `prompts` (strings or token-id lists) to completion; outputs come back in prompt order,
         a prompt sampled n times giving n outputs in a row (RequestOutput.index 0..n-1). Without
-        `sampling`, default_sampling (the model's generation_config.json) applies.
+        `sampling`, default_sampling (the model's generation_config.json) applies. Requests added
+        earlier with add_request run too; their outputs come back from the next step().
 
         Bad input raises a ValueError before any request starts. On KeyboardInterrupt (Ctrl-C, or
         from on_token) this call's requests are aborted, and it is raised with the engine ready for
@@ -296,13 +299,17 @@ class LLM:
         check_callback(on_token)
         reqs = [r for i, (p, s) in enumerate(zip(prompts, sampling)) for r in self.make_requests(p, s, i)]
         ids = [self._add(r, on_token) for r in reqs]
-        outs = {}
+        mine, outs = set(ids), {}
         long_call = len(ids) >= PROGRESS_PROMPTS or sum(r.sampling.max_new_tokens for r in reqs) >= PROGRESS_TOKENS
         bar = progress(total=len(ids), desc="generate", unit="req", disable=not long_call)
         try:
             with deferred_interrupts() as deferred:
                 while len(outs) < len(ids) or self.has_unfinished:
-                    outs.update((o.request_id, o) for o in self.step())
+                    for o in self.step():
+                        if o.request_id in mine:
+                            outs[o.request_id] = o
+                        else:  # an add_request's: step() returns it next
+                            self._unclaimed.append(o)
                     bar.update(len(outs) - bar.n)
                     deferred.redeliver()
         except BaseException:

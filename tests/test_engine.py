@@ -42,6 +42,22 @@ def test_continuous_batching_matches_each_request_alone(checkpoint):
         assert out.prompt_token_ids == p and out.cached_tokens == 0
 
 
+def test_a_request_added_before_generate_comes_back_from_step(checkpoint):
+    """generate() runs every request the engine holds; one queued earlier with add_request finishes in
+    it and its output comes back from the next step(), with the tokens it gets alone (it was dropped)."""
+    path, _, seed = checkpoint
+    rng = random.Random(seed)
+    early, mine = ([rng.randrange(300) for _ in range(rng.randrange(1, 30))] for _ in range(2))
+    llm = LLM(str(path), device="cpu", page_size=16)
+    rid = llm.add_request(early, greedy(12))
+    [out] = llm.generate([mine], greedy(3))
+    assert out.request_id != rid and len(out.token_ids) == 3, f"seed={seed}"
+    [got] = llm.step()
+    assert got.request_id == rid, f"seed={seed}"
+    assert got.token_ids == llm.generate([early], greedy(12))[0].token_ids, f"seed={seed}"
+    assert llm.step() == [], f"seed={seed}"
+
+
 def assert_no_page_leak(llm):
     """At rest every page is free or in the prefix cache, unreferenced."""
     cache = llm.scheduler.cache
