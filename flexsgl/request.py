@@ -98,6 +98,7 @@ class Request:
     num_computed: int = 0
     num_scheduled_outputs: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    admitted: bool = False  # admitted once (a preempted request is readmitted)
     shared_pages: int = 0  # leading pages it holds through the prefix cache (since its last admission)
     dropped_pages: int = 0  # leading pages behind every layer's attention window, given back to the pool
     added_at: float = 0.0  # time.monotonic() when the engine took it

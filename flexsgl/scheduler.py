@@ -193,8 +193,8 @@ class Scheduler:
             r.prefix_node, r.pages, r.shared_pages = node, list(pages), len(pages)
             r.num_computed = len(pages) * self.ps
             r.num_scheduled_outputs = len(r.output_ids)
-            if not r.output_ids:  # a first admission, not a readmission after preemption
-                r.cached_tokens = r.num_computed
+            if not r.admitted:  # not a readmission after preemption, which finds its own pages
+                r.cached_tokens, r.admitted = r.num_computed, True
             r.slot = self._free_slots.pop()
             r.state = State.RUNNING
             self.running.append(r)

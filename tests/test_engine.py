@@ -58,6 +58,22 @@ def test_a_request_added_before_generate_comes_back_from_step(checkpoint):
     assert llm.step() == [], f"seed={seed}"
 
 
+def test_a_request_preempted_in_its_prefill_reports_no_cached_tokens_of_its_own(checkpoint):
+    """cached_tokens counts the prompt tokens the prefix cache held at a request's first admission:
+    prompts that share no page, preempted in the middle of their prefills, report 0 (a readmission
+    found the request's own computed pages in the cache and counted them)."""
+    path, _, seed = checkpoint
+    rng = random.Random(seed)
+    firsts = rng.sample(range(300), 24)  # a first token each: no two prompts share a page
+    prompts = [[f] + [rng.randrange(300) for _ in range(rng.randrange(8, 60))] for f in firsts]
+    llm = LLM(str(path), device="cpu", page_size=4, max_total_tokens=128, max_running_requests=8,
+              max_num_batched_tokens=16)
+    outs = llm.generate(prompts, [greedy(rng.randrange(1, 40)) for _ in prompts])
+    assert llm.stats().get("preemptions", 0) > 0, f"seed={seed}: nothing was preempted"
+    assert [o.cached_tokens for o in outs] == [0] * len(prompts), f"seed={seed}"
+    assert llm.stats()["prefix_hit_tokens"] == 0, f"seed={seed}"
+
+
 def assert_no_page_leak(llm):
     """At rest every page is free or in the prefix cache, unreferenced."""
     cache = llm.scheduler.cache
