@@ -1,6 +1,7 @@
 """FP8 checkpoints made from tiny HF ones, quantized here independently of flexsgl.quant: block-wise
 (`quant_method: fp8`, `<name>_scale_inv` per block) and compressed-tensors (per channel or per
-tensor, `<name>_scale`), with a float32 copy of the same weights dequantized (the reference)."""
+tensor, `<name>_scale`), with a float32 copy of the same weights dequantized (the reference).
+Stacked experts `[E, N, K]` are quantized expert by expert, their scales stacked `[E, ...]`."""
 
 from __future__ import annotations
 
@@ -53,10 +54,13 @@ def quantization_config(fmt: str, block, ignore: list[str]) -> dict:
 
 
 def quantizable(name: str, t: torch.Tensor, ignore: list[str]) -> bool:
-    """The layers' projections and experts (not norms, not MoE routers, not the modules in `ignore`)."""
+    """The layers' projections and experts, one tensor per expert or stacked (not norms, not MoE
+    routers, not the modules in `ignore`)."""
     module = name.removesuffix(".weight")
-    return (t.dim() == 2 and name.endswith(".weight") and name.startswith("model.layers.") and "norm" not in name
-            and not name.endswith("mlp.gate.weight") and not any(module.endswith(i) for i in ignore))
+    stacked = t.dim() == 3 and ".mlp.experts." in name
+    return ((t.dim() == 2 and name.endswith(".weight") or stacked) and name.startswith("model.layers.")
+            and "norm" not in name and not name.endswith("mlp.gate.weight")
+            and not any(module.endswith(i) for i in ignore))
 
 
 def make_fp8_checkpoint(src: Path, dst: Path, ref: Path, fmt: str, block=(128, 128), ignore=(),
@@ -68,7 +72,8 @@ def make_fp8_checkpoint(src: Path, dst: Path, ref: Path, fmt: str, block=(128, 1
     config = json.loads((src / "config.json").read_text())
     for name, t in tensors.items():
         if quantizable(name, t, list(ignore)):
-            q, scale, deq = quantize(t, fmt, block)
+            q, scale, deq = (quantize(t, fmt, block) if t.dim() == 2 else
+                             map(torch.stack, zip(*(quantize(e, fmt, block) for e in t))))
             quantized[name] = q
             quantized[name + ("_scale_inv" if fmt == "block" else "_scale")] = scale
             if input_scales:

@@ -124,6 +124,67 @@ def test_newer_family_fp8_checkpoint_matches_hf(tmp_path, monkeypatch, family, f
     check_matches_hf(tmp_path / "fp8", tmp_path / "ref", monkeypatch, seed, steps=12)
 
 
+@pytest.mark.parametrize("export", ["naive-quantized", "compression_config"])
+def test_older_compressed_tensors_exports_match_hf(tmp_path, monkeypatch, export):
+    """compressed-tensors FP8 per channel as older llm-compressor exports write it, of format
+    `naive-quantized` or under `compression_config` in config.json: read as float-quantized, HF's
+    tokens on the weights it stands for."""
+    seed = random.randrange(2**31)
+    make_source("llama", tmp_path / "src", seed)
+    make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", "channel")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    q = config.pop("quantization_config")
+    if export == "naive-quantized":
+        config["quantization_config"] = {**q, "format": "naive-quantized"}
+    else:
+        config["compression_config"] = q
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    check_matches_hf(tmp_path / "fp8", tmp_path / "ref", monkeypatch, seed, steps=8)
+
+
+@pytest.mark.parametrize("fmt", ["channel", "block", "tensor"])
+def test_stacked_fp8_experts_match_hf(tmp_path, monkeypatch, fmt):
+    """A Qwen3-MoE checkpoint with stacked experts (transformers 5's `mlp.experts.gate_up_proj`
+    [E, 2I, H], `down_proj` [E, H, I]) in FP8, each expert quantized alone and its scales stacked
+    ([E, 2I, 1], [E, 2I / 16, H / 16] or [E, 1]): HF's tokens on the weights it stands for."""
+    from tests.test_qwen3_moe import make_qwen3_moe
+
+    seed = random.randrange(2**31)
+    make_qwen3_moe(tmp_path / "src", seed, stacked=True)
+    fp8 = make_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", fmt, block=(16, 16))
+    assert "model.layers.2.mlp.experts.gate_up_proj" in fp8, f"seed={seed}"
+    check_matches_hf(tmp_path / "fp8", tmp_path / "ref", monkeypatch, seed, steps=8)
+
+
+@pytest.mark.parametrize("fmt", ["channel", "block"])
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "dequantized"])
+@pytest.mark.parametrize("rank,size", [(0, 1), (1, 2)])
+def test_stacked_fp8_experts_load_as_one_tensor_per_expert_does(tmp_path, monkeypatch, fmt, kept, rank, size):
+    """The same FP8 values and scales given stacked or one tensor per expert (per channel, or in
+    16 x 16 blocks, which gate's and up's rows fill whole) load into the same model, bit for bit:
+    experts kept in FP8 (forced here on the CPU) or dequantized, at one rank and at two."""
+    import flexsgl.model.loader as loader
+    from flexsgl.model.source import resolve
+    from tests.test_qwen3_moe import make_qwen3_moe
+
+    seed = random.randrange(2**31)
+    monkeypatch.setattr(loader, "keeps_fp8_experts", lambda *a: kept)
+    models = []
+    for layout in ("per_expert", "stacked"):
+        make_qwen3_moe(tmp_path / layout, seed, stacked=layout == "stacked")
+        make_fp8_checkpoint(tmp_path / layout, tmp_path / f"{layout}_fp8", tmp_path / f"{layout}_ref", fmt,
+                            block=(16, 16))
+        models.append(loader.build_model(resolve(str(tmp_path / f"{layout}_fp8")), torch.device("cpu"),
+                                         torch.float32, rank=rank, size=size).state_dict())
+    per_expert, stacked = models
+    assert per_expert.keys() == stacked.keys(), f"seed={seed}"
+    experts = [n for n in per_expert if ".experts." in n]
+    assert all(per_expert[n].dtype == (torch.float8_e4m3fn if kept else torch.float32)
+               for n in experts if n.endswith("proj")), f"seed={seed}"
+    for name in per_expert:
+        assert torch.equal(per_expert[name].view(torch.uint8), stacked[name].view(torch.uint8)), f"{name}, seed={seed}"
+
+
 @pytest.mark.parametrize("fmt", ["channel", "tensor"])
 def test_projections_kept_in_fp8_load_the_checkpoints_bits_and_row_scales(tmp_path, monkeypatch, fmt):
     """Where FP8 products run (forced here on the CPU, which runs no forward), each projection whose
@@ -428,3 +489,52 @@ def test_an_fp8_scale_holding_nan_is_refused(block_checkpoint, tmp_path):
         t[scale][0, 0] = float("nan")
     msg = refused(edited(src, tmp_path / "x", edit))
     assert repr(scale) in msg and "NaN" in msg, msg
+
+
+def two_shards(src, dst, twice: str, value: torch.Tensor):
+    """The checkpoint at `src` written to `dst` in two files, tensor `twice` in both (`value` in the
+    second, its own or twice `value` in the first), the index naming the first for it."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    names = sorted(n for n in tensors if n != twice)
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({**{n: tensors[n] for n in names[::2]}, twice: tensors.get(twice, 2 * value)}, dst / first)
+    save_file({**{n: tensors[n] for n in names[1::2]}, twice: value}, dst / second)
+    weight_map = {n: (first, second)[i % 2] for i, n in enumerate(names)} | {twice: first}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+@pytest.mark.parametrize("kind", ["weight_scale_inv", "input_scale", "k_scale", "output_scale", "weight"])
+def test_a_tensor_in_two_shards_is_refused_naming_both_files(block_checkpoint, tmp_path, kind):
+    """Every tensor the loader reads, weights and their scales, activation and KV cache scales alike,
+    given in two files (with other values in the second) is refused, whatever the index says."""
+    src, seed = block_checkpoint
+    rng = random.Random(seed)
+    layer, proj = rng.randrange(2), rng.choice(["self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"])
+    name, shape = {"weight_scale_inv": (f"model.layers.{layer}.{proj}.weight_scale_inv", None),
+                   "input_scale": (f"model.layers.{layer}.{proj}.input_scale", (1,)),
+                   "k_scale": (f"model.layers.{layer}.self_attn.k_scale", ()),
+                   "output_scale": (f"model.layers.{layer}.self_attn.v_proj.output_scale", (1,)),
+                   "weight": (f"model.layers.{layer}.post_attention_layernorm.weight", None)}[kind]
+    if shape is None:
+        shape = load_file(src / "model.safetensors")[name].shape
+    torch.manual_seed(seed)
+    msg = refused(two_shards(src, tmp_path / "x", name, torch.rand(shape) + 0.5))
+    assert repr(name) in msg and "model-00001-of-00002" in msg and "model-00002-of-00002" in msg, \
+        f"{msg} seed={seed}"
+
+
+def test_an_fp8_tensor_of_one_dimension_is_refused_naming_it(block_checkpoint, tmp_path):
+    src, seed = block_checkpoint
+    name = random.Random(seed).choice(["model.norm.weight", "model.layers.0.input_layernorm.weight",
+                                       "model.layers.1.post_attention_layernorm.weight"])
+
+    def edit(t):
+        t[name] = t[name].to(torch.float8_e4m3fn)
+        t[name + "_scale_inv"] = torch.ones(1)
+    msg = refused(edited(src, tmp_path / "x", edit))
+    assert repr(name) in msg and "(160,)" in msg, f"{msg} seed={seed}"

@@ -26,16 +26,17 @@ def fake_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x / scale).clamp(-top, top).to(FP8).to(x.dtype) * scale
 
 
-def add_kv_scales(path, seed: int, layers: int) -> dict[int, tuple[float, float]]:
-    """Write per-layer k_scale and v_scale tensors into the checkpoint at `path`; returns them. The
-    scales are small, so that K/V divided by them spread over FP8's range and its rounding shows."""
+def add_kv_scales(path, seed: int, layers: int, name: str = "{}_scale") -> dict[int, tuple[float, float]]:
+    """Write per-layer k_scale and v_scale tensors (`name` of "k" or "v" under `self_attn.`) into
+    the checkpoint at `path`; returns them. The scales are small, so that K/V divided by them spread
+    over FP8's range and its rounding shows."""
     rng = random.Random(seed)
     scales = {i: (rng.uniform(0.01, 0.05), rng.uniform(0.005, 0.03)) for i in range(layers)}
     f = path / "model.safetensors"
     tensors = load_file(f)
     for i, (k, v) in scales.items():
-        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v)
+        tensors[f"model.layers.{i}.self_attn.{name.format('k')}"] = torch.tensor(k)
+        tensors[f"model.layers.{i}.self_attn.{name.format('v')}"] = torch.tensor(v)
     save_file(tensors, f, metadata={"format": "pt"})
     return scales
 
@@ -76,7 +77,7 @@ def checkpoint(tmp_path_factory):
 
 def check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol: float, distinct: bool = True,
                      neighbours: float = 2e-3, noise: float = 0.0, entrywise_layers: int | None = None,
-                     **options) -> LLM:
+                     hf_path=None, **options) -> LLM:
     """Each prompt alone on a fresh engine (its pages are then 1, 2, ... in order: position p sits in
     slot page_size + p). HF runs the prompt and the engine's tokens over the K/V the engine stored,
     dequantized with the checkpoint's scales: its logits are the engine's within `tol`, and (with
@@ -89,8 +90,9 @@ def check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol: float, dist
     engine, each layer's K/V comes from the attention before it, which differs from HF's by the
     kernel's own rounding: there, the stored values' least-squares scale against HF's quantized ones
     is within 5% of 1 (a wrong scale is off by the ratio of two) and their relative distance under
-    0.25 (an FP8 step is at most 1/8 of a value; another position's K/V is ~1.4 away)."""
-    hf = HFOverStoredKV(path)
+    0.25 (an FP8 step is at most 1/8 of a value; another position's K/V is ~1.4 away). HF reads
+    `hf_path` where given (the same weights, with a config transformers loads alone)."""
+    hf = HFOverStoredKV(hf_path or path)
     rng = random.Random(seed)
     prompts = [[rng.randrange(plain_hf.config.vocab_size) for _ in range(n)] for n in LENGTHS]
     for i, prompt in enumerate(prompts):
@@ -144,6 +146,49 @@ def test_fp8_cache_matches_hf_attending_over_the_stored_kv(checkpoint, monkeypat
     assert pool.k[0].dtype == pool.v[0].dtype == FP8
     for i, layer in enumerate(llm.model.model.layers):  # the checkpoint's scales, layer by layer
         assert layer.self_attn.kv_scales.tolist() == pytest.approx(scales[i], rel=1e-6)
+
+
+@pytest.mark.parametrize("groups, name", [({}, "{}_scale"), ({"group_0": {"targets": []}}, "{}_proj.output_scale")],
+                         ids=["no-groups-k_scale", "empty-group-output_scale"])
+def test_a_kv_cache_only_checkpoint_gives_the_fp8_cache_its_scales(tmp_path, monkeypatch, groups, name):
+    """A compressed-tensors checkpoint that quantizes its KV cache alone (unquantized weights, a
+    kv_cache_scheme and config_groups of nothing, as llm-compressor writes them), its scales named
+    `self_attn.k_scale` or the older `self_attn.k_proj.output_scale`: the weights load as they are
+    and an FP8 cache takes the scales, matching HF over the stored K/V."""
+    import json
+    import shutil
+
+    seed = random.randrange(1 << 30)
+    plain_hf = make_checkpoint("qwen3", tmp_path / "ref", seed)
+    scales = add_kv_scales(tmp_path / "ref", seed, plain_hf.config.num_hidden_layers, name)
+    path = shutil.copytree(tmp_path / "ref", tmp_path / "kv")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": groups, "ignore": ["lm_head"],
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
+    (path / "config.json").write_text(json.dumps(config))
+    llm = check_against_hf(path, seed, scales, plain_hf, monkeypatch, tol=1e-4, hf_path=tmp_path / "ref",
+                           device="cpu", page_size=16, max_num_batched_tokens=16)
+    for i, layer in enumerate(llm.model.model.layers):
+        assert layer.self_attn.kv_scales.tolist() == pytest.approx(scales[i], rel=1e-6), f"seed={seed}"
+
+
+def test_a_kv_scale_given_under_two_names_is_refused(checkpoint, tmp_path):
+    import shutil
+
+    path, seed, *_ = checkpoint
+    shutil.copytree(path, tmp_path / "bad")
+    f = tmp_path / "bad" / "model.safetensors"
+    tensors = load_file(f)
+    layer = random.Random(seed).randrange(3)
+    tensors[f"model.layers.{layer}.self_attn.v_proj.output_scale"] = torch.tensor([0.02])
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        LLM(str(tmp_path / "bad"), device="cpu", kv_cache_dtype="fp8")
+    msg = str(e.value)
+    assert f"model.layers.{layer}.self_attn.v_proj.output_scale" in msg and f"layers.{layer}.self_attn.v_scale" in msg \
+        and "\n" not in msg, f"{msg} seed={seed}"
 
 
 def test_the_pool_holds_twice_the_tokens_in_the_same_bytes(checkpoint):

@@ -37,8 +37,13 @@ def refusal(q) -> str:
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "'int'"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "'e5m2'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "'bitsandbytes'"),
+    ({"load_in_8bit": True}, "'bitsandbytes'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
+      "kv_cache_scheme": {"num_bits": 8, "type": "int", "strategy": "tensor"}}, "kv_cache_scheme"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}}, "no weights"),
 ], ids=["awq", "gptq", "bitsandbytes", "mxfp4", "unknown", "no-method", "ct-packed", "ct-fp4", "ct-int8", "fp8-e5m2",
-        "fp8-bad-block"])
+        "fp8-bad-block", "bnb-4bit-no-method", "bnb-8bit-no-method", "ct-int8-kv", "ct-nothing"])
 def test_unserved_quantization_is_refused_naming_the_format(q, named):
     msg = refusal(q)
     assert named in msg, msg
@@ -61,3 +66,43 @@ def test_compressed_tensors_fp8_is_read_with_its_strategy(strategy, shape):
         "ignore": ["lm_head", "re:.*mlp\\.gate$"]}).quant
     assert (s.strategy, s.scale_name("a.weight"), s.scale_shape((160, 64))) == (strategy, "a.weight_scale", shape)
     assert s.ignores("lm_head") and s.ignores("model.layers.3.mlp.gate") and not s.ignores("model.layers.3.mlp.up")
+
+
+CT_CHANNEL = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}
+
+
+@pytest.mark.parametrize("config", [
+    {**BASE, "quantization_config": {**CT_CHANNEL, "format": "naive-quantized"}},
+    {**BASE, "compression_config": CT_CHANNEL},
+], ids=["naive-quantized", "compression_config"])
+def test_older_compressed_tensors_fp8_configs_are_read_as_float_quantized(config):
+    s = ModelConfig.from_hf(config, "Config file 'x/config.json'").quant
+    assert (s.method, s.strategy, s.scale_name("a.weight")) == ("compressed-tensors", "channel", "a.weight_scale")
+
+
+@pytest.mark.parametrize("groups", [{}, {"group_0": {"targets": []}}])
+def test_a_kv_cache_scheme_alone_quantizes_no_weights(groups):
+    assert config({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": groups,
+                   "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}).quant is None
+
+
+def test_stacked_experts_scales_lead_with_the_experts():
+    block = config({"quant_method": "fp8", "weight_block_size": [16, 32]}).quant
+    assert block.scale_shape((6, 64, 40)) == (6, 4, 2)
+    for strategy, shape in (("channel", (6, 64, 1)), ("tensor", (6, 1))):
+        q = {**CT_CHANNEL, "config_groups": {"g": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": strategy}}}}
+        assert config(q).quant.scale_shape((6, 64, 40)) == shape
+
+
+def test_an_autogptq_checkpoint_is_refused_naming_gptq(tmp_path):
+    """An AutoGPTQ checkpoint: its quantization in quantize_config.json beside a config.json without any."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "desc_act": False}))
+    with pytest.raises(CheckpointError) as e:
+        ModelConfig.from_dir(tmp_path)
+    msg = str(e.value)
+    assert "GPTQ" in msg and "quantize_config.json" in msg and "\n" not in msg and msg.endswith("."), msg

@@ -11,7 +11,14 @@ from pathlib import Path
 from flexsgl.errors import CheckpointError, short_repr
 from flexsgl.model.architectures import ARCHITECTURES, import_target
 from flexsgl.model.mla_config import MLAConfig, MoEConfig, deepseek_v2_params
-from flexsgl.quant.scheme import QuantScheme, quant_scheme
+from flexsgl.quant.scheme import SERVED, QuantScheme, quant_scheme
+
+
+def quant_config(d: dict):
+    """A config's quantization_config, or an older llm-compressor export's compression_config (as vLLM
+    reads them), or None."""
+    q = d.get("quantization_config")
+    return d.get("compression_config") if q is None else q
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,8 @@ class ModelConfig:
         if not isinstance(arch, str) or arch not in ARCHITECTURES:
             raise CheckpointError(f"{source}: model architecture {short_repr(arch)} is not supported; flexsgl runs "
                                   f"{', '.join(ARCHITECTURES)}.")
-        quant = None if d.get("quantization_config") is None else quant_scheme(d["quantization_config"], source)
+        q = quant_config(d)
+        quant = None if q is None else quant_scheme(q, source)
         for key, supported in UNSUPPORTED_SETTINGS.items():
             if key in d and key not in ARCHITECTURES[arch].ignores and d[key] not in supported:
                 raise CheckpointError(f"{source} sets {key} to {short_repr(d[key])}, which flexsgl does not run "
@@ -175,6 +183,10 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise CheckpointError(f"Config file {str(file)!r} is not valid JSON: {e.msg} at line {e.lineno} column "
                                   f"{e.colno}.") from None
+        gptq = Path(path) / "quantize_config.json"
+        if isinstance(d, dict) and quant_config(d) is None and gptq.is_file():
+            raise CheckpointError(f"{str(gptq)!r} makes this a GPTQ-quantized checkpoint (AutoGPTQ's), which flexsgl "
+                                  f"does not serve; it serves {SERVED} checkpoints.")
         return cls.from_hf(d, f"Config file {str(file)!r}")
 
     def attention_variants(self) -> list:

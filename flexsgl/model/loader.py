@@ -20,7 +20,7 @@ from flexsgl.model.architectures import model_class
 from flexsgl.model.dummy_weights import init_dummy_weights
 from flexsgl.model.empty_init import no_init
 from flexsgl.model.source import ModelSource, weight_files
-from flexsgl.model.weight_loaders import block_loader, row_loader, weight_loader
+from flexsgl.model.weight_loaders import StackedExperts, block_loader, row_loader, weight_loader
 from flexsgl.quant.apply import keep_fp8, keeps_fp8, keeps_fp8_experts, quantize_online
 from flexsgl.quant.fp8 import FP8, expand_scale
 from flexsgl.quant.scheme import QuantScheme
@@ -29,9 +29,10 @@ from flexsgl.quant.scheme import QuantScheme
 # scales (flexsgl/quant); anything else (integers, other float8) is a quantized or foreign checkpoint.
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 FP8_DTYPE = "F8_E4M3"
-# A layer's FP8 KV cache scales, one value each (llm-compressor's and vLLM's names): read into
-# the model's kv_cache_scales, which an FP8 cache uses (flexsgl/model/causal_lm.py).
-KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+# A layer's FP8 KV cache scales, one value each (llm-compressor's and vLLM's names, and the older
+# `k_proj.output_scale` / `v_proj.output_scale`): read into the model's kv_cache_scales, which an
+# FP8 cache uses (flexsgl/model/causal_lm.py).
+KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])(?:_scale|_proj\.output_scale)$")
 
 
 def build_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed: int = 0, rank: int = 0,
@@ -97,7 +98,7 @@ def load_safetensors(model: nn.Module, files: list[Path], full: nn.Module | None
                             block_loader(weight_loader(p), scheme.block).load(scales, _held(s.float()), part)
                         else:
                             rows = expand_scale(s, scheme.strategy, None, tuple(weight.shape))
-                            row_loader(weight_loader(p)).load(scales, _held(rows.expand(weight.shape[0], 1)), part)
+                            row_loader(weight_loader(p)).load(scales, _held(rows.expand(*weight.shape[:-1], 1)), part)
                     else:
                         expanded = expand_scale(s, scheme.strategy, scheme.block, tuple(weight.shape))
                         weight_loader(p).load(p, _held(weight.float() * expanded), part)
@@ -183,11 +184,15 @@ Headers = list[tuple[str, Path, tuple[int, ...], str]]
 
 
 def read_headers(files: list[Path]) -> Headers:
-    """The name, file, shape and dtype of every tensor in `files` (their headers alone)."""
-    headers = []
+    """The name, file, shape and dtype of every tensor in `files` (their headers alone); a name in
+    two files raises CheckpointError."""
+    headers, seen = [], {}
     for f in files:
         with _open_safetensors(f) as st:
             for name in st.keys():
+                if name in seen:
+                    raise CheckpointError(f"Tensor {name!r} is given twice, in {str(seen[name])!r} and in {str(f)!r}.")
+                seen[name] = f
                 view = st.get_slice(name)
                 headers.append((name, f, tuple(view.get_shape()), view.get_dtype()))
     return headers
@@ -206,11 +211,12 @@ def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tup
     model's `checkpoint_name`, the parameter's weight loader); returns, per file, (tensor name,
     parameter name, part, scale) rows, scale (name, file) for an FP8 tensor, else None. Raises
     CheckpointError, naming the file and the tensor, for an unreadable file, a tensor the model has
-    no place for, a wrong shape or dtype, an FP8 tensor without its scale or with one of the wrong
-    shape, a tensor given twice (or whole as well as in parts), or a weight the checkpoint lacks."""
+    no place for, a wrong shape or dtype, an FP8 tensor that is not a matrix (or stacked experts')
+    or without its scale or with one of the wrong shape, a tensor given twice (or whole as well as
+    in parts; a KV cache scale under two names), or a weight the checkpoint lacks."""
     params = dict(model.named_parameters())
     plan: dict[Path, list[tuple[str, str, object, object]]] = {f: [] for f in files}
-    filled: dict[str, dict[object, tuple[str, Path]]] = {}  # parameter -> part -> the tensor filling it
+    filled: dict[str, dict[object, tuple[str, Path]]] = {}  # parameter (or KV scale) -> part -> the tensor filling it
     tied = model.cfg.tie_word_embeddings
     headers = read_headers(files)
     scales = _scales(model.cfg.quant, headers)
@@ -220,10 +226,12 @@ def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tup
             continue  # recomputed from the config; an activation scale (activations are scaled per token)
         if hf_name in scales:
             continue  # an FP8 weight's scale, checked and read with it
-        if KV_SCALE.match(hf_name):
+        kv = KV_SCALE.match(hf_name)
+        if kv is not None:
             if math.prod(shape) != 1:
                 raise CheckpointError(f"KV cache scale {hf_name!r} in {str(f)!r} has shape {shape}; flexsgl reads "
                                       "one scale per layer for K and one for V.")
+            _claim(filled, "model.layers.{}.self_attn.{}_scale".format(*kv.groups()), None, hf_name, f)
             continue  # read by kv_cache_scales
         target, part = model.checkpoint_name(hf_name)
         if target == "lm_head.weight" and tied:
@@ -238,6 +246,9 @@ def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tup
                                   f"{expected}.")
         scale = None
         if dtype == FP8_DTYPE:
+            if len(shape) != 2 and not (len(shape) == 3 and isinstance(loader, StackedExperts)):
+                raise CheckpointError(f"FP8 tensor {hf_name!r} in {str(f)!r} has shape {shape}; flexsgl reads FP8 "
+                                      "weight matrices [N, K] and stacked experts [E, N, K] alone.")
             scale = _check_scale(model.cfg.quant, hf_name, f, shape, by_name)
         elif dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"Weight {hf_name!r} in {str(f)!r} has dtype {dtype}; flexsgl loads "
@@ -245,13 +256,7 @@ def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tup
         if hf_name == "lm_head.weight" and tied:
             _check_tied_head(model, f, by_name)
             continue
-        parts = filled.setdefault(target, {})
-        clash = parts.get(part) or (next(iter(parts.values()), None) if part is None else parts.get(None))
-        if clash is not None:
-            other, other_file = clash
-            raise CheckpointError(f"Weight {hf_name!r} in {str(f)!r} fills the same part of the model as "
-                                  f"{other!r} in {str(other_file)!r}.")
-        parts[part] = hf_name, f
+        _claim(filled, target, part, hf_name, f)
         plan[f].append((hf_name, target, part, scale))
     row_scales = {n + "_scale" for n, p in params.items() if p.dtype == FP8}  # FP8 weights': read with them
     needed = {n: p for n, p in params.items() if n not in row_scales}
@@ -261,6 +266,18 @@ def check_checkpoint(model: nn.Module, files: list[Path]) -> dict[Path, list[tup
         raise CheckpointError(f"The checkpoint in {where} lacks {len(missing)} weights the model needs, "
                               f"e.g. {missing[0]!r}.")
     return plan
+
+
+def _claim(filled: dict[str, dict[object, tuple[str, Path]]], target: str, part, name: str, f: Path) -> None:
+    """Note that tensor `name` in `f` fills `part` of `target` (None: the whole) in `filled`; a part
+    (or the whole) another tensor fills already raises CheckpointError."""
+    parts = filled.setdefault(target, {})
+    clash = parts.get(part) or (next(iter(parts.values()), None) if part is None else parts.get(None))
+    if clash is not None:
+        other, other_file = clash
+        raise CheckpointError(f"Tensor {name!r} in {str(f)!r} fills the same part of the model as {other!r} in "
+                              f"{str(other_file)!r}.")
+    parts[part] = name, f
 
 
 def _scales(scheme: QuantScheme | None, headers: Headers) -> dict[str, str | None]:

@@ -12,23 +12,22 @@ MIN_SCALE = 1e-12  # an all-zero row or token: any scale reproduces it; this one
 
 
 def expand_scale(scale: torch.Tensor, strategy: str, block: tuple[int, int] | None,
-                 shape: tuple[int, int]) -> torch.Tensor:
+                 shape: tuple[int, ...]) -> torch.Tensor:
     """`scale` (a weight's scale as its checkpoint stores it: per block `[ceil(N / bn), ceil(K / bk)]`,
     per channel `[N, 1]`, per tensor `[1]`) as float32 broadcastable to the weight `[N, K]`: each
-    block's scale repeated over its block (the last blocks cut to the weight's edge). Block scales
-    may lead with more dimensions (stacked experts': `[..., N / bn, K / bk]` for `[..., N, K]`)."""
-    n, k = shape[-2:]
+    block's scale repeated over its block (the last blocks cut to the weight's edge). Scales may
+    lead with more dimensions (stacked experts': `[E, ...]` for `[E, N, K]`)."""
+    *lead, n, k = shape
     scale = scale.float()
     if strategy == "block":
         bn, bk = block
         return scale.repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
-    return scale.reshape(n, 1) if strategy == "channel" else scale.reshape(1, 1)
+    return scale.reshape(*lead, n, 1) if strategy == "channel" else scale.reshape(*lead, 1, 1)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, strategy: str,
                block: tuple[int, int] | None = None) -> torch.Tensor:
-    """The float32 weight an FP8 `weight` `[N, K]` (block-scaled: `[..., N, K]`) and its checkpoint
-    `scale` stand for."""
+    """The float32 weight an FP8 `weight` `[..., N, K]` and its checkpoint `scale` stand for."""
     return weight.float() * expand_scale(scale, strategy, block, tuple(weight.shape))
 
 
