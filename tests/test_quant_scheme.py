@@ -42,8 +42,11 @@ def refusal(q) -> str:
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
       "kv_cache_scheme": {"num_bits": 8, "type": "int", "strategy": "tensor"}}, "kv_cache_scheme"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}}, "no weights"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                           "symmetric": False}}}}, "asymmetrically"),
 ], ids=["awq", "gptq", "bitsandbytes", "mxfp4", "unknown", "no-method", "ct-packed", "ct-fp4", "ct-int8", "fp8-e5m2",
-        "fp8-bad-block", "bnb-4bit-no-method", "bnb-8bit-no-method", "ct-int8-kv", "ct-nothing"])
+        "fp8-bad-block", "bnb-4bit-no-method", "bnb-8bit-no-method", "ct-int8-kv", "ct-nothing", "ct-asymmetric"])
 def test_unserved_quantization_is_refused_naming_the_format(q, named):
     msg = refusal(q)
     assert named in msg, msg

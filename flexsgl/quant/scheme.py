@@ -144,6 +144,10 @@ def _compressed_tensors(q: dict, source: str) -> QuantScheme | None:
             raise CheckpointError(f"{source}: compressed-tensors config group {name!r} quantizes weights to "
                                   f"{short_repr(bits)}-bit {short_repr(kind)} by {short_repr(strategy)}, which "
                                   "flexsgl does not serve; it serves 8-bit float weights by tensor or by channel.")
+        if weights.get("symmetric") is False:
+            raise CheckpointError(f"{source}: compressed-tensors config group {name!r} quantizes weights "
+                                  "asymmetrically (with zero points), which flexsgl does not serve; it serves "
+                                  "symmetric FP8 weights.")
         strategies.add(strategy)
     if len(strategies) > 1:
         raise CheckpointError(f"{source}: the compressed-tensors config groups mix per-tensor and per-channel "
