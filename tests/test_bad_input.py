@@ -64,9 +64,13 @@ def test_directory_without_weights(tmp_path):
     assert LLM(str(tmp_path), device="cpu", load_format="dummy").generate([[1, 2, 3]], GREEDY)[0].token_ids
 
 
+def test_top_k_minus_one_is_off_as_in_vllm():
+    assert SamplingParams(top_k=-1, temperature=0.7) == SamplingParams(top_k=0, temperature=0.7)
+
+
 @pytest.mark.parametrize("kwargs", [
     {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_new_tokens": 0},
-    {"top_k": 2**64}, {"top_k": -1}, {"top_k": 2.0}, {"max_new_tokens": 4.0}, {"max_new_tokens": True},
+    {"top_k": 2**64}, {"top_k": -2}, {"top_k": 2.0}, {"max_new_tokens": 4.0}, {"max_new_tokens": True},
     {"temperature": "0.5"}, {"temperature": float("nan")}, {"temperature": float("inf")}, {"temperature": 1e39},
     {"top_p": "1"}, {"min_p": -0.1}, {"min_p": None}, {"seed": -1}, {"seed": 2**64}, {"seed": 1.5},
     {"stop_token_ids": 5}, {"stop_token_ids": "abc"}, {"stop_token_ids": (None,)}, {"stop_token_ids": (-1,)},

@@ -336,7 +336,7 @@ BAD = [
     {"max_tokens": -1}, {"max_tokens": "many"}, {"temperature": -0.5}, {"temperature": "hot"}, {"top_p": 0},
     {"top_p": 1.5}, {"n": 0}, {"n": 100000}, {"presence_penalty": 3}, {"frequency_penalty": -2.5},
     {"repetition_penalty": 0}, {"logprobs": 30}, {"logprobs": -1}, {"stop": [""]}, {"stop": 5}, {"seed": -1},
-    {"min_tokens": 50, "max_tokens": 10}, {"top_k": -1}, {"echo": "yes"}, {"logit_bias": {"5": 101}},
+    {"min_tokens": 50, "max_tokens": 10}, {"top_k": -2}, {"echo": "yes"}, {"logit_bias": {"5": 101}},
     {"logit_bias": {"x": 1}}, {"logit_bias": {"99999": 1}}, {"prompt_logprobs": 21},
     {"structured_outputs": {"regex": "[a-"}}, {"guided_json": {"type": "nope"}}, {"guided_grammar": "root ::= x"},
     {"structured_outputs": {"regex": "a", "choice": ["a"]}}, {"guided_regex": "a", "guided_choice": ["a"]},

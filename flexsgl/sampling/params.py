@@ -30,7 +30,7 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. temperature 0 (or below 1e-5) means greedy;
-    top_k 0 means no top-k limit. Every field is checked for type and range here; a bad one raises
+    top_k 0 (or -1, vLLM's and SGLang's) means no top-k limit. Every field is checked for type and range here; a bad one raises
     SamplingParamsError (a ValueError) that names it.
 
     - max_tokens: OpenAI's name for max_new_tokens (give either; given both, they must agree).
@@ -96,7 +96,8 @@ class SamplingParams:
         if not 0.0 <= temperature <= FLOAT32_MAX:
             raise SamplingParamsError(f"temperature must be a finite number >= 0, got {short_repr(self.temperature)}.")
         put("temperature", 0.0 if temperature < GREEDY_TEMPERATURE else temperature)
-        put("top_k", _integer("top_k", self.top_k, 0, INT64_MAX, "an integer >= 0 (0 disables it)"))
+        top_k = _integer("top_k", self.top_k, -1, INT64_MAX, "an integer >= 0, or -1 (0 and -1 disable it)")
+        put("top_k", max(top_k, 0))
         top_p = _real("top_p", self.top_p, "a number in (0, 1]")
         if not 0.0 < top_p <= 1.0:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {short_repr(self.top_p)}.")
