@@ -70,7 +70,8 @@ class EngineConfig:
                                          "FP8 E4M3, half the bytes of 16-bit K/V, with a scale per layer for K and "
                                          "one for V (the checkpoint's k_scale and v_scale, else 1.0). flex, FA3, "
                                          "FlashInfer and triton-decode read it; models with K/V heads only.")
-    random_seed: int = option(0, "Seed of dummy weights.")
+    random_seed: int = option(0, "Seed of dummy weights, and of the sampling of requests without a seed of "
+                                 "their own (vLLM's seed).")
     tensor_parallel_size: int = option(1, "GPUs (ranks) to split the model across, one process each "
                                           "(--tp, --tp-size; flexsgl starts them, or torchrun does).")
     attention: object = option(None, "Attention variant(s), composed with the model's own: a name with "

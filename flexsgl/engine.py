@@ -113,7 +113,7 @@ class LLM:
             structured = f"model {self.src.name!r} has no tokenizer"
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity,
                                        variants, self.scheduler.held_tokens, structured,
-                                       self.scheduler.whole_prompt_tokens)
+                                       self.scheduler.whole_prompt_tokens, cfg.random_seed)
         self.grammars = grammar.GrammarQueue(self.tokenizer, mcfg.vocab_size)  # requests waiting for their grammar
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._unclaimed: list[RequestOutput] = []  # add_request's outputs that a generate() call read back

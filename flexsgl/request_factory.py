@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import random
 from collections.abc import Iterable, Mapping, Sequence
 
 from flexsgl.attention.request_variants import RequestVariants
@@ -86,22 +87,27 @@ def check_prompt(prompt, index: int) -> str | list[int]:
 class RequestFactory:
     def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int,
                  variants: RequestVariants | None = None, held_tokens: int | None = None,
-                 no_structured_outputs: str | None = None, whole_prompt_tokens: int | None = None):
+                 no_structured_outputs: str | None = None, whole_prompt_tokens: int | None = None, seed: int = 0):
         """`config`: the model's ModelConfig; `capacity`: KV pages a request may ever use;
         `variants`: what the engine's attention variants take from a request (None: nothing);
         `held_tokens`: the most KV slots a request holds at once (refusal);
         `no_structured_outputs`: why this engine cannot take structured outputs (None: it can);
-        `whole_prompt_tokens`: the longest prompt where prompts are prefilled in one step (refusal)."""
+        `whole_prompt_tokens`: the longest prompt where prompts are prefilled in one step (refusal);
+        `seed`: where the noise seeds of requests without a seed of their own come from, one after
+        another (an engine's random_seed: the same seed, the same requests, the same samples)."""
         self.model_name, self.config, self.tokenizer = model_name, config, tokenizer
         self.page_size, self.capacity = page_size, capacity
         self.variants = RequestVariants([]) if variants is None else variants
         self.held_tokens, self.no_structured_outputs = held_tokens, no_structured_outputs
         self.whole_prompt_tokens = whole_prompt_tokens
+        self.seed = seed
         self._ids = itertools.count()
+        self._seeds = random.Random(seed)
 
     def __reduce__(self):
         return RequestFactory, (self.model_name, self.config, self.tokenizer, self.page_size, self.capacity,
-                                self.variants, self.held_tokens, self.no_structured_outputs, self.whole_prompt_tokens)
+                                self.variants, self.held_tokens, self.no_structured_outputs, self.whole_prompt_tokens,
+                                self.seed)
 
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> Request:
         """Check one prompt and its sampling parameters and turn them into a Request (not queued);
@@ -145,7 +151,7 @@ class RequestFactory:
         eos = self.config.eos_token_ids
         if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos = (self.tokenizer.eos_token_id,)
-        return Request(next(self._ids), ids, sampling, eos, ctx,
+        return Request(next(self._ids), ids, sampling, eos, ctx, rng_seed=self._seeds.getrandbits(62),
                        cache_salt=self.variants.salt(ids, sampling.attention_params))
 
     def make_requests(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> list[Request]:
@@ -153,7 +159,8 @@ class RequestFactory:
         prefix cache once computed) and the others wait for it, then reuse those pages."""
         first = self.make_request(prompt, sampling, index)
         rest = [Request(next(self._ids), first.prompt_ids, sampling, first.eos_ids, first.max_len, index=i,
-                        leader=first, cache_salt=first.cache_salt) for i in range(1, sampling.n)]
+                        leader=first, rng_seed=self._seeds.getrandbits(62), cache_salt=first.cache_salt)
+                for i in range(1, sampling.n)]
         first.shares_prompt = bool(rest)
         return [first, *rest]
 

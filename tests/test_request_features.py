@@ -128,6 +128,18 @@ def test_sample_i_of_the_largest_seed_wraps_and_fails_no_request(tiny_docs, hf):
     assert greedy.token_ids == hf_greedy(hf, prompt, 8), f"seed={seed}"
 
 
+def test_requests_without_a_seed_sample_as_the_engines_random_seed_says():
+    """As vLLM's LLM(seed=...): two engines of one random_seed draw the same samples for the same
+    unseeded requests, in order; another random_seed draws others."""
+    seed = random.randrange(2**31)
+    prompts = ["Return the", "The function", "import os"]
+    sp = SamplingParams(max_tokens=24, temperature=1.0, n=2, ignore_eos=True)
+    runs = [[o.token_ids for o in LLM(random_seed=s).generate(prompts, sp)] for s in (seed, seed, seed + 1)]
+    assert runs[0] == runs[1], f"seed={seed}"
+    assert runs[0] != runs[2], f"seed={seed}"
+    assert len({tuple(t) for t in runs[0]}) == len(runs[0]), f"seed={seed}: two requests drew alike"
+
+
 def test_min_tokens_keeps_eos_out_until_then(tiny_docs, hf):
     plain = tiny_docs.generate(["Return the"], SamplingParams(max_tokens=40, temperature=0))[0]
     assert plain.finish_reason == "stop", "the embedded model ends this prompt with EOS"
