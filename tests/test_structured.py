@@ -270,6 +270,32 @@ def test_without_a_stop_token_the_grammar_ends_the_output(llm):
     assert out.text in ("yes", "no") and out.finish_reason == "stop" and 0 not in out.token_ids
 
 
+def test_a_grammar_that_waits_for_the_end_of_reasoning_leaves_the_text_before_it_free(llm):
+    """With reasoning_end the output is free up to the token that completes that text and follows
+    its constraint after it: the free tokens are those of the same request unconstrained, and the
+    rest validates against the schema; an output that never writes the text is the unconstrained
+    one, ended by max_tokens."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(EMBEDDED["tiny-docs"]))
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    schema = random_schema(rng)
+    free = SamplingParams(max_tokens=120, temperature=0.7, seed=seed, ignore_eos=True)
+    alone, waited, never = llm.generate(["Return the"] * 3, [
+        free, free.replace(structured_outputs={"json": schema}, reasoning_end="e"),
+        free.replace(structured_outputs={"json": schema}, reasoning_end="</think>")])
+    ends = [k for k in range(len(alone.token_ids)) if "e" in tokenizer.decode(alone.token_ids[:k + 1],
+                                                                              skip_special_tokens=True)]
+    assert ends, f"seed={seed}: the free output never wrote 'e': {alone.text!r}"
+    k = ends[0] + 1
+    assert waited.token_ids[:k] == alone.token_ids[:k], f"seed={seed}"
+    assert waited.finish_reason == "stop", f"seed={seed} {waited.text!r}"
+    jsonschema.validate(json.loads(tokenizer.decode(waited.token_ids[k:])), schema)
+    assert (never.token_ids, never.finish_reason) == (alone.token_ids, alone.finish_reason), f"seed={seed}"
+
+
 @pytest.mark.parametrize("spec, words", [
     ({"regex": "[a-"}, "regex"), ({"json": {"type": "nope"}}, "JSON schema"), ({"grammar": "root ::= x"}, "grammar"),
     ({"json": "{not json"}, "not JSON"), ({"regex": "a", "choice": ["a"]}, "exactly one"), ({}, "exactly one"),
@@ -281,6 +307,146 @@ def test_a_constraint_that_cannot_be_used_is_refused_before_it_runs(llm, spec, w
     msg = str(e.value)
     assert words in msg and "\n" not in msg and msg.endswith("."), msg
     assert not llm.has_unfinished
+
+
+def test_an_aborted_requests_queued_compile_is_dropped_and_a_later_one_runs(monkeypatch):
+    """Both compile threads busy: the compile of a request discarded (aborted) while queued never
+    runs, one that another request still waits for does, and a later request gets its grammar."""
+    import threading
+    from types import SimpleNamespace
+
+    from flexsgl.tokenizer import ByteTokenizer
+
+    queue = grammar.GrammarQueue(ByteTokenizer(), 256)
+    release, compiled = threading.Event(), []
+    real = grammar.GrammarCompiler._compile
+
+    def compile_(self, spec):
+        if spec.regex.startswith("busy"):
+            release.wait()
+        compiled.append(spec.regex)
+        return real(self, spec)
+
+    monkeypatch.setattr(grammar.GrammarCompiler, "_compile", compile_)
+
+    def req(regex):
+        return SimpleNamespace(sampling=SamplingParams(structured_outputs={"regex": regex}), stop_ids=())
+
+    busy = [req("busy1"), req("busy2")]
+    gone, shared, kept, later = req("gone"), req("shared"), req("shared"), req("later")
+    for r in busy + [gone, shared, kept]:
+        queue.add(r)
+    queue.discard(gone)
+    queue.discard(shared)
+    queue.add(later)
+    release.set()
+    done = []
+    for _ in range(100):  # each wait returns once a compile completes
+        queue.wait(5.0)
+        ready, failed = queue.ready()
+        assert not failed, failed
+        done += ready
+        if len(done) == 4:
+            break
+    assert sorted(compiled) == ["busy1", "busy2", "later", "shared"]
+    assert {id(r) for r in done} == {id(r) for r in busy + [kept, later]} and all(r.grammar for r in done)
+    queue.shutdown()
+
+
+INT = {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+@pytest.mark.parametrize("schema, keyword, where", [
+    ({"type": "array", "items": INT, "uniqueItems": True}, "uniqueItems", ""),
+    ({"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 7}}}}, "contains", "properties.a"),
+    ({"type": "array", "items": [INT], "minContains": 2}, "minContains", ""),
+    ({"type": "object", "properties": {"a": INT, "b": INT}, "dependentRequired": {"a": ["b"]}}, "dependentRequired", ""),
+    ({"$defs": {"x": {"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}}}, "dependentSchemas",
+     "$defs.x"),
+    ({"type": "object", "if": {"properties": {"k": {"const": "a"}}}, "then": {"required": ["v"]}}, "if", ""),
+    ({"anyOf": [INT, {"type": "integer", "not": {"const": 0}}]}, "not", "anyOf[1]"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf", ""),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "maxLength with pattern", ""),
+    ({"type": "string", "format": "email", "minLength": 3}, "minLength with format", ""),
+    ({"allOf": [INT, {"type": "integer", "maximum": 5}]}, "allOf", ""),
+    ({"type": "object", "properties": {"not": INT, "contains": {"type": "array", "items": {"uniqueItems": True}}}},
+     "uniqueItems", "properties.contains.items"),
+])
+def test_json_schema_keywords_xgrammar_cannot_enforce_are_refused_saying_where(llm, schema, keyword, where):
+    with pytest.raises(SamplingParamsError) as e:
+        llm.generate("Return", SamplingParams(max_tokens=4, structured_outputs={"json": schema}))
+    msg = str(e.value)
+    assert f"uses {keyword}" in msg and msg.endswith(".") and "\n" not in msg, msg
+    assert (f" at {where}," in msg) if where else " at " not in msg, msg
+
+
+def grammar_samples(schema: dict, rng: random.Random, count: int, max_len: int = 120) -> list:
+    """Up to `count` JSON values drawn from `schema`'s grammar over the byte tokenizer, each byte
+    picked at random among those the grammar allows (a walk that runs past `max_len` is dropped)."""
+    from flexsgl.tokenizer import ByteTokenizer
+
+    compiler = grammar.GrammarCompiler(ByteTokenizer(), 256)
+    compiled = compiler.submit(StructuredOutputsParams(json=schema)).result()
+    out = []
+    for _ in range(count):
+        m, text = grammar.Matcher(compiled, ()), b""
+        while not m.ended and len(text) < max_len:
+            allowed = grammar.allowed_tokens(compiler.fill_mask([m], pinned=False).words[0].numpy(), 256)
+            ascii_ = [t for t in allowed if 32 <= t < 127] or list(allowed)
+            token = rng.choice(ascii_)
+            assert m.accept(int(token))
+            text += bytes([token])
+        if m.ended:
+            out.append(json.loads(text))
+    return out
+
+
+def test_length_limited_strings_take_no_raw_control_characters():
+    """xgrammar lets raw control characters into a string with minLength or maxLength, which makes
+    the output invalid JSON; walks over every byte the grammar allows all parse and validate."""
+    import jsonschema
+
+    seed = random.randrange(1 << 30)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 2, "maxLength": 4},
+                                               "b": {"type": "string", "maxLength": 3}}, "required": ["a", "b"]}
+    rng = random.Random(seed)
+    texts = []
+    from flexsgl.tokenizer import ByteTokenizer
+
+    compiler = grammar.GrammarCompiler(ByteTokenizer(), 256)
+    compiled = compiler.submit(StructuredOutputsParams(json=schema)).result()
+    for _ in range(40):
+        m, text = grammar.Matcher(compiled, ()), b""
+        while not m.ended and len(text) < 60:
+            allowed = [int(t) for t in grammar.allowed_tokens(compiler.fill_mask([m], pinned=False).words[0].numpy(), 256)]
+            inside = [t for t in allowed if t < 32] if text.count(b'"') % 2 else []  # inside a string: try controls
+            token = rng.choice(inside or allowed) if rng.random() < 0.5 else rng.choice(allowed)
+            assert m.accept(token)
+            text += bytes([token])
+        if m.ended:
+            texts.append(text)
+    assert len(texts) >= 10, f"seed={seed}: too few walks ended"
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "patternProperties": {"^x[0-9]$": INT}, "additionalProperties": False, "maxProperties": 2},
+    {"type": "object", "propertyNames": {"pattern": "^[a-c]$"}, "additionalProperties": INT, "maxProperties": 2},
+    {"type": "object", "additionalProperties": INT, "minProperties": 1, "maxProperties": 1},
+    {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99},
+    {"type": "array", "items": {"type": "string", "format": "uuid"}, "maxItems": 2, "uniqueItems": False},
+    {"type": "string", "format": "email"},
+    {"type": "object", "properties": {"key": {"type": "string", "format": "password", "maxLength": 4}}, "required": ["key"]},
+    {"allOf": [{"type": "string", "pattern": "^[a-z]{2,4}$"}]},
+])
+def test_json_schema_keywords_xgrammar_enforces_are_followed(schema):
+    """The keywords kept are enforced: random walks through the grammar all validate."""
+    seed = random.randrange(1 << 30)
+    values = grammar_samples(schema, random.Random(seed), 20)
+    assert len(values) >= 5, f"seed={seed}: too few walks ended"
+    for v in values:
+        jsonschema.validate(v, schema, format_checker=jsonschema.FormatChecker())
 
 
 @pytest.mark.parametrize("kwargs, words", [

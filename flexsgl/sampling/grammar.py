@@ -3,14 +3,20 @@ the tokenizer off the step loop and cached, a matcher per request that follows i
 token mask of each step's rows, filled on the host for sampler.apply_token_mask.
 
 - parse(): a StructuredOutputsParams as an xgrammar Grammar; a schema, regex or grammar that does
-  not parse raises SamplingParamsError (the server answers 400). Cached by constraint.
+  not parse, or a schema with a keyword xgrammar cannot enforce (structured.check_json_schema),
+  raises SamplingParamsError (the server answers 400). Cached by constraint.
 - GrammarCompiler: compiles Grammars for one tokenizer on worker threads (xgrammar's compiler,
   which caches compiled grammars); `submit` returns a Future.
 - GrammarQueue: the engine's requests waiting for their grammar, outside the scheduler; `ready()`
   hands back, in the order they came, those whose grammar has compiled (with their Matcher) and
-  those whose grammar failed to compile (with the reason).
+  those whose grammar failed to compile (with the reason). An aborted request's compile is dropped
+  while it is still queued and no other request waits for it; one already running cannot be
+  stopped, and holds its thread until it completes.
 - Matcher: one request's place in its grammar: it accepts each sampled token, and ends the request
-  once the grammar is complete (with a stop token, or without one when the request has none).
+  once the grammar is complete (with a stop token, or without one when the request has none). With
+  `SamplingParams.reasoning_end` (a chat request in thinking mode, `</think>`), the grammar applies
+  only after the output holds that text: until then the row is unconstrained and the tokens' bytes
+  are only watched for it (a request that never writes it ends by its other limits).
 - GrammarCompiler.fill_mask(): the TokenMask (sampler.py) of a step's sampled rows; a row without
   a grammar (or whose grammar has ended) allows every token. The live rows are filled in one call
   to xgrammar's batch matcher, on the calling thread: for 256 rows of a JSON schema over the byte
@@ -40,7 +46,7 @@ import torch
 
 from flexsgl.errors import SamplingParamsError
 from flexsgl.sampling.sampler import TokenMask
-from flexsgl.sampling.structured import StructuredOutputsParams
+from flexsgl.sampling.structured import StructuredOutputsParams, check_json_schema
 
 if TYPE_CHECKING:  # requests are read and given their matcher here, never made
     from flexsgl.request import Request
@@ -57,6 +63,21 @@ def _xgr():
     return xgrammar
 
 
+# xgrammar (0.2.9) writes the characters of a JSON string with minLength or maxLength as this class,
+# which lets raw control characters (U+0000 to U+001F), invalid inside a JSON string, through; the
+# same class without them, as its other strings have it.
+LENGTH_STRING_CHARACTERS = r'[^\"\\\r\n]'
+JSON_STRING_CHARACTERS = r'[^\0-\x1f\"\\]'
+
+
+def json_strings_without_raw_controls(grammar):
+    """`grammar` (a JSON schema's) with its length-limited strings' characters those JSON allows."""
+    text = str(grammar)
+    if LENGTH_STRING_CHARACTERS not in text:
+        return grammar
+    return _xgr().Grammar.from_ebnf(text.replace(LENGTH_STRING_CHARACTERS, JSON_STRING_CHARACTERS))
+
+
 @functools.lru_cache(maxsize=256)
 def parse(spec: StructuredOutputsParams):
     """`spec` as an xgrammar Grammar; one that cannot be parsed raises SamplingParamsError."""
@@ -70,7 +91,8 @@ def parse(spec: StructuredOutputsParams):
                 raise SamplingParamsError(f"The JSON schema is not JSON ({e}).") from None
             if not isinstance(schema, dict):
                 raise SamplingParamsError("The JSON schema must be a JSON object.")
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+            check_json_schema(schema, "The JSON schema")
+            return json_strings_without_raw_controls(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
         if kind == "json_object":
             return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
         if kind == "regex":
@@ -118,10 +140,15 @@ class GrammarCompiler:
         self._futures: dict[StructuredOutputsParams, Future] = {}
         self.batch = xgr.BatchGrammarMatcher(max_threads=1)
 
+    @functools.cached_property
+    def token_bytes(self) -> list[bytes]:
+        """Each token's bytes, by id (a Matcher waiting for its reasoning's end reads them)."""
+        return self.info.decoded_vocab
+
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """A Future of `spec` compiled (its exception: SamplingParamsError, saying why)."""
         fut = self._futures.get(spec)
-        if fut is None or (fut.done() and fut.exception() is not None):
+        if fut is None or fut.cancelled() or (fut.done() and fut.exception() is not None):
             fut = self._futures[spec] = self.pool.submit(self._compile, spec)
         return fut
 
@@ -144,7 +171,7 @@ class GrammarCompiler:
         host = flat.numpy()
         host.fill(-1)
         mask = TokenMask(flat, rows, self.grammar_vocab)
-        live = [(row, m.matcher) for row, m in enumerate(matchers) if m is not None and not m.ended]
+        live = [(row, m.matcher) for row, m in enumerate(matchers) if m is not None and m.constraining]
         if not live:
             return mask
         host[rows * words + np.fromiter((row for row, _ in live), dtype=np.int64, count=len(live))] = 0
@@ -169,7 +196,13 @@ class GrammarQueue:
         self.waiting.append((req, self.compiler.submit(req.sampling.structured_outputs)))
 
     def discard(self, req: Request) -> None:
+        """Forget a request that is gone (aborted): its compile is dropped if no other request waits
+        for it and it has not started (one running cannot be stopped; it completes and is cached)."""
+        mine = [f for r, f in self.waiting if r is req]
         self.waiting = [(r, f) for r, f in self.waiting if r is not req]
+        for fut in mine:
+            if all(f is not fut for _, f in self.waiting):
+                fut.cancel()
 
     def ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """(the requests whose grammar compiled, each given its Matcher; the requests whose grammar
@@ -183,7 +216,8 @@ class GrammarQueue:
             elif fut.exception() is not None:
                 failed.append((req, str(fut.exception())))
             else:
-                req.grammar = Matcher(fut.result(), req.stop_ids)
+                after = req.sampling.reasoning_end
+                req.grammar = Matcher(fut.result(), req.stop_ids, after, self.compiler.token_bytes if after else None)
                 compiled.append(req)
         self.waiting = still
         return compiled, failed
@@ -205,15 +239,34 @@ class Matcher:
     """One request's state in its compiled grammar. `stop_ids`: the request's stop tokens (those in
     the grammar's vocabulary); with none (ignore_eos and no stop_token_ids) the grammar ends the
     output once it is complete. `ended`: the grammar allows nothing more (it took a stop token, or
-    is complete without one)."""
+    is complete without one). `after`: text the output must hold before the grammar applies (the
+    end of its reasoning), watched for in the tokens' bytes (`token_bytes`, by id)."""
 
-    def __init__(self, compiled, stop_ids: tuple[int, ...]):
+    def __init__(self, compiled, stop_ids: tuple[int, ...], after: str | None = None,
+                 token_bytes: list[bytes] | None = None):
         xgr = _xgr()
         self.vocab = compiled.tokenizer_info.vocab_size
         self.stops = frozenset(t for t in stop_ids if t < self.vocab)
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(self.stops) or None,
                                           terminate_without_stop_token=not self.stops)
         self.ended = False
+        self.waiting_for = after.encode() if after else None  # None: the grammar applies
+        self.token_bytes = token_bytes
+        self._tail = b""  # the output's last bytes while waiting, too few to hold `waiting_for`
+
+    @property
+    def constraining(self) -> bool:
+        """Whether the grammar masks this request's next token."""
+        return self.waiting_for is None and not self.ended
+
+    def watch(self, token: int) -> None:
+        """A token sampled before the grammar applies: the grammar applies from the next token on
+        once the output's bytes hold `waiting_for`."""
+        seen = self._tail + (self.token_bytes[token] if token < len(self.token_bytes) else b"")
+        if self.waiting_for in seen:
+            self.waiting_for, self._tail = None, b""
+        else:
+            self._tail = seen[max(0, len(seen) - len(self.waiting_for) + 1):]
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it."""
@@ -229,10 +282,22 @@ class Matcher:
 
 
 def accept_tokens(matchers: list[Matcher], tokens: list[int]) -> list[bool]:
-    """Advance each matcher by its token, in one call into xgrammar; whether each was allowed."""
-    ok = _xgr().BatchGrammarMatcher.batch_accept_token([m.matcher for m in matchers], tokens)
-    for m, t, accepted in zip(matchers, tokens, ok):
-        if accepted:  # with stop tokens the grammar ends on one; without, once it is complete
+    """Advance each matcher by its token, in one call into xgrammar (one still waiting for its
+    grammar to apply only watches its token); whether each was allowed."""
+    ok = [True] * len(matchers)
+    live = []
+    for i, (m, t) in enumerate(zip(matchers, tokens)):
+        if m.waiting_for is None:
+            live.append(i)
+        else:
+            m.watch(t)
+    if not live:
+        return ok
+    accepted = _xgr().BatchGrammarMatcher.batch_accept_token([matchers[i].matcher for i in live],
+                                                             [tokens[i] for i in live])
+    for i, a in zip(live, accepted):
+        m, t, ok[i] = matchers[i], tokens[i], a
+        if a:  # with stop tokens the grammar ends on one; without, once it is complete
             m.ended = t in m.stops if m.stops else m.matcher.is_terminated()
     return ok
 

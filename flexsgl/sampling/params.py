@@ -55,6 +55,8 @@ class SamplingParams:
     - structured_outputs: a StructuredOutputsParams (or a mapping of its fields: json, regex,
       choice, grammar, json_object) that the output must follow, enforced by a token mask on the
       device (sampling/grammar.py).
+    - reasoning_end: None, or text that ends the output's reasoning (a reasoning parser's `</think>`):
+      structured_outputs then constrain only the output after it.
     - prompt_logprobs: None, or how many of the most likely tokens to report with each prompt
       token's own log-probability (the first prompt token has none); up to MAX_LOGPROBS. Such a
       request computes its whole prompt (the prefix cache is not read for it).
@@ -81,6 +83,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self):
         put = partial(object.__setattr__, self)
@@ -138,6 +141,9 @@ class SamplingParams:
                                           f"{short_repr(self.attention_params)}.")
         put("logit_bias", _logit_bias(self.logit_bias))
         put("structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
+        if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end):
+            raise SamplingParamsError(f"reasoning_end must be None or a non-empty string, "
+                                      f"got {short_repr(self.reasoning_end)}.")
         if self.prompt_logprobs is not None:
             put("prompt_logprobs", _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,
                                             f"None or an integer from 0 to {MAX_LOGPROBS}"))
