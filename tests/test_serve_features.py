@@ -42,7 +42,8 @@ KEY = "sk-flexsgl-test"
 TEMPLATE = ("{% if tools %}[tools] {{ tools | tojson }}\n{% endif %}"
             "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] or '' }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>"
-            "{% if enable_thinking is defined and not enable_thinking %} no-think{% endif %}{% endif %}")
+            "{% if enable_thinking is defined and enable_thinking %}<think>\n{% else %}<think></think>{% endif %}"
+            "{% endif %}")  # thinking only when asked for: the prompt closes the think block otherwise
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -313,19 +314,47 @@ def test_reasoning_goes_to_reasoning_content_streamed_and_whole(client):
     assert plain.reasoning_content is None, "an output without <think> is content"
 
 
+def test_in_thinking_mode_a_constraint_waits_for_the_end_of_the_think_block(client):
+    """With enable_thinking the prompt opens <think>: a constrained request's think block is free,
+    so the tiny model (which never writes </think>) reasons as it does unconstrained, to max_tokens,
+    and nothing is forced into reasoning_content; with the block closed in the prompt (this
+    template's default) the constraint holds from the first token and lands in content."""
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    schema = random_schema(rng)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kw = dict(messages=[{"role": "user", "content": random_prompt(rng)}], max_tokens=24, temperature=1.0, seed=seed)
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    for extra in ({"response_format": fmt}, {"tools": TOOLS, "tool_choice": "required"},
+                  {"tools": TOOLS, "tool_choice": named}):
+        unconstrained = {"tools": TOOLS, "tool_choice": "none"} if "tools" in extra else {}
+        free = chat(client, extra_body=thinking, **kw, **unconstrained).choices[0]
+        assert free.finish_reason == "length" and free.message.reasoning_content, f"seed={seed}"
+        out = chat(client, extra_body=thinking, **kw, **extra).choices[0]
+        assert (out.message.reasoning_content, out.finish_reason) == (free.message.reasoning_content, "length"), \
+            (seed, extra)
+        assert not out.message.content and all(c.function.arguments == "" for c in out.message.tool_calls or []), \
+            (seed, extra)
+    whole = chat(client, response_format=fmt, **{**kw, "max_tokens": 200}).choices[0]
+    assert whole.finish_reason == "stop" and whole.message.reasoning_content is None, f"seed={seed}"
+    jsonschema.validate(json.loads(whole.message.content), schema)
+
+
 def test_chat_template_and_enable_thinking_reach_the_prompt(base, tokenizer):
     import jinja2
 
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     messages = [{"role": "system", "content": "Docs."}, {"role": "user", "content": random_prompt(rng)}]
-    for kwargs in ({}, {"enable_thinking": False}):
+    for kwargs in ({}, {"enable_thinking": True}):
         status, got = request("POST", base + "/tokenize", json.dumps(
             {"messages": messages, "chat_template_kwargs": kwargs}).encode())
         text = jinja2.Environment().from_string(TEMPLATE).render(messages=messages, add_generation_prompt=True,
                                                                   tools=None, **kwargs)
         assert status == 200 and got["tokens"] == tokenizer.encode(text, add_special_tokens=False), (got, text)
-        assert text.endswith("no-think") == bool(kwargs)
+        assert text.endswith("<think>\n") == bool(kwargs)
 
 
 def test_tokenize_and_detokenize(base, tokenizer):
@@ -523,3 +552,91 @@ def test_the_request_log_names_each_request_and_its_end(server, client):
         assert time.monotonic() < deadline, open(log).read()[-2000:]
         time.sleep(0.05)
     assert f"request {out.id}: prompts 'Return the value'" in open(log).read()
+
+
+def test_schema_keywords_xgrammar_cannot_enforce_get_400_naming_the_field_and_place(client):
+    loose = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"},
+                                                       "uniqueItems": True}}}
+    tools = TOOLS + [{"type": "function", "function": {"name": "tag", "parameters": loose}}]
+    cases = [
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": loose}}),
+         "response_format.json_schema.schema"),
+        (dict(extra_body={"guided_json": loose}), "guided_json"),
+        (dict(extra_body={"structured_outputs": {"json": loose}}), "structured_outputs.json"),
+        (dict(tools=tools, tool_choice="required"), "tools[2].function.parameters"),
+        (dict(tools=tools, tool_choice={"type": "function", "function": {"name": "tag"}}),
+         "tools[2].function.parameters"),
+    ]
+    for kw, where in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, messages=[{"role": "user", "content": "x"}], max_tokens=4, **kw)
+        assert e.value.body["message"].startswith(f"{where} uses uniqueItems at properties.tags,"), e.value.body
+    out = chat(client, messages=[{"role": "user", "content": "x"}], max_tokens=4, tools=tools, tool_choice="none")
+    assert out.choices[0].finish_reason in ("stop", "length"), "a tool schema that constrains nothing is kept"
+
+
+def test_a_streamed_echo_with_logprobs_matches_the_whole_response(client):
+    rng = random.Random(seed := random.randrange(1 << 30))
+    kw = dict(prompt=random_prompt(rng, 6), max_tokens=4, temperature=0, echo=True, logprobs=2,
+              extra_body={"ignore_eos": True})
+    whole = complete(client, **kw).choices[0]
+    chunks = [c.choices[0] for c in complete(client, stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text, f"seed={seed}"
+    streamed = {field: [x for c in chunks if c.logprobs for x in getattr(c.logprobs, field)]
+                for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert streamed == {field: getattr(whole.logprobs, field) for field in streamed}, f"seed={seed}"
+    assert streamed["token_logprobs"][0] is None, f"seed={seed}"  # the echoed prompt's first token has none
+    special = [t for t in streamed["tokens"] if t not in whole.text]  # a special token's text is left out
+    assert "".join(t for t in streamed["tokens"] if t not in special) == whole.text, f"seed={seed}"
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(client):
+    """logprobs n: the n most likely tokens and the sampled one (n + 1 entries when it is not among
+    them), against the 20 most likely of the same seeded request."""
+    seed = random.randrange(1 << 30)
+
+    def logprobs(n):
+        return complete(client, prompt="Return the", max_tokens=12, temperature=1.5, seed=seed, logprobs=n,
+                        extra_body={"ignore_eos": True}).choices[0].logprobs
+
+    ref = logprobs(20)
+    for n in (0, 1, 3):
+        lp = logprobs(n)
+        assert lp.tokens == ref.tokens, f"seed={seed}"
+        for token, logprob, top, wide in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, ref.top_logprobs):
+            want = dict(sorted(wide.items(), key=lambda kv: -kv[1])[:n]) | {token: logprob}
+            assert top == pytest.approx(want, abs=1e-6), (seed, n, token, top)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, endpoint):
+    kw = dict(max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True},
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    if endpoint == "chat":
+        chunks = chat(client, messages=[{"role": "user", "content": "Return the"}], **kw)
+    else:
+        chunks = complete(client, prompt="Return the", **kw)
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages) and not chunks[-1].choices, usages
+    final = usages[-1]
+    assert final.completion_tokens == 5 and final.total_tokens == final.prompt_tokens + 5
+    counts = [u.completion_tokens for u in usages]
+    assert counts == sorted(counts) and counts[0] <= 1, counts
+    assert all(u.prompt_tokens == final.prompt_tokens for u in usages)
+
+
+def test_metrics_before_any_request_and_a_bad_max_completion_tokens():
+    """A fresh server's KV gauges are the pool's (every page free) before any step; a bad limit
+    is refused under the name the client sent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with logged_server() as (base, _):
+        def gauge(name):
+            return sum(s.value for f in text_string_to_metric_families(request("GET", base + "/metrics")[1])
+                       for s in f.samples if s.name == "flexsgl:" + name)
+
+        total = gauge("kv_pages_total")
+        assert total > 0 and gauge("kv_pages_free") == total and gauge("kv_pages_used") == 0
+        status, err = request("POST", base + "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -5}).encode(), key=None)
+        assert status == 400 and err["error"]["message"].startswith("max_completion_tokens "), err

@@ -39,6 +39,8 @@ def feed_all(parser, pieces):
     ("deepseek_r1", "", "reasoning only, never closed", ("reasoning only, never closed", "")),
     ("deepseek_r1", "", "<think>step</think>done", ("step", "done")),
     ("deepseek_r1", "", "a</think>b</think>c", ("a", "b</think>c")),
+    ("deepseek_r1", "<think>\n\n</think>\n\n", '{"a": 1}', ("", '{"a": 1}')),  # thinking off: content
+    ("deepseek_r1", "<think>\n\n</think>", "<think>x</think>y", ("x", "y")),
 ])
 def test_reasoning_is_split_the_same_streamed_and_whole(kind, prompt, text, want):
     assert reasoning.split(kind, text, prompt) == want
@@ -52,6 +54,17 @@ def test_reasoning_is_split_the_same_streamed_and_whole(kind, prompt, text, want
             assert "</think>" not in r, f"seed={seed}"
         a, b = p.finish()
         assert (r + a, c + b) == want, f"seed={seed}"
+
+
+@pytest.mark.parametrize("prompt, kwargs, want", [
+    ("<|im_start|>assistant\n", None, True), ("<|assistant|><think>\n", {}, True),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", None, False), ("assistant:", {"enable_thinking": False}, False),
+    ("assistant:", {"thinking": False}, False), ("<think>a</think> user: b\nassistant:", {"enable_thinking": True}, True),
+])
+def test_thinking_mode_is_off_when_the_kwargs_say_so_or_the_prompt_closed_the_think_block(prompt, kwargs, want):
+    assert reasoning.thinks(prompt, kwargs) is want
+    if not want:  # deepseek_r1 then reads an output without <think> as content, as qwen3 does
+        assert reasoning.split("deepseek_r1", "{}", prompt, kwargs) == ("", "{}")
 
 
 CALLS = [("get_weather", {"city": "Paris", "unit": "c"}), ("lookup", {"q": "a } \" ] tricky"}), ("noop", {})]
@@ -119,3 +132,29 @@ def test_a_named_call_streams_its_arguments_and_a_required_one_ends_as_tool_call
     r.feed('[{"name": "f", "parameters": {}}]')
     r.finish()
     assert r.finish_reason("stop") == "tool_calls" and len(r.message()["tool_calls"]) == 1
+
+
+def test_with_parallel_tool_calls_false_auto_keeps_only_the_first_call_streamed_and_whole():
+    fns = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n, _ in CALLS]
+    text = hermes_text(CALLS)
+    for i in range(30):
+        seed = random.randrange(2**31)
+        pieces = [text] if i == 0 else cuts(random.Random(seed), text)
+        p = MessageParser(None, tools.plan(fns, "auto", "hermes", parallel=False), "hermes")
+        deltas = [p.feed(x) for x in pieces] + [p.finish()]
+        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [(c["index"], c["function"]["name"]) for c in streamed] == [(0, CALLS[0][0])], f"seed={seed}"
+        (whole,) = p.message()["tool_calls"]
+        assert json.loads(whole["function"]["arguments"]) == CALLS[0][1] and p.finish_reason("stop") == "tool_calls"
+
+
+def test_a_tool_schema_that_constrains_the_output_is_checked_for_keywords_xgrammar_cannot_enforce():
+    ok = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    loose = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
+    assert tools.plan([ok, loose], "auto", "hermes").mode == "auto"  # not a constraint: nothing to enforce
+    for choice in ("required", {"type": "function", "function": {"name": "g"}}):
+        with pytest.raises(ValueError) as e:
+            tools.plan([ok, loose], choice, None)
+        assert str(e.value).startswith("tools[1].function.parameters uses uniqueItems at properties.tags,"), e.value
+    assert tools.plan([ok, loose], {"type": "function", "function": {"name": "f"}}, None).mode == "named"

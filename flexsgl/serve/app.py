@@ -2,7 +2,8 @@
 
 - POST /v1/completions, POST /v1/chat/completions: whole responses, or with stream: true
   server-sent events ending in `data: [DONE]` (a last chunk with usage when
-  stream_options.include_usage is set). Chat takes tools (tools.py), reasoning parsers
+  stream_options.include_usage is set, and the usage so far on every chunk with
+  continuous_usage_stats too). Chat takes tools (tools.py), reasoning parsers
   (reasoning.py) and response_format; both take structured-output constraints (protocol.py).
 - POST /tokenize, POST /detokenize (vLLM's): token ids of a prompt or of chat messages, and text
   of token ids.
@@ -35,7 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from flexsgl.errors import PromptError, short_repr
-from flexsgl.serve import chat, errors, tools
+from flexsgl.serve import chat, errors, reasoning, tools
 from flexsgl.serve.engine_client import EngineClient
 from flexsgl.serve.errors import APIError, error_body
 from flexsgl.serve.intake import Intake
@@ -132,7 +133,8 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
             return reqs, echo
 
         reqs, echo = await intake.run(make)
-        choices = Choices(False, model_name, info.tokenizer, len(reqs), _prompt_tokens(reqs), echo=echo)
+        choices = Choices(False, model_name, info.tokenizer, len(reqs), _prompt_tokens(reqs), echo=echo,
+                          continuous_usage=body.continuous_usage)
         _log_request(choices.id, prompts, sampling)
         return await _run(engine, request, reqs, choices, body, sampling.logprobs is not None)
 
@@ -150,15 +152,19 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
                                body.chat_template_kwargs, body.tools, options.chat_template)
             intake.check_chars(len(text), info, "The rendered chat prompt")
             ids = chat.encode(info.tokenizer, text)
-            sampling = body.to_sampling(info.default_sampling, info.config.max_position - len(ids), plan.constraint())
+            thinking = options.reasoning_parser is not None and reasoning.thinks(text, body.chat_template_kwargs)
+            sampling = body.to_sampling(info.default_sampling, info.config.max_position - len(ids), plan.constraint(),
+                                        reasoning.END if thinking else None)
             return text, sampling, info.requests.make_requests(ids, sampling)
 
         text, sampling, reqs = await intake.run(make)
         parser = None
         if options.reasoning_parser or plan.mode != "none":
             def parser():
-                return MessageParser(options.reasoning_parser, plan, options.tool_call_parser, text)
-        choices = Choices(True, model_name, info.tokenizer, len(reqs), reqs[0].prompt_len, parser=parser)
+                return MessageParser(options.reasoning_parser, plan, options.tool_call_parser, text,
+                                     body.chat_template_kwargs)
+        choices = Choices(True, model_name, info.tokenizer, len(reqs), reqs[0].prompt_len, parser=parser,
+                          continuous_usage=body.continuous_usage)
         _log_request(choices.id, [text], sampling)
         return await _run(engine, request, reqs, choices, body, body.logprobs)
 

@@ -142,7 +142,7 @@ class EngineClient:
         now = time.perf_counter()
         m = self.metrics
         m.engine(msg.stats, self.info.total_pages)
-        streams = self.streams
+        streams, prompts = self.streams, msg.prompts
         for rid, text, token, lp in msg.tokens:
             s = streams.get(rid)
             if s is None:
@@ -155,7 +155,8 @@ class EngineClient:
                 m.itl.observe(now - s.last_token)
             s.last_token, s.tokens = now, s.tokens + 1
             c.last_token, c.tokens, c.most_tokens = now, c.tokens + 1, max(c.most_tokens, s.tokens)
-            s.events.put_nowait(Event(s.choice, text, [token], [lp] if lp is not None else []))
+            s.events.put_nowait(Event(s.choice, text, [token], [lp] if lp is not None else [],
+                                      prompt=prompts.get(rid) if prompts else None))
         for rid, rest, out in msg.finished:
             s = streams.pop(rid, None)
             if s is None:
@@ -199,7 +200,7 @@ class EngineClient:
                     self._call(self._dispatch, msg)
                 elif isinstance(msg, Ready):
                     self.info = msg.info
-                    self.metrics.pages_total.set(msg.info.total_pages)
+                    self.metrics.engine(msg.stats, msg.info.total_pages)  # the gauges before any step
                     self.ready.set()
                 elif isinstance(msg, StartFailed):
                     self._failed(msg.reason)

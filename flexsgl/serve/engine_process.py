@@ -36,7 +36,7 @@ def main(engine_config, log_level: int, inbox: Connection, outbox: Connection) -
         outbox.send(StartFailed(f"The engine could not start: {describe(e)}."))
         return
     try:
-        outbox.send(Ready(EngineInfo(llm.requests, llm.default_sampling, llm.pool.num_pages - 1)))
+        outbox.send(Ready(EngineInfo(llm.requests, llm.default_sampling, llm.pool.num_pages - 1), llm.stats()))
         logger.info("engine ready")
         _Loop(llm, inbox, outbox).run()
     except (BrokenPipeError, EOFError):  # the HTTP process has gone
@@ -50,6 +50,7 @@ class _Loop:
         self.llm, self.inbox, self.outbox = llm, inbox, outbox
         self.sent_chars: dict[int, int] = {}  # per live request: characters of its text sent so far
         self.tokens: list = []  # this step's token events (Step.tokens)
+        self.prompts: dict = {}  # this step's Step.prompts
 
     def run(self) -> None:
         llm = self.llm
@@ -61,8 +62,8 @@ class _Loop:
                 self.outbox.send(Failed(f"The engine failed: {describe(e)}."))
                 return
             finished = [(o.request_id, (o.text or "")[self.sent_chars.pop(o.request_id, 0):], o) for o in outs]
-            tokens, self.tokens = self.tokens, []
-            self.outbox.send(Step(tokens, finished, llm.stats()))
+            tokens, self.tokens, prompts, self.prompts = self.tokens, [], self.prompts, {}
+            self.outbox.send(Step(tokens, finished, llm.stats(), prompts))
 
     def _take_inbox(self, block: bool) -> bool:
         """Act on what the HTTP process sent (waiting for it when idle); False once told to stop."""
@@ -85,5 +86,7 @@ class _Loop:
 
     def _on_token(self, req: Request) -> None:
         self.sent_chars[req.request_id] += len(req.new_text)
+        if len(req.output_ids) == 1 and req.sampling.prompt_logprobs is not None:  # a stream's echo shows them
+            self.prompts[req.request_id] = (list(req.prompt_ids), req.prompt_logprobs)
         self.tokens.append((req.request_id, req.new_text, req.output_ids[-1],
                             req.logprobs[-1] if req.logprobs else None))

@@ -1,6 +1,7 @@
 """One chat choice's output as OpenAI's message fields: `reasoning_content` (a reasoning parser's),
-`content`, and `tool_calls` (a tool parser's, or the constrained output of a required or named
-tool call), delta by delta for streams and whole for responses."""
+`content`, and `tool_calls` (a tool parser's, only its first call with parallel_tool_calls false,
+or the constrained output of a required or named tool call), delta by delta for streams and whole
+for responses."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from flexsgl.serve import reasoning, tools
 
 class MessageParser:
     def __init__(self, reasoning_parser: str | None, tool_plan: tools.ToolPlan, tool_parser: str | None,
-                 prompt_text: str = ""):
-        self.reasoning = reasoning.ReasoningParser(reasoning_parser, prompt_text) if reasoning_parser else None
+                 prompt_text: str = "", template_kwargs: dict | None = None):
+        self.reasoning = (reasoning.ReasoningParser(reasoning_parser, prompt_text, template_kwargs)
+                          if reasoning_parser else None)
         self.mode = tool_plan.mode
+        self.parallel = tool_plan.parallel  # false: only the first tool call is kept
         self.named = tool_plan.name if self.mode == "named" else None
         self.tools: tools.ToolParser | None = None
         if self.mode == "required":
@@ -36,12 +39,14 @@ class MessageParser:
         delta: dict = {}
         calls = []
         if self.named is not None:
-            return self._named(r, c)
+            return self._named(r, c, final)
         if self.tools is not None:
             c, calls = self.tools.feed(c)
             if final:
                 rest, more = self.tools.finish()
                 c, calls = c + rest, calls + more
+            if not self.parallel:
+                calls = calls[:max(0, 1 - len(self.calls))]
         if r:
             self.reasoning_text += r
             delta["reasoning_content"] = r
@@ -57,13 +62,14 @@ class MessageParser:
                 delta["tool_calls"].append({"index": index, **whole})
         return delta
 
-    def _named(self, r: str, c: str) -> dict:
-        """A named tool call: the (constrained) content is the function's arguments."""
+    def _named(self, r: str, c: str, final: bool) -> dict:
+        """A named tool call: the (constrained) content is the function's arguments; the call opens
+        with the first of them (after any reasoning), or at the end if there are none."""
         delta: dict = {}
         if r:
             self.reasoning_text += r
             delta["reasoning_content"] = r
-        if not self.calls:
+        if not self.calls and (c or final):
             cid = tools.call_id()
             self.calls.append({"id": cid, "type": "function", "function": {"name": self.named, "arguments": c}})
             delta["tool_calls"] = [{"index": 0, "id": cid, "type": "function",

@@ -53,6 +53,7 @@ class EngineInfo:
 @dataclass
 class Ready:
     info: EngineInfo
+    stats: dict = field(default_factory=dict)  # LLM.stats() before any step, for /metrics
 
 
 @dataclass
@@ -64,11 +65,13 @@ class StartFailed:
 class Step:
     """One step's events: each token as (request id, text delta, token id, its log-probabilities
     or None), then each finished request as (request id, text not yet sent, its output); and
-    LLM.stats() after the step, for /metrics."""
+    LLM.stats() after the step, for /metrics. `prompts`: for each request with prompt_logprobs
+    whose first token this step carries, (its prompt token ids, their log-probabilities), by id."""
 
     tokens: list[tuple[int, str, int, TokenLogprobs | None]]
     finished: list[tuple[int, str, RequestOutput]]
     stats: dict
+    prompts: dict[int, tuple[list[int], list[TokenLogprobs | None] | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,4 +91,5 @@ class Event:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     output: RequestOutput | None = None  # the finished request, on its last event
+    prompt: tuple[list[int], list[TokenLogprobs | None] | None] | None = None  # Step.prompts', on the first token
     error: str | None = None  # the engine failed: the server cannot serve any more

@@ -4,10 +4,10 @@ each with a `model_name` label.
 Requests are counted as requests: one HTTP request (whatever its prompts and n) is one request in
 every counter and histogram here, and its tokens are all its choices' tokens.
 
-- Gauges (the engine's, after every step): num_requests_running, num_requests_waiting (engine
-  requests: one per choice, as the scheduler holds them), kv_cache_usage_perc (the share of KV
-  pages held by running requests, 0 to 1), kv_pages_used, kv_pages_cached, kv_pages_free,
-  kv_pages_total.
+- Gauges (the engine's, once it is ready and after every step): num_requests_running,
+  num_requests_waiting (engine requests: one per choice, as the scheduler holds them),
+  kv_cache_usage_perc (the share of KV pages held by running requests, 0 to 1), kv_pages_used,
+  kv_pages_cached, kv_pages_free, kv_pages_total.
 - Counters: prompt_tokens_total, generation_tokens_total, request_success_total (by
   finished_reason: stop, length, abort, error; a request whose choices ended differently counts
   under the first of error, abort, length, stop), prefix_cache_queries_total and

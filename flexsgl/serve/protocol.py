@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from flexsgl.errors import PromptError, SamplingParamsError
-from flexsgl.sampling.params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
-from flexsgl.sampling.structured import StructuredOutputsParams
+from flexsgl.sampling.params import DEFAULT_MAX_NEW_TOKENS, INT64_MAX, SamplingParams
+from flexsgl.sampling.structured import StructuredOutputsParams, check_json_schema
 
 Number = StrictFloat  # ints too; not strings or booleans
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
@@ -28,6 +28,7 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "gra
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage so far on every chunk (with include_usage)
 
 
 class ResponseFormat(BaseModel):
@@ -77,9 +78,10 @@ class SamplingFields(BaseModel):
                                          "attention_params")
 
     def sampling(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
-                 structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                 structured: StructuredOutputsParams | None = None, reasoning_end: str | None = None) -> SamplingParams:
         """These fields over `defaults`; raises SamplingParamsError (400) for a value out of range.
-        `structured`: a constraint the endpoint derived (response_format, tool_choice)."""
+        `structured`: a constraint the endpoint derived (response_format, tool_choice);
+        `reasoning_end`: the text after which a constraint applies (a chat request in thinking mode)."""
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed with stream: true.")
         given = {name: getattr(self, name) for name in self.COPIED if getattr(self, name) is not None}
@@ -94,7 +96,7 @@ class SamplingFields(BaseModel):
             raise SamplingParamsError("Give one constraint on the output: structured_outputs (or a guided_ field) "
                                       "cannot be combined with response_format or a required tool call.")
         given["structured_outputs"] = own or structured
-        return defaults.replace(logprobs=logprobs, **given)
+        return defaults.replace(logprobs=logprobs, reasoning_end=reasoning_end, **given)
 
     def structured(self) -> StructuredOutputsParams | None:
         """The constraint of structured_outputs or the guided_ fields, if any (one at most)."""
@@ -102,10 +104,10 @@ class SamplingFields(BaseModel):
         if self.structured_outputs is not None:
             if given:
                 raise SamplingParamsError("Give structured_outputs or a guided_ field, not both.")
-            return StructuredOutputsParams.of(self.structured_outputs)
+            return _checked(StructuredOutputsParams.of(self.structured_outputs), "structured_outputs.json")
         if len(given) > 1:
             raise SamplingParamsError(f"Give one guided_ field, got {', '.join('guided_' + k for k in given)}.")
-        return StructuredOutputsParams.of(given) if given else None
+        return _checked(StructuredOutputsParams.of(given), "guided_json") if given else None
 
     def response_format_constraint(self) -> StructuredOutputsParams | None:
         """response_format as a constraint: json_schema (its `schema`), json_object, or none for text."""
@@ -119,13 +121,25 @@ class SamplingFields(BaseModel):
             if not isinstance(schema, dict):
                 raise SamplingParamsError("response_format of type json_schema needs json_schema.schema, "
                                           "a JSON schema object.")
-            return StructuredOutputsParams(json=schema)
+            return _checked(StructuredOutputsParams(json=schema), "response_format.json_schema.schema")
         raise SamplingParamsError(f"response_format type must be text, json_object or json_schema, "
                                   f"got {rf.type[:40]!r}.")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+def _checked(spec: StructuredOutputsParams, where: str) -> StructuredOutputsParams:
+    """`spec`, once a JSON schema in it is known to use no keyword xgrammar cannot enforce (400
+    naming the keyword and where it is, `where` naming the schema's field)."""
+    if spec.kind == "json":
+        check_json_schema(spec.json, where)
+    return spec
 
 
 def _token_key(key: str) -> int:
@@ -181,20 +195,23 @@ class ChatRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
 
-    def to_sampling(self, defaults: SamplingParams, room: int,
-                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    def to_sampling(self, defaults: SamplingParams, room: int, structured: StructuredOutputsParams | None = None,
+                    reasoning_end: str | None = None) -> SamplingParams:
         """`room`: tokens left in the context after the prompt, the default limit (as vLLM);
-        `structured`: the constraint a required or named tool call puts on the output."""
+        `structured`: the constraint a required or named tool call puts on the output;
+        `reasoning_end`: the text after which a constraint applies (thinking mode)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs needs logprobs: true.")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None and not 1 <= limit <= INT64_MAX:  # named as the client sent it
+            raise SamplingParamsError(f"max_completion_tokens must be None or an integer of at least 1, got {limit}.")
         if limit is None:
             limit = max(1, room)
         formatted = self.response_format_constraint()
         if formatted is not None and structured is not None:
             raise SamplingParamsError("response_format cannot be combined with a required or named tool call.")
         return self.sampling(defaults, limit, (self.top_logprobs or 0) if self.logprobs else None,
-                             formatted or structured)
+                             formatted or structured, reasoning_end)
 
     def message_dicts(self) -> list[dict]:
         """The messages for apply_chat_template; content given as parts is joined from its text parts."""

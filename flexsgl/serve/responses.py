@@ -20,14 +20,20 @@ from flexsgl.serve.messages import Event
 
 class Choices:
     """`parser`: makes each chat choice's MessageParser (reasoning, tool calls); `echo`: each
-    completion choice's prompt text, put before its output (completions' echo)."""
+    completion choice's prompt text, put before its output (completions' echo);
+    `continuous_usage`: every stream chunk carries the usage so far (stream_options'
+    continuous_usage_stats), where chunks carry usage."""
 
     def __init__(self, chat: bool, model: str, tokenizer, n_choices: int, prompt_tokens: int,
-                 parser: Callable[[], MessageParser] | None = None, echo: list[str] | None = None):
+                 parser: Callable[[], MessageParser] | None = None, echo: list[str] | None = None,
+                 continuous_usage: bool = False):
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.texts = [""] * n_choices
+        self.tokens = [0] * n_choices  # tokens received, per choice
+        self.text_offsets = [0] * n_choices  # a completion stream's next logprobs text_offset, per choice
+        self.continuous_usage = continuous_usage
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n_choices)]
         self.outputs = [None] * n_choices
         self.prompt_tokens = prompt_tokens
@@ -43,13 +49,15 @@ class Choices:
 
     def add(self, ev: Event) -> None:
         self.texts[ev.choice] += ev.text
+        self.tokens[ev.choice] += len(ev.token_ids)
         self.logprobs[ev.choice] += ev.logprobs
         if ev.output is not None:
             self.outputs[ev.choice] = ev.output
 
     def usage(self) -> dict:
+        """The usage of the tokens so far (every token, once every choice is done)."""
         done = [o for o in self.outputs if o is not None]
-        completion = sum(len(o.token_ids) for o in done)
+        completion = sum(n if o is None else len(o.token_ids) for n, o in zip(self.tokens, self.outputs))
         cached = sum(o.cached_tokens for o in done if o.index == 0)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
@@ -74,8 +82,8 @@ class Choices:
                 echo = self.echo[i] if self.echo else ""
                 c["text"] = echo + text
                 if want_logprobs:
-                    prompt = self._prompt_entries(out) if echo else []
-                    c["logprobs"] = self._logprobs(self.logprobs[i], len(echo), prompt)
+                    prompt = self._prompt_entries(out.prompt_token_ids, out.prompt_logprobs) if echo else []
+                    c["logprobs"] = self._logprobs(self.logprobs[i], 0, prompt)
             if out.prompt_logprobs is not None:
                 c["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs)
             choices.append(c)
@@ -105,13 +113,17 @@ class Choices:
         if not text and not ev.token_ids and ev.output is None:
             return out
         mid = ev.output is None and not (want_logprobs and ev.logprobs)
-        if mid and (delta is None or delta == {"content": text}):  # a token mid-stream: the common chunk
+        if mid and delta is not None and not delta:  # the parsers hold this token's text back
+            return out
+        if mid and (delta is None or delta == {"content": text}) and not self.continuous_usage:  # the common chunk
             out.append(self._token_chunk(ev.choice, text, include_usage))
             return out
-        if mid and not delta:  # the parsers hold this token's text back
-            return out
-        offset = len(self.texts[ev.choice]) - len(ev.text) + len(echo)
-        lp = self._logprobs(ev.logprobs, offset) if want_logprobs and ev.logprobs else None
+        lp = None
+        if want_logprobs and ev.logprobs:  # a completion's first chunk also has its echoed prompt's
+            prompt = self._prompt_entries(*ev.prompt) if first and echo and ev.prompt else None
+            lp = self._logprobs(ev.logprobs, self.text_offsets[ev.choice], prompt)
+            if not self.chat:
+                self.text_offsets[ev.choice] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         reason = None if ev.output is None else ev.output.finish_reason
         if reason is not None and self.parsers is not None:
             reason = self.parsers[ev.choice].finish_reason(reason)
@@ -150,7 +162,7 @@ class Choices:
         body = {"id": self.id, "object": self._chunk_object(), "created": self.created, "model": self.model,
                 "choices": [choice]}
         if include_usage:
-            body["usage"] = None
+            body["usage"] = self.usage() if self.continuous_usage else None
         return sse(body)
 
     def _chunk_object(self) -> str:
@@ -163,7 +175,8 @@ class Choices:
 
     def _logprobs(self, lps: list[TokenLogprobs], offset: int, prompt: list | None = None) -> dict:
         """OpenAI's logprobs of `lps`; a completion's `prompt` entries ((token, logprob or None,
-        top or None) per echoed prompt token) come first, from text offset 0."""
+        top or None) per echoed prompt token) come first. A completion's text_offset is `offset` at
+        its first entry and grows by each token's text (as vLLM counts them, a special token's too)."""
         if self.chat:
             def entry(tid: int, lp: float) -> dict:
                 text = self._token(tid)
@@ -173,19 +186,26 @@ class Choices:
                                 for t in lps]}
         prompt = prompt or []
         tokens = [p[0] for p in prompt] + [self._token(t.token_id) for t in lps]
-        offsets, at = [], offset - sum(len(p[0]) for p in prompt)
+        offsets, at = [], offset
         for tok in tokens:
             offsets.append(at)
             at += len(tok)
         return {"tokens": tokens, "token_logprobs": [p[1] for p in prompt] + [t.logprob for t in lps],
-                "top_logprobs": [p[2] for p in prompt] + [{self._token(i): v for i, v in t.top} for t in lps],
+                "top_logprobs": [p[2] for p in prompt] + [self._top(t) for t in lps],
                 "text_offset": offsets}
 
-    def _prompt_entries(self, out) -> list:
+    def _top(self, lp: TokenLogprobs) -> dict:
+        """A completion token's top_logprobs: the top ones and the token itself (up to N + 1 entries,
+        as OpenAI's legacy API and vLLM give)."""
+        top = {self._token(i): v for i, v in lp.top}
+        top.setdefault(self._token(lp.token_id), lp.logprob)
+        return top
+
+    def _prompt_entries(self, ids: list[int], lps: list | None) -> list:
         """(token text, its log-probability, its top log-probabilities) per prompt token, for echo."""
-        lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        lps = lps or [None] * len(ids)
         return [(self._token(t), None if lp is None else lp.logprob,
-                 None if lp is None else {self._token(i): v for i, v in lp.top}) for t, lp in zip(out.prompt_token_ids, lps)]
+                 None if lp is None else self._top(lp)) for t, lp in zip(ids, lps)]
 
     def _prompt_logprobs(self, lps: list) -> list:
         """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob,

@@ -4,14 +4,18 @@ a chat output, whole or delta by delta.
 tool_choice (OpenAI's):
 - "none": the tools go to the chat template, the output is text.
 - "auto" (the default when tools are given and a parser is set): the model decides; the output
-  is parsed by `--tool-call-parser`'s format. Without a parser the default is "none", and an
-  explicit "auto" is refused.
+  is parsed by `--tool-call-parser`'s format, and with parallel_tool_calls false only its first
+  call is kept (vLLM's maybe_filter_parallel_tool_calls). Without a parser the default is "none",
+  and an explicit "auto" is refused.
 - "required": the output is constrained (structured outputs) to a JSON array of
   {"name", "parameters"} objects, one of the tools' each, so the calls always parse and their
   arguments follow the tools' schemas; as vLLM does (one call at most with parallel_tool_calls
   false).
 - {"type": "function", "function": {"name": ...}}: the output is constrained to that function's
   parameters schema and is its arguments.
+
+A schema that constrains the output (required, named) must use no keyword xgrammar cannot enforce
+(structured.check_json_schema): one that does is refused with a 400 naming the tool and keyword.
 
 Parsers (PARSERS), each streaming-safe: text that may begin a tool-call marker is held back, and
 each call is released once it is complete (its name and whole arguments in one delta):
@@ -30,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 
 from flexsgl.errors import SamplingParamsError
-from flexsgl.sampling.structured import StructuredOutputsParams
+from flexsgl.sampling.structured import StructuredOutputsParams, check_json_schema
 
 
 @dataclass
@@ -84,13 +88,16 @@ def plan(tools: list[dict] | None, tool_choice, parser: str | None, parallel: bo
             raise SamplingParamsError(f"tools[{i}].function.parameters must be a JSON schema object.")
         functions[f["name"]] = params
     if tool_choice is None:
-        return ToolPlan("auto" if parser else "none", functions)
+        return ToolPlan("auto" if parser else "none", functions, parallel=parallel)
     if tool_choice == "auto":
         if not parser:
             raise SamplingParamsError('tool_choice "auto" needs the server to be started with --tool-call-parser.')
-        return ToolPlan("auto", functions)
-    if tool_choice in ("none", "required"):
-        return ToolPlan(tool_choice, functions, parallel=parallel)
+        return ToolPlan("auto", functions, parallel=parallel)
+    if tool_choice == "none":
+        return ToolPlan("none", functions, parallel=parallel)
+    if tool_choice == "required":
+        _check_parameters(functions, functions)
+        return ToolPlan("required", functions, parallel=parallel)
     if isinstance(tool_choice, dict):
         f = tool_choice.get("function")
         name = f.get("name") if isinstance(f, dict) else None
@@ -99,9 +106,18 @@ def plan(tools: list[dict] | None, tool_choice, parser: str | None, parallel: bo
                                       '"function": {"name": ...}}.')
         if name not in functions:
             raise SamplingParamsError(f"tool_choice names the function {name[:60]!r}, which is not among the tools.")
+        _check_parameters(functions, [name])
         return ToolPlan("named", functions, name)
     raise SamplingParamsError('tool_choice must be "none", "auto", "required" or {"type": "function", '
                               '"function": {"name": ...}}.')
+
+
+def _check_parameters(functions: dict[str, dict], names) -> None:
+    """The parameters schemas of the functions `names`, which constrain the output, use no keyword
+    xgrammar cannot enforce (SamplingParamsError naming the tool and the keyword)."""
+    order = list(functions)
+    for name in names:
+        check_json_schema(functions[name], f"tools[{order.index(name)}].function.parameters")
 
 
 def required_schema(functions: dict[str, dict], parallel: bool = True) -> dict:
