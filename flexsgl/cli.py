@@ -12,7 +12,7 @@ import typer
 from flexsgl.cli_options import engine_options, fail
 from flexsgl.config import EngineConfig
 from flexsgl.log import logger
-from flexsgl.startup import process_seconds, ready_line
+from flexsgl.startup import process_seconds, ready_line, restore_interrupts
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="flexsgl: LLM inference on torch.compile + FlexAttention over a paged KV cache.")
@@ -21,6 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 @app.callback()
 def main() -> None:
     """flexsgl's commands: generate, serve, bench, backends."""
+    restore_interrupts()  # imported: from here Ctrl-C is a KeyboardInterrupt the commands handle
 
 
 def generate_config(engine: EngineConfig, requests: int) -> EngineConfig:

@@ -8,9 +8,39 @@ say when the process started, the time since flexsgl's import stands in for it.
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 
 IMPORTED_AT = time.perf_counter()
+
+
+def _leave_quietly(signum, frame) -> None:
+    os._exit(128 + signal.SIGINT)  # as a shell reports a process Ctrl-C ended
+
+
+def quiet_interrupts_while_importing():
+    """Run as the command line (the `flexsgl` script, or `python -m flexsgl`, whose package imports
+    while argv[0] is still "-m"), a Ctrl-C during the seconds torch and the command line take to
+    import ends the process with status 130 instead of a traceback from inside an import; returns
+    the handler it replaced (None: it replaced none). The command line's entry puts it back
+    (`restore_interrupts`), from where its commands handle Ctrl-C themselves."""
+    cli = os.path.basename(sys.argv[0] if sys.argv else "") in ("flexsgl", "-m")
+    if not cli or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return None
+    try:
+        return signal.signal(signal.SIGINT, _leave_quietly)
+    except ValueError:  # not the main thread
+        return None
+
+
+_HANDLER_BEFORE_IMPORT = quiet_interrupts_while_importing()
+
+
+def restore_interrupts() -> None:
+    """Put back the SIGINT handler quiet_interrupts_while_importing replaced, if it replaced one."""
+    if _HANDLER_BEFORE_IMPORT is not None:
+        signal.signal(signal.SIGINT, _HANDLER_BEFORE_IMPORT)
 
 # LLM.startup_times' phases, in the order they run, with their names in the log
 PHASES = (("resolve_s", "resolving"), ("load_s", "weights"), ("tokenizer_s", "tokenizer"), ("kv_pool_s", "KV pool"),

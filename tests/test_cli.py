@@ -149,6 +149,32 @@ def test_stream_reports_startup_and_first_token(runs):
     assert any(line.startswith("[flexsgl] first token ") for line in err.splitlines()), err
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc to see torch loading")
+@pytest.mark.parametrize("entry", [["-m", "flexsgl"], ["-c", "import sys; sys.argv[0] = 'flexsgl'; "
+                                                           "from flexsgl.cli import app; app()"]],
+                         ids=["python -m flexsgl", "the flexsgl script"])
+def test_ctrl_c_while_torch_imports_ends_with_130_and_no_traceback(entry):
+    """A Ctrl-C in the seconds torch takes to import ended the command line with a traceback from
+    inside the import; it ends it with status 130 and nothing printed. The interrupt is sent once
+    torch's library is mapped into the process, so it lands in the import."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, *entry, "generate", "Return the"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while p.poll() is None and time.monotonic() < deadline:
+        try:
+            if "libtorch" in Path(f"/proc/{p.pid}/maps").read_text():
+                break
+        except OSError:
+            break
+        time.sleep(0.005)
+    p.send_signal(signal.SIGINT)
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 130 and "Traceback" not in out, (p.returncode, out[-2000:])
+
+
 def test_cache_shows_and_clears_the_compile_cache(tmp_path):
     where = tmp_path / "inductor"
     (where / "fxgraph").mkdir(parents=True)
