@@ -114,7 +114,7 @@ def test_latent_pool_sizes_and_decode_floor():
     ({"moe_layer_freq": 2}, "sets moe_layer_freq to 2, which flexsgl does not run"),
     ({"attention_bias": True}, "sets attention_bias, which flexsgl's DeepSeek-V2 does not run"),
     ({"kv_lora_rank": None}, "lacks 'kv_lora_rank', which the model needs"),
-    ({"rope_scaling": {"type": "yarn", "factor": 40}}, "lacks 'original_max_position_embeddings'"),
+    ({"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096}}, "lacks 'factor'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE type 'dynamic' is not supported for "
                                                            "DeepseekV2ForCausalLM; flexsgl runs 'default' and 'yarn'"),
 ])

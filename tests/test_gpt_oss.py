@@ -185,7 +185,7 @@ def test_an_mxfp4_checkpoint_is_refused_in_one_sentence(tmp_path):
     ({"layer_types": ["sliding_attention"] * 3}, "'layer_types' must name sliding_attention or full_attention "
                                                  "for each of the 24 layers"),
     ({"rope_theta": None}, "lacks 'rope_theta'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 32.0}}, "lacks 'original_max_position_embeddings'"),
+    ({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 4096}}, "lacks 'factor'"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE type 'dynamic' is not supported for "
                                                                 "GptOssForCausalLM"),
     ({"swiglu_limit": -1}, "'swiglu_limit' must be a positive number"),

@@ -112,11 +112,13 @@ class ModelConfig:
             if key in d and key not in ARCHITECTURES[arch].ignores and d[key] not in supported:
                 raise CheckpointError(f"{source} sets {key} to {short_repr(d[key])}, which flexsgl does not run "
                                       f"(it runs {' or '.join(map(repr, supported))}).")
-        # transformers 5 writes `rope_parameters`; older checkpoints write rope_theta + rope_scaling.
-        rope = dict(get.typed("rope_parameters", dict, None) or get.typed("rope_scaling", dict, None) or {})
+        # transformers 5 writes `rope_parameters`; older checkpoints write rope_theta + rope_scaling,
+        # which wins where both are given, as transformers' convert_rope_params_to_dict has it.
+        rope = dict(get.typed("rope_scaling", dict, None) or get.typed("rope_parameters", dict, None) or {})
         theta = get.number({**d, **rope}, "rope_theta", 10000.0)
         rope.pop("rope_theta", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope = pretraining_length(rope, d)
         rope_types = ARCHITECTURES[arch].rope_types
         if rope_type not in rope_types:
             raise CheckpointError(f"RoPE type {short_repr(rope_type)} is not supported for {arch}; flexsgl runs "
@@ -231,9 +233,29 @@ def window_variants(cfg: ModelConfig) -> list:
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
+def pretraining_length(rope: dict, d: dict) -> dict:
+    """`rope` (a llama3, yarn or longrope RoPE dict; others as they are) with the context length the
+    model was trained at as transformers' standardize_rope_params gives it: config.json's top-level
+    `original_max_position_embeddings` where it has one (Phi-3's exports write it there), else the
+    dict's own, else `max_position_embeddings`."""
+    if rope.get("rope_type", rope.get("type")) not in ("llama3", "yarn", "longrope"):
+        return rope
+    top = d.get("original_max_position_embeddings")
+    if top is not None:
+        return {**rope, "original_max_position_embeddings": top}
+    if "original_max_position_embeddings" not in rope and d.get("max_position_embeddings") is not None:
+        return {**rope, "original_max_position_embeddings": d["max_position_embeddings"]}
+    return rope
+
+
+# The window of a windowed architecture whose config.json leaves `sliding_window` out (MistralConfig's)
+DEFAULT_WINDOW = 4096
+
+
 def _windows(get, d: dict, num_layers: int, source: str) -> dict:
-    """`sliding_window` and `layer_types` of an architecture with windowed layers."""
-    window = get.positive("sliding_window", None)
+    """`sliding_window` and `layer_types` of an architecture with windowed layers (`sliding_window`
+    left out: DEFAULT_WINDOW, as transformers; null: none)."""
+    window = get.positive("sliding_window", None) if "sliding_window" in d else DEFAULT_WINDOW
     types = get.typed("layer_types", list, None)
     if types is not None and (len(types) != num_layers or not all(t in LAYER_TYPES for t in types)):
         raise CheckpointError(f"{source}: 'layer_types' must name {' or '.join(LAYER_TYPES)} for each of the "

@@ -28,7 +28,15 @@ def gemma2_fields(get, d: dict, rope: dict, source: str) -> dict:
 def gemma3_fields(get, d: dict, rope: dict, source: str) -> dict:
     fields = _common(get, d, source, pattern=get.positive("sliding_window_pattern", 6), final_softcap=None)
     nested = get.typed("rope_parameters", dict, None)
-    if nested is not None and {"full_attention", "sliding_attention"} & nested.keys():
+    if nested is not None and not {"full_attention", "sliding_attention"} & nested.keys():
+        raise CheckpointError(f"{source}: Gemma 3's 'rope_parameters' must be nested by layer type "
+                              "('full_attention', 'sliding_attention'), as transformers reads them.")
+    scaling = d.get("rope_scaling")
+    if nested is not None and isinstance(scaling, dict) and {**(nested.get("full_attention") or {}), **scaling} != (
+            nested.get("full_attention") or {}):
+        raise CheckpointError(f"{source} gives Gemma 3's RoPE both in 'rope_parameters' and, otherwise, in "
+                              "'rope_scaling'; give it in one of them.")
+    if nested is not None:
         full = _rope_dict(nested.get("full_attention"), "rope_parameters['full_attention']", source)
         local = _rope_dict(nested.get("sliding_attention"), "rope_parameters['sliding_attention']", source)
     else:  # the flat keys: rope (from_hf's rope_parameters or rope_scaling) scales the global layers

@@ -5,7 +5,7 @@ layer's attention variant, and its parameter count."""
 from __future__ import annotations
 
 from flexsgl.errors import CheckpointError
-from flexsgl.model.config import LAYER_TYPES
+from flexsgl.model.config import LAYER_TYPES, pretraining_length
 from flexsgl.model.mla_config import MoEConfig, check_yarn
 
 # GptOssConfig's defaults where config.json leaves a key out
@@ -24,7 +24,7 @@ def gpt_oss_fields(get, d: dict, rope: dict, source: str) -> dict:
         raise CheckpointError(f"{source} lacks 'rope_theta', which the model needs.")
     get.number(d, "rms_norm_eps")
     given_rope = d.get("rope_parameters") is not None or d.get("rope_scaling") is not None
-    rope = rope if given_rope else DEFAULT_ROPE
+    rope = rope if given_rope else pretraining_length(DEFAULT_ROPE, d)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "yarn":
         check_yarn(get, rope)
