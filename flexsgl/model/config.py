@@ -163,7 +163,7 @@ class ModelConfig:
             rope_theta=fields.pop("rope_theta", theta),
             max_position=get.positive("max_position_embeddings", 4096),
             tie_word_embeddings=fields.pop("tie_word_embeddings", get.typed("tie_word_embeddings", bool, False)),
-            attention_bias=get.typed("attention_bias", bool, False),
+            attention_bias=fields.pop("attention_bias", get.typed("attention_bias", bool, False)),
             eos_token_ids=eos,
             torch_dtype=dtype if isinstance(dtype, str) else None,
             quant=quant,

@@ -49,7 +49,8 @@ def gpt_oss_fields(get, d: dict, rope: dict, source: str) -> dict:
                     routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=True)
     return {"moe": moe, "head_dim": get.positive("head_dim", 64), "sliding_window": window,
             "layer_types": tuple(types), "rope_scaling": None if rope_type == "default" else rope,
-            "swiglu_alpha": get.number(d, "swiglu_alpha", 1.702), "swiglu_limit": get.number(d, "swiglu_limit", 7.0)}
+            "swiglu_alpha": get.number(d, "swiglu_alpha", 1.702), "swiglu_limit": get.number(d, "swiglu_limit", 7.0),
+            "attention_bias": get.typed("attention_bias", bool, True)}  # GptOssConfig's default: biased
 
 
 def gpt_oss_variants(cfg) -> list:

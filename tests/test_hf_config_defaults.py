@@ -1,7 +1,8 @@
-"""RoPE and window settings read from config.json as transformers' config classes read them: the
+"""Settings read from config.json as transformers' config classes read them: the
 dict that wins where both `rope_scaling` and `rope_parameters` are given, the pretraining length of
 llama3 and yarn RoPE (a top-level `original_max_position_embeddings` first), Mistral's window where
-the key is left out; and the Gemma 3 RoPE configs transformers reads otherwise than they say, refused."""
+the key is left out, and GPT-OSS's attention biases where `attention_bias` is; the Gemma 3 RoPE
+configs transformers reads otherwise than they say, refused."""
 
 import random
 
@@ -80,3 +81,11 @@ def test_gemma3_nested_rope_with_the_same_rope_scaling_loads():
     d = {**BASE, "architectures": ["Gemma3ForCausalLM"], "rope_scaling": {"rope_type": "linear", "factor": 8.0},
          "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
     assert ModelConfig.from_hf(d, "config.json").rope_scaling["factor"] == 8.0
+
+
+@pytest.mark.parametrize("given", [{}, {"attention_bias": False}])
+def test_gpt_oss_attention_bias_reads_as_transformers_reads_it(given):
+    d = {**BASE, "architectures": ["GptOssForCausalLM"], "rope_theta": 150000.0, "rms_norm_eps": 1e-5,
+         "num_local_experts": 4, "num_experts_per_tok": 2, **given}
+    want = transformers.GptOssConfig(**{k: v for k, v in d.items() if k != "architectures"}).attention_bias
+    assert ModelConfig.from_hf(d, "config.json").attention_bias == want
