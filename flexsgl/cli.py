@@ -93,7 +93,7 @@ def generate(
 ) -> None:
     """Generate continuations of PROMPTS; one prompt streams its tokens as they come."""
     from flexsgl import LLM, SamplingParams
-    from flexsgl.errors import EngineDeadError
+    from flexsgl.errors import EngineDeadError, RankFailedError
     from flexsgl.request_factory import check_prompt
 
     if not prompts:
@@ -118,7 +118,7 @@ def generate(
         compiling = llm.startup_times()["compile_s"] - ready["compile_s"]
     except ValueError as e:
         fail(str(e))
-    except EngineDeadError as e:
+    except (EngineDeadError, RankFailedError) as e:
         fail(str(e), code=1)
     if all(o.finish_reason == "refused" for o in outs):  # nothing ran: say why, as for any other bad input
         fail(outs[0].error)
@@ -181,6 +181,7 @@ def bench(
     each. A preset runs with dummy weights unless --load-format says otherwise."""
     from flexsgl import bench as b
     from flexsgl.bench import format_table, write_json
+    from flexsgl.errors import EngineDeadError, RankFailedError
 
     args = b.BenchArgs(workload=workload, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                        batch_size=batch_size, repeats=repeats, overrides=list(override or []), seed=seed,
@@ -192,6 +193,8 @@ def bench(
         report = b.run(b.plan(args))
     except ValueError as e:
         fail(str(e))
+    except (EngineDeadError, RankFailedError) as e:
+        fail(str(e), code=1)
     typer.echo(format_table(report))
     if json_path:
         try:

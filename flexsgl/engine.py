@@ -88,7 +88,9 @@ class LLM:
         try:
             core = build_core(cfg, None if self._channel is None else self._channel.group,
                               (self.src, self.resolved))
-        except BaseException:
+        except BaseException as e:
+            if self._channel is not None and not isinstance(e, Exception):  # Ctrl-C half-way: the other ranks
+                self._channel.abandon(f"its start was interrupted ({describe(e)})")  # may wait in a collective
             self.shutdown()
             raise
         self.model, self.pool, self.runner, self.backends = core.model, core.pool, core.runner, core.backends

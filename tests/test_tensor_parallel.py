@@ -771,13 +771,16 @@ def _run_exit_script(mode: str, device: str, signal_to_send=None, tp: int = 2):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("mode, signal_to_send", [("exit", None), ("shutdown", None), ("rank-killed", None),
-                                                  ("step-interrupted", None), ("signal", "ctrl-c"),
-                                                  ("signal", "sigterm")])
+EXIT_MODES = [("exit", None), ("shutdown", None), ("rank-killed", None), ("step-interrupted", None),
+              ("load-interrupted", None), ("signal", "ctrl-c"), ("signal", "sigterm")]
+
+
+@pytest.mark.parametrize("mode, signal_to_send", EXIT_MODES)
 def test_every_exit_ends_every_rank(mode, signal_to_send):
     """On the CPU (gloo): a normal end with and without shutdown(), a killed rank, an interrupt half-way
-    through a step (rank 1 inside its collectives), Ctrl-C (after which the engine still runs), and
-    SIGTERM to rank 0 each end rank 0's process and every worker."""
+    through a step (rank 1 inside its collectives) or while the model loads (rank 1 then waits for
+    rank 0 in a collective; this hung), Ctrl-C (after which the engine still runs), and SIGTERM to
+    rank 0 each end rank 0's process and every worker."""
     _check_exit(*_run_exit_script(mode, "cpu", signal_to_send), mode, signal_to_send)
 
 
@@ -787,7 +790,7 @@ def _check_exit(code, lines, workers, err, mode, signal_to_send):
         assert code == 0, err[-3000:]
     if mode == "rank-killed":
         assert "dead" in lines, err[-3000:]
-    if mode == "step-interrupted":
+    if mode in ("step-interrupted", "load-interrupted"):
         assert "interrupted" in lines, err[-3000:]
     if signal_to_send == "ctrl-c":
         assert "interrupted" in lines and "continued" in lines, err[-3000:]
@@ -850,9 +853,7 @@ def test_server_stop_ends_every_rank():
 
 @pytest.mark.gpu
 @needs_two_gpus
-@pytest.mark.parametrize("mode, signal_to_send", [("exit", None), ("shutdown", None), ("rank-killed", None),
-                                                  ("step-interrupted", None), ("signal", "ctrl-c"),
-                                                  ("signal", "sigterm")])
+@pytest.mark.parametrize("mode, signal_to_send", EXIT_MODES)
 def test_gpu_every_exit_ends_every_rank(mode, signal_to_send):
     """NCCL, compiled steps and captured decode graphs holding the all-reduces: every exit path
     ends every rank (destroying a communicator while a graph that captured it lives would hang)."""

@@ -10,6 +10,9 @@ It starts `tiny` at TP ranks (2 by default; compiled steps and CUDA graphs on a 
     step-interrupted  a KeyboardInterrupt on rank 0 half-way through a step whose plan went out (a
                  second Ctrl-C there; rank 1 then waits inside the step's collectives): prints
                  `interrupted` when it comes out of generate, returns
+    load-interrupted  a KeyboardInterrupt on rank 0 while the model loads (rank 1 goes on loading and
+                 then waits for rank 0 in a collective): prints the workers, `interrupted` once the
+                 engine's construction raised it, and `generated` (where the test's reader stops), returns
     signal       generates until the test signals the process: SIGTERM to rank 0 alone ends it;
                  after Ctrl-C (SIGINT to its process group) it prints `interrupted`, generates once
                  more (the engine must still run: the workers ignore Ctrl-C), prints `continued`
@@ -29,6 +32,28 @@ if __name__ == "__main__":
     options = dict(device=device, load_format="dummy", tensor_parallel_size=tp, max_total_tokens=4096,
                    max_running_requests=4, page_size=16)
     options.update(compile=False) if device == "cpu" else options.update(cuda_graph_bs=(1, 2, 4))
+    if mode == "load-interrupted":
+        import flexsgl.distributed.launcher as launcher
+        import flexsgl.engine_core as engine_core
+
+        started, spawn = [], launcher.spawn
+
+        def recording_spawn(*args, **kwargs):
+            group, procs, store = spawn(*args, **kwargs)
+            started.extend(procs)
+            return group, procs, store
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        launcher.spawn, engine_core.build_model = recording_spawn, interrupted  # this process's (rank 0's) alone
+        try:
+            LLM("tiny", **options)
+        except KeyboardInterrupt:
+            print("workers", *[p.pid for p in started], flush=True)
+            print("interrupted", flush=True)
+            print("generated", flush=True)
+        sys.exit(0)
     llm = LLM("tiny", **options)
     print("workers", *[p.pid for p in llm._channel.procs], flush=True)
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)

@@ -147,8 +147,8 @@ def spawn(cfg: EngineConfig, device: torch.device, build):
                 raise RankFailedError(f"The tensor-parallel ranks did not all join within {JOIN_TIMEOUT_S:.0f} s.")
             time.sleep(0.05)
         group = init_group(0, n, rank_device(device, 0), store)
-    except BaseException:
-        stop_processes(procs)
+    except BaseException:  # a rank failed, or Ctrl-C: the others only wait to join, nothing to finish
+        stop_processes(procs, timeout=0.0)
         raise
     return group, procs, store
 

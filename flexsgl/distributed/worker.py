@@ -176,7 +176,10 @@ def worker_main(rank: int, size: int, cfg, device_type: str, port: int, build) -
 
     from flexsgl.log import set_level
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; rank 0 decides
+    # Ctrl-C, and a service manager's SIGTERM, reach the whole process group: rank 0 decides, and a
+    # worker ends with it (_end_with_parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _end_with_parent()
     # tqdm's default lock is a multiprocessing semaphore, which a worker ending with os._exit would
     # leave behind (the resource tracker warns of it at exit); a thread lock does here.
