@@ -435,16 +435,19 @@ def descendants(pid: int) -> list[int]:
     return kids + [d for k in kids for d in descendants(k)]
 
 
-@pytest.mark.parametrize("case", ["idle", "streaming", "twice"])
+@pytest.mark.parametrize("case", ["idle", "streaming", "twice", "sigterm-to-both"])
 def test_stopping_the_server_ends_its_requests_and_processes(case):
     """Ctrl-C ends the server and every process it started (the engine, multiprocessing's resource
     tracker), without a traceback. A stream in flight ends at once with finish reason "abort", its
     last chunk and [DONE]. "twice": a second Ctrl-C while a request's body is still arriving (so
-    uvicorn is waiting on it) makes uvicorn skip the app's shutdown; the engine must end anyway."""
+    uvicorn is waiting on it) makes uvicorn skip the app's shutdown; the engine must end anyway.
+    "sigterm-to-both": SIGTERM to the HTTP and the engine process at once, as a service manager
+    signals the group, drains as Ctrl-C does (the engine process once exited half-way through a
+    step, and the stream ended without its last chunk)."""
     with server_process() as (base, proc):
         kids = descendants(proc.pid)
         assert alive(engine_pid(proc.pid)) and kids
-        if case == "streaming":
+        if case in ("streaming", "sigterm-to-both"):
             body = {"model": "tiny-docs", "prompt": "Return the", "max_tokens": 900, "ignore_eos": True,
                     "stream": True}
             stream = urllib.request.urlopen(urllib.request.Request(
@@ -456,8 +459,12 @@ def test_stopping_the_server_ends_its_requests_and_processes(case):
             slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100\r\n\r\n{\"prompt\": ")
             time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
-        if case == "streaming":
+        if case == "sigterm-to-both":
+            os.kill(engine_pid(proc.pid), signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGINT)  # Ctrl-C
+        if case in ("streaming", "sigterm-to-both"):
             rest = stream.read().decode()
             assert '"finish_reason": "abort"' in rest and rest.endswith("data: [DONE]\n\n"), rest[-300:]
         elif case == "twice":
@@ -475,11 +482,13 @@ def test_stopping_the_server_ends_its_requests_and_processes(case):
 
 
 def test_an_engine_that_cannot_start_stops_the_server_with_the_reason():
-    """The model's 4 heads do not split across 3 ranks: the engine process refuses while building."""
+    """The model's 4 heads do not split across 3 ranks: the engine process refuses while building, and
+    the server exits 1 with the reason (it ended by its own SIGTERM, status 143)."""
     proc = subprocess.run([sys.executable, "-m", "flexsgl", "serve", "--port", str(free_port()), "--tp", "3",
                            "--log-level", "warning"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     assert "The engine could not start: TensorParallelError" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])

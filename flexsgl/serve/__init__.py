@@ -65,7 +65,11 @@ def serve(engine_config, host: str = "127.0.0.1", port: int = 8000, served_model
                 logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # task it leaves as a traceback
             super().handle_exit(sig, frame)
 
-    try:
-        Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    engine.on_start_failed = lambda: setattr(server, "should_exit", True)  # not a signal: uvicorn would end
+    try:                                                                    # the process with it (status 143)
+        server.run(sockets=[sock])
     finally:
         engine.stop()  # also where a second Ctrl-C made uvicorn skip the app's shutdown
+    if engine.start_failed.is_set():
+        raise SystemExit(1)  # the engine said why

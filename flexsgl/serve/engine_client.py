@@ -29,7 +29,7 @@ from flexsgl.serve import engine_process
 from flexsgl.serve.messages import Abort, Add, EngineInfo, Event, Failed, Ready, StartFailed, Step, Stop
 from flexsgl.serve.metrics import Metrics
 
-STOP_TIMEOUT_S = 30  # how long shutdown waits for the engine process before terminating it
+STOP_TIMEOUT_S = 30  # how long shutdown waits for the engine process before killing it
 SHUTTING_DOWN = "The server is shutting down."
 
 
@@ -68,6 +68,8 @@ class EngineClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.process = None
         self.stopping = False
+        self.start_failed = threading.Event()  # the engine could not start (`failure` says why)
+        self.on_start_failed = lambda: os.kill(os.getpid(), signal.SIGTERM)  # what stops the server then
         self.draining = False  # the server is stopping: requests in flight are being ended (drain)
 
     # ---- lifetime
@@ -87,17 +89,16 @@ class EngineClient:
         threading.Thread(target=self._send, name="flexsgl-engine-sender", daemon=True).start()
 
     def stop(self) -> None:
-        """Stop the engine process: Stop, then SIGTERM, then SIGKILL if it does not end."""
+        """Stop the engine process: Stop, then SIGKILL if it does not end (it ignores SIGTERM, which
+        reaches it with the whole process group; its other ranks end with it)."""
         self.stopping = True
         if self.process is None:
             return
         if self.ready.is_set():
             self.outbox.put(Stop())
             self.process.join(STOP_TIMEOUT_S)
-        for end in (self.process.terminate, self.process.kill):
-            if self.process.exitcode is not None:
-                break
-            end()
+        if self.process.exitcode is None:
+            self.process.kill()
             self.process.join(STOP_TIMEOUT_S)
         self.outbox.put(None)
 
@@ -204,7 +205,8 @@ class EngineClient:
                     self.ready.set()
                 elif isinstance(msg, StartFailed):
                     self._failed(msg.reason)
-                    os.kill(os.getpid(), signal.SIGTERM)  # the server stops (uvicorn shuts down on SIGTERM)
+                    self.start_failed.set()
+                    self.on_start_failed()  # the server stops
                     return
                 elif isinstance(msg, Failed):
                     self._failed(msg.reason)

@@ -4,8 +4,10 @@ It builds the LLM (and with it any other tensor-parallel ranks), says Ready (or 
 adds the requests and aborts the HTTP process sends, runs steps, and sends one Step message per
 step carrying every request's events: the text delta (detokenized here, incrementally), token id
 and log-probabilities of each new token, each finished request's output, and the engine's stats.
-When nothing runs it sleeps on its pipe. It ends on Stop, when the HTTP process's end of the pipe
-closes, or on SIGTERM; Ctrl-C is left to the HTTP process, which then sends Stop.
+When nothing runs it sleeps on its pipe. It ends on Stop, or when the HTTP process's end of the pipe
+closes. Ctrl-C and SIGTERM, which a terminal or a service manager sends the whole process group, are
+left to the HTTP process, which drains the requests in flight through this process and then sends
+Stop (or kills it, where it does not end).
 
 The step loop runs in its own process so that it never waits for the GIL behind the event loop's
 per-token work (see docs/ARCHITECTURE.md, "The server").
@@ -14,7 +16,6 @@ per-token work (see docs/ARCHITECTURE.md, "The server").
 from __future__ import annotations
 
 import signal
-import sys
 from multiprocessing.connection import Connection
 
 from flexsgl.errors import UnknownRequestError, describe
@@ -26,7 +27,7 @@ from flexsgl.serve.messages import Abort, Add, EngineInfo, Failed, Ready, StartF
 def main(engine_config, log_level: int, inbox: Connection, outbox: Connection) -> None:
     """The engine process's entry point (multiprocessing, spawn context)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds, so the other ranks are stopped too
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logger.setLevel(log_level)
     from flexsgl.engine import LLM
 
