@@ -201,6 +201,7 @@ BAD = {
     "zero-concurrency": ["--workload", "serve", "--max-concurrency", "0"],
     "base-url-and-override": ["--workload", "serve", "--base-url", "http://127.0.0.1:1", "--override", "flex"],
     "base-url-not-http": ["--workload", "serve", "--base-url", "localhost:8000"],
+    "base-url-nobody-answers": ["--workload", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2"],
     "unknown-structured": ["--workload", "serve", "--structured", "xml"],
     "structured-for-throughput": ["--structured", "json-schema"],
     "dataset-not-a-file": ["--workload", "serve", "--dataset-path", "/no/such/sharegpt.json"],

@@ -23,11 +23,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -173,12 +176,15 @@ class _server:
 
     def __init__(self, p: Plan, override: str):
         self.p, self.override, self.proc, self.log = p, override, None, None
+        self.previous_sigterm = None  # the SIGTERM handler while this bench's own server runs
         self.load_s = 0.0  # start to healthy, for a server the bench starts
 
     def __enter__(self) -> str:
         if self.p.args.base_url:
-            return self.p.args.base_url.rstrip("/")
+            return _answering(self.p.args.base_url.rstrip("/"))
         t0 = time.perf_counter()
+        if threading.current_thread() is threading.main_thread():  # a SIGTERM to the bench alone stops
+            self.previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # its server too
         port = _free_port()
         cmd = [sys.executable, "-m", "flexsgl", "serve", self.p.engine.model, "--port", str(port),
                "--override", self.override, *engine_flags(self.p.engine, skip=("model", "override"))]
@@ -198,6 +204,9 @@ class _server:
         return url
 
     def __exit__(self, *exc) -> None:
+        if self.previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self.previous_sigterm)
+            self.previous_sigterm = None
         if self.proc is None:
             return
         self.proc.terminate()
@@ -207,6 +216,21 @@ class _server:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self.proc = None
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signal.SIGTERM)  # unwinds through _server.__exit__, which stops the server
+
+
+def _answering(url: str) -> str:
+    """`url` (--base-url) once something answers HTTP there (any status); ValueError if nothing does."""
+    try:
+        urllib.request.urlopen(url + "/v1/models", timeout=10).close()
+    except urllib.error.HTTPError:
+        pass  # it answers
+    except (OSError, ValueError) as e:
+        raise ValueError(f"No server answers at --base-url {url} ({getattr(e, 'reason', e)}).") from None
+    return url
 
 
 def _healthy(url: str) -> bool:
