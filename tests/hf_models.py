@@ -81,6 +81,32 @@ def assert_matches_hf(hf, prompt, tokens: list[int], logits=None, what: str = ""
         assert rel < tol, f"{what}: logits relative error {rel:.2e}"
 
 
+def deepseek_routing_near_tie(hf, ids: list[int], tol: float = 1e-5) -> bool:
+    """Whether HF's DeepSeek-V2 routes some token of `ids` by a margin under `tol` (between the last
+    chosen and the first left-out group, or expert): float rounding may settle it either way, and a
+    token routed otherwise changes every step after it, as a near-tie in the argmax does."""
+    c, gaps = hf.config, []
+
+    def gap(module, inputs, output):
+        x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+        scores = torch.nn.functional.linear(x, module.weight.float()).softmax(-1)
+        if c.topk_method == "group_limited_greedy":
+            groups = scores.view(x.shape[0], c.n_group, -1).amax(-1).sort(-1, descending=True).values
+            gaps.append((groups[:, c.topk_group - 1] - groups[:, c.topk_group]).min().item())
+        ranked = scores.sort(-1, descending=True).values
+        gaps.append((ranked[:, c.num_experts_per_tok - 1] - ranked[:, c.num_experts_per_tok]).min().item())
+
+    hooks = [m.register_forward_hook(gap) for m in hf.modules() if type(m).__name__ == "DeepseekV2TopkRouter"]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert hooks, "no DeepseekV2TopkRouter in the model"
+    return min(gaps) < tol
+
+
 def make_deepseek_checkpoint(path, seed: int, q_lora_rank: int | None = None, topk_method: str = "greedy",
                              vocab: int = 320, max_shard_size: str | None = None, **overrides):
     """A tiny random DeepSeek-V2 (MLA with YaRN, a dense layer then MoE layers with a shared expert),

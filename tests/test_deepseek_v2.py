@@ -14,7 +14,7 @@ import pytest
 
 from flexsgl import LLM, SamplingParams
 from flexsgl.kernels import gemv, latent_query, moe_layer
-from tests.hf_models import assert_matches_hf, capture_logits, make_deepseek_checkpoint
+from tests.hf_models import assert_matches_hf, capture_logits, deepseek_routing_near_tie, make_deepseek_checkpoint
 
 STEPS = 32
 
@@ -41,9 +41,14 @@ def test_deepseek_v2_matches_hf(tmp_path, monkeypatch, q_lora_rank, topk_method,
               for p, o in zip(first[2:], outs[2:])]
     outs2 = llm.generate(second, greedy)
     assert sum(o.cached_tokens for o in outs2) >= page_size * len(second), f"no prefix-cache hits, seed={seed}"
+    checked = 0
     for prompt, out in zip(first + second, outs + outs2):
+        if deepseek_routing_near_tie(hf, prompt + out.token_ids):
+            continue  # a token's experts are a float rounding's choice: either continuation is right
         assert_matches_hf(hf, prompt, out.token_ids, seen[out.request_id],
                           f"prompt of {len(prompt)} tokens, seed={seed}", steps=STEPS)
+        checked += 1
+    assert checked >= len(first), f"seed={seed}: routing near-ties in {len(first + second) - checked} prompts"
 
 
 @pytest.mark.usefixtures("triton_interpreter")
