@@ -382,7 +382,9 @@ def test_json_schema_keywords_xgrammar_cannot_enforce_are_refused_saying_where(l
 
 def grammar_samples(schema: dict, rng: random.Random, count: int, max_len: int = 120) -> list:
     """Up to `count` JSON values drawn from `schema`'s grammar over the byte tokenizer, each byte
-    picked at random among those the grammar allows (a walk that runs past `max_len` is dropped)."""
+    picked at random among those the grammar allows, a closing one (`"`, `]`, `}`) as often as not
+    where it is allowed past a few bytes, so that unbounded strings end (a walk that runs past
+    `max_len` is dropped)."""
     from flexsgl.tokenizer import ByteTokenizer
 
     compiler = grammar.GrammarCompiler(ByteTokenizer(), 256)
@@ -393,7 +395,8 @@ def grammar_samples(schema: dict, rng: random.Random, count: int, max_len: int =
         while not m.ended and len(text) < max_len:
             allowed = grammar.allowed_tokens(compiler.fill_mask([m], pinned=False).words[0].numpy(), 256)
             ascii_ = [t for t in allowed if 32 <= t < 127] or list(allowed)
-            token = rng.choice(ascii_)
+            closing = [t for t in ascii_ if t in b'"]}'] if len(text) >= 8 and rng.random() < 0.5 else []
+            token = rng.choice(closing or ascii_)
             assert m.accept(int(token))
             text += bytes([token])
         if m.ended:
@@ -443,7 +446,7 @@ def test_length_limited_strings_take_no_raw_control_characters():
 def test_json_schema_keywords_xgrammar_enforces_are_followed(schema):
     """The keywords kept are enforced: random walks through the grammar all validate."""
     seed = random.randrange(1 << 30)
-    values = grammar_samples(schema, random.Random(seed), 20)
+    values = grammar_samples(schema, random.Random(seed), 30)
     assert len(values) >= 5, f"seed={seed}: too few walks ended"
     for v in values:
         jsonschema.validate(v, schema, format_checker=jsonschema.FormatChecker())
