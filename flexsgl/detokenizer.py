@@ -10,7 +10,8 @@ Two detokenizers with one interface (`step`, `flush`), chosen by `make_detokeniz
 
 Both start from the last CONTEXT_TOKENS prompt tokens (a word's leading space depends on what
 precedes it) and hold text back while it ends in an incomplete UTF-8 character (the tokenizer
-shows it as U+FFFD); `flush` releases what is held at the end. They give the same text. A
+shows it as U+FFFD); `flush` releases what is held at the end. They give the same text, with
+special tokens' text left out or kept (`skip_special_tokens`). A
 request's text as a whole (stop strings, what a stream may show yet) is flexsgl/output.py's
 TextState.
 """
@@ -21,14 +22,14 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (a wor
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix = 0  # window start: context for the tokens not yet shown
         self.read = len(self.ids)  # tokens before this one have been shown as text
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def step(self, token: int) -> str:
         """The text `token` completes ("" while a character is incomplete)."""
@@ -54,12 +55,13 @@ class StreamDetokenizer:
     """DecodeStream over the tokenizer's Rust backend; what it holds back at the end is flushed as
     IncrementalDetokenizer does, from the tokens since its last text."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         from tokenizers.decoders import DecodeStream
 
         self.tokenizer, self.backend = tokenizer, tokenizer.backend_tokenizer
+        self.skip_special_tokens = skip_special_tokens
         context = list(prompt_ids[-CONTEXT_TOKENS:])
-        self.stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self.shown = context[-CONTEXT_TOKENS:]  # the last tokens whose text went out (context for flush)
         self.held: list[int] = []  # tokens since the last text
 
@@ -75,26 +77,26 @@ class StreamDetokenizer:
     def flush(self) -> str:
         if not self.held:
             return ""
-        rest = IncrementalDetokenizer(self.tokenizer, self.shown)
+        rest = IncrementalDetokenizer(self.tokenizer, self.shown, self.skip_special_tokens)
         for t in self.held:
             rest.ids.append(t)
         self.held = []
         return rest.flush()
 
 
-def make_detokenizer(tokenizer, prompt_ids: list[int]):
+def make_detokenizer(tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
     """A StreamDetokenizer where the tokenizer allows one, else an IncrementalDetokenizer (also for
     a prompt whose context ends in an incomplete character, which DecodeStream would release with
     the first output token)."""
     if stream_capable(tokenizer):
-        context = tokenizer.decode(list(prompt_ids[-CONTEXT_TOKENS:]), skip_special_tokens=True)
+        context = tokenizer.decode(list(prompt_ids[-CONTEXT_TOKENS:]), skip_special_tokens=skip_special_tokens)
         if not context.endswith("\ufffd"):
-            return StreamDetokenizer(tokenizer, prompt_ids)
-    return IncrementalDetokenizer(tokenizer, prompt_ids)
+            return StreamDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
 
 
 def stream_capable(tokenizer) -> bool:
-    """Whether DecodeStream gives what tokenizer.decode(ids, skip_special_tokens=True) does: a fast
+    """Whether DecodeStream gives what tokenizer.decode(ids, skip_special_tokens=...) does: a fast
     tokenizer whose decode adds no clean-up of tokenization spaces."""
     if getattr(tokenizer, "clean_up_tokenization_spaces", False) or not getattr(tokenizer, "is_fast", False):
         return False

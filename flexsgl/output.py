@@ -54,8 +54,9 @@ class TextState:
     (`new_text`), holding back while the request runs the text that may still begin a stop string.
     Stop strings are looked for only in the text that a new token could have completed."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int]):
-        self.detokenizer: IncrementalDetokenizer | StreamDetokenizer | None = make_detokenizer(tokenizer, prompt_ids)
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.detokenizer: IncrementalDetokenizer | StreamDetokenizer | None = make_detokenizer(
+            tokenizer, prompt_ids, skip_special_tokens)
         self.text = ""  # the output's text so far (cut at a stop string)
         self.new_text = ""  # the text released with the latest token
         self.released = 0  # characters of `text` released so far
@@ -113,9 +114,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer  # None: outputs carry token ids only
 
     def start(self, req: Request, on_token) -> None:
-        """Give a request that enters the engine its text state and its callback."""
+        """Give a request that enters the engine its text state (none without a tokenizer or with
+        detokenize=False) and its callback."""
         req.on_token = on_token
-        req.text_state = None if self.tokenizer is None else TextState(self.tokenizer, req.prompt_ids)
+        sp = req.sampling
+        req.text_state = (TextState(self.tokenizer, req.prompt_ids, sp.skip_special_tokens)
+                          if self.tokenizer is not None and sp.detokenize else None)
 
     def process(self, events: list[TokenEvent], allowed: dict[int, bool]) -> tuple[list[Ending], BaseException | None]:
         """Hand each token to its request (see the module docstring), the grammars of those with

@@ -45,7 +45,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     cached_tokens: int = 0
-    text: str | None = None
+    text: str | None = None  # None without a tokenizer or with SamplingParams.detokenize False
     error: str | None = None  # why a request was refused or failed, in one sentence
     index: int = 0  # which of its prompt's n samples
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
@@ -110,7 +110,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None  # why it was refused or failed, in one sentence
-    text_state: TextState | None = None  # when the engine has a tokenizer (flexsgl/output.py)
+    text_state: TextState | None = None  # with a tokenizer, unless detokenize=False (flexsgl/output.py)
     on_token: object = None  # optional callback(request) after each new token (flexsgl/output.py)
     grammar: object = None  # structured outputs: its Matcher (sampling/grammar.py), once its grammar is compiled
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when SamplingParams.prompt_logprobs is set
@@ -152,7 +152,7 @@ class Request:
 
     @property
     def new_text(self) -> str:
-        """The text the latest token released, for on_token callbacks ("" without a tokenizer)."""
+        """The text the latest token released, for on_token callbacks ("" without a text state)."""
         return "" if self.text_state is None else self.text_state.new_text
 
 

@@ -222,6 +222,55 @@ def test_the_stream_detokenizer_gives_the_windowed_decodes_text(tiny_docs):
         assert [got.step(t) for t in ids] + [got.flush()] == [ref.step(t) for t in ids] + [ref.flush()], f"seed={seed}"
 
 
+@pytest.mark.parametrize("skip", [True, False], ids=["skip", "keep"])
+def test_special_tokens_text_is_left_out_or_kept_as_asked(tiny_docs, skip):
+    """skip_special_tokens through both detokenizers, delta by delta, on random tokens heavy in the
+    embedded tokenizer's special token (<|endoftext|>, id 0) and in partial characters: the text is
+    the tokenizer's whole decode with the same setting."""
+    from flexsgl.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
+
+    tok = tiny_docs.tokenizer
+    special = [i for i in range(len(tok)) if tok.decode([i], skip_special_tokens=True) == ""
+               and tok.decode([i], skip_special_tokens=False) != ""]
+    assert special == [0], special
+    for _ in range(50):
+        seed = random.randrange(2**31)
+        rng = random.Random(seed)
+        prompt = [rng.choice([0, rng.randrange(1, len(tok))]) for _ in range(rng.randrange(1, 8))]
+        ids = [0 if rng.random() < 0.3 else rng.randrange(1, len(tok)) for _ in range(rng.randrange(1, 40))]
+        want = tok.decode(ids, skip_special_tokens=skip)
+        for d in (make_detokenizer(tok, prompt, skip), IncrementalDetokenizer(tok, prompt, skip)):
+            assert "".join([d.step(t) for t in ids] + [d.flush()]) == want, f"seed={seed} {type(d).__name__}"
+        assert isinstance(make_detokenizer(tok, prompt, skip), StreamDetokenizer) or \
+            tok.decode(prompt[-5:], skip_special_tokens=skip).endswith("\ufffd")
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skip", "keep"])
+def test_the_engine_keeps_special_tokens_text_only_when_asked(tiny_docs, skip):
+    """An output of EOS tokens (ignored as a stop, forced by logit_bias) between ordinary ones."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 4096) for _ in range(8)]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={0: 100.0},
+                        skip_special_tokens=skip)
+    out = tiny_docs.generate([prompt], sp)[0]
+    assert out.token_ids == [0] * 6, f"seed={seed}: {out.token_ids}"
+    assert out.text == ("" if skip else "<|endoftext|>" * 6), f"seed={seed}: {out.text!r}"
+
+
+def test_detokenize_false_gives_token_ids_alone(tiny_docs):
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 4096) for _ in range(8)]
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    with_text, ids_only = tiny_docs.generate([prompt, prompt], [greedy, greedy.replace(detokenize=False)])
+    assert ids_only.text is None and with_text.text == tiny_docs.tokenizer.decode(with_text.token_ids,
+                                                                                  skip_special_tokens=True)
+    assert ids_only.token_ids == with_text.token_ids, f"seed={seed}"
+    with pytest.raises(SamplingParamsError, match="detokenize=False"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_a_stop_string_across_tokens_ends_the_text_and_is_never_streamed(include):
     text = "alpha beta STOP gamma"

@@ -230,6 +230,21 @@ def test_stop_strings_cut_the_text(client, offline):
             assert text == cut + (stop if include else "") and reason == "stop", (stop, include, stream, full)
 
 
+def test_skip_special_tokens_false_keeps_their_text(client):
+    """EOS (ignored as a stop, forced by logit_bias) in the text only with skip_special_tokens false,
+    streamed or not."""
+    prompt = random_prompt(random.Random(random.randrange(1 << 30)))
+    for skip in (True, False):
+        for stream in (False, True):
+            kw = dict(model="tiny-docs", prompt=prompt, max_tokens=3, temperature=0, logit_bias={"0": 100},
+                      extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+            if stream:
+                text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+            else:
+                text = client.completions.create(**kw).choices[0].text
+            assert text == ("" if skip else "<|endoftext|>" * 3), (skip, stream, text)
+
+
 def test_logprobs_match_hf_in_float64(client, offline):
     import torch
     import transformers

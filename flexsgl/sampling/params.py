@@ -60,6 +60,10 @@ class SamplingParams:
     - prompt_logprobs: None, or how many of the most likely tokens to report with each prompt
       token's own log-probability (the first prompt token has none); up to MAX_LOGPROBS. Such a
       request computes its whole prompt (the prefix cache is not read for it).
+    - skip_special_tokens: leave special tokens' text (`<|endoftext|>`, `<|im_end|>`) out of the
+      output's text (vLLM's default), or keep it (False); token ids are kept either way.
+    - detokenize: False gives token ids alone (the output's text is None), as an engine without a
+      tokenizer does, sparing the detokenization; stop strings need the text.
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -84,6 +88,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
     reasoning_end: str | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self):
         put = partial(object.__setattr__, self)
@@ -112,11 +118,14 @@ class SamplingParams:
         if self.seed is not None:
             put("seed", _integer("seed", self.seed, 0, INT64_MAX, "None or a non-negative integer below 2**63"))
         put("stop_token_ids", _token_ids(self.stop_token_ids))
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(f"{name} must be True or False, got {short_repr(getattr(self, name))}.")
         put("n", _integer("n", self.n, 1, MAX_N, f"an integer from 1 to {MAX_N}"))
         put("stop", _stop_strings(self.stop))
+        if self.stop and not self.detokenize:
+            raise SamplingParamsError("stop strings are looked for in the output's text, which detokenize=False "
+                                      "leaves out; give stop_token_ids, or detokenize=True.")
         if self.logprobs is not None:
             put("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS,
                                      f"None or an integer from 0 to {MAX_LOGPROBS}"))

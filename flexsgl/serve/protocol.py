@@ -4,7 +4,7 @@ Types are checked by pydantic, ranges by SamplingParams: either failure is answe
 an OpenAI error body (errors.py). Fields a client leaves out take the model's defaults (its
 generation_config.json), then SamplingParams' own. Besides OpenAI's fields, the fields vLLM and
 SGLang take are accepted: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, include_stop_str_in_output, prompt_logprobs, chat_template_kwargs, flexsgl's
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, prompt_logprobs, chat_template_kwargs, flexsgl's
 attention_params (values of the attention variants' per-request parameters), and the
 structured-output constraints (`structured_outputs` {json, regex, choice, grammar, json_object},
 and the older guided_json, guided_regex, guided_grammar, guided_choice); OpenAI's response_format
@@ -53,6 +53,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
     ignore_eos: StrictBool | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
@@ -73,9 +74,9 @@ class SamplingFields(BaseModel):
     user: str | None = None
 
     COPIED: ClassVar[tuple[str, ...]] = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
-                                         "include_stop_str_in_output", "ignore_eos", "presence_penalty",
-                                         "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs",
-                                         "attention_params")
+                                         "include_stop_str_in_output", "skip_special_tokens", "ignore_eos",
+                                         "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                                         "prompt_logprobs", "attention_params")
 
     def sampling(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
                  structured: StructuredOutputsParams | None = None, reasoning_end: str | None = None) -> SamplingParams:
