@@ -252,7 +252,7 @@ def serve(
     try:
         from flexsgl.model.presets import DEFAULT_MODEL
         from flexsgl.model.source import resolve
-        from flexsgl.serve.chat import load_template
+        from flexsgl.chat_template import load_template
 
         options = ServerOptions(api_key=api_key, chat_template=chat_template and load_template(chat_template),
                                 reasoning_parser=reasoning_parser and reasoning_parser.replace("-", "_"),

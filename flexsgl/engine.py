@@ -40,11 +40,12 @@ from typing import Callable, Sequence
 from flexsgl.cache.pool import PageAllocator
 from flexsgl.attention.layer_variants import kv_window
 from flexsgl.attention.request_variants import RequestVariants
+from flexsgl import chat_template as chat_prompt
 from flexsgl.config import EngineConfig
 from flexsgl.engine_core import build_core, prepare
 from flexsgl.generation_config import default_sampling
 from flexsgl.log import logger, progress
-from flexsgl.errors import EngineDeadError, Health, SamplingParamsError, UnknownRequestError, describe, short_repr
+from flexsgl.errors import EngineDeadError, Health, PromptError, SamplingParamsError, UnknownRequestError, describe, short_repr
 from flexsgl.interrupts import deferred_interrupts
 from flexsgl.output import OutputProcessor
 from flexsgl.request import FinishReason, Request, RequestOutput
@@ -320,6 +321,26 @@ class LLM:
         finally:
             bar.close()
         return [outs[i] for i in ids]
+
+    def chat(self, messages, sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None,
+             on_token: Callable[[Request], None] | None = None) -> list[RequestOutput]:
+        """generate() on chat messages, as vLLM's LLM.chat: `messages` is one conversation (a list of
+        {"role", "content"} dicts, OpenAI's; content a string or text parts) or a list of them, each
+        rendered by the model's chat template (or `chat_template`, a Jinja template) with
+        `chat_template_kwargs` and `tools` (flexsgl/chat_template.py), or opened at its last message
+        (`continue_final_message`). A PromptError for messages or a template that cannot render."""
+        if self.tokenizer is None:
+            raise PromptError("This model has no tokenizer, so it cannot chat.")
+        many = isinstance(messages, (list, tuple)) and bool(messages) and all(isinstance(c, (list, tuple))
+                                                                            for c in messages)
+        conversations = list(messages) if many else [messages]
+        prompts = [chat_prompt.encode(self.tokenizer, chat_prompt.render(
+            self.tokenizer, chat_prompt.conversation(c), add_generation_prompt, chat_template_kwargs, tools,
+            chat_template, continue_final_message)) for c in conversations]
+        return self.generate(prompts, sampling, on_token)
 
     def _abandon(self, ids: list[int]) -> None:
         """Abort the requests of an interrupted generate() and forget them: nobody will ask for them."""

@@ -183,7 +183,7 @@ def test_chat_uses_the_fallback_template_streamed_and_not(client, offline):
     rng = random.Random(rng_seed := random.randrange(1 << 30))
     question = random_prompt(rng)
     messages = [{"role": "system", "content": "Docs."}, {"role": "user", "content": question}]
-    # flexsgl/serve/chat.py's documented fallback for a model without a chat template, written out here
+    # flexsgl/chat_template.py's documented fallback for a model without a chat template, written out here
     ref = offline.generate(f"system: Docs.\nuser: {question}\nassistant:", SamplingParams(max_tokens=16, temperature=0))[0]
     whole = client.chat.completions.create(model="tiny-docs", messages=messages, max_tokens=16, temperature=0)
     assert whole.choices[0].message.content == ref.text and whole.choices[0].message.role == "assistant"
@@ -277,7 +277,7 @@ def test_logprobs_match_hf_in_float64(client, offline):
             assert any(abs(ref[i, j].item() - value) < 1e-3 for j, piece in enumerate(pieces) if piece == text)
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
-    # the chat's prompt as serve/chat.py's documented fallback template renders it
+    # the chat's prompt as chat_template.py's documented fallback template renders it
     gen, ref = hf_logprobs(f"user: {prompt}\nassistant:", SamplingParams(max_tokens=4, temperature=0))
     assert [c.token for c in content] == [pieces[t] for t in gen], f"seed={rng_seed}"
     for i, (t, c) in enumerate(zip(gen, content)):

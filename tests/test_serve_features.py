@@ -357,6 +357,27 @@ def test_chat_template_and_enable_thinking_reach_the_prompt(base, tokenizer):
         assert text.endswith("<think>\n") == bool(kwargs)
 
 
+def test_continue_final_message_opens_the_last_message_as_transformers_does(base, client, tokenizer):
+    """/tokenize and a chat request with continue_final_message: the prompt transformers' own
+    apply_chat_template renders, ending inside the assistant's message; add_generation_prompt
+    beside it is a 400."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    messages = [{"role": "user", "content": random_prompt(rng)}, {"role": "assistant", "content": random_prompt(rng, 3)}]
+    want = tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=False,
+                                         continue_final_message=True)
+    assert want.endswith(messages[-1]["content"].strip()), want
+    status, got = request("POST", base + "/tokenize", json.dumps(
+        {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}).encode())
+    assert status == 200 and got["tokens"] == tokenizer.encode(want, add_special_tokens=False), (seed, got, want)
+    out = client.chat.completions.create(model="tiny-docs", messages=messages, max_tokens=2, temperature=0,
+                                         extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert out.usage.prompt_tokens == len(got["tokens"]), seed
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        client.chat.completions.create(model="tiny-docs", messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+
+
 def test_tokenize_and_detokenize(base, tokenizer):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)

@@ -36,7 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from flexsgl.errors import PromptError, short_repr
-from flexsgl.serve import chat, errors, reasoning, tools
+from flexsgl import chat_template as chat
+from flexsgl.serve import errors, reasoning, tools
 from flexsgl.serve.engine_client import EngineClient
 from flexsgl.serve.errors import APIError, error_body
 from flexsgl.serve.intake import Intake
@@ -149,7 +150,8 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
 
         def make():
             text = chat.render(info.tokenizer, body.message_dicts(), body.add_generation_prompt,
-                               body.chat_template_kwargs, body.tools, options.chat_template)
+                               body.chat_template_kwargs, body.tools, options.chat_template,
+                               body.continue_final_message)
             intake.check_chars(len(text), info, "The rendered chat prompt")
             ids = chat.encode(info.tokenizer, text)
             thinking = options.reasoning_parser is not None and reasoning.thinks(text, body.chat_template_kwargs)
@@ -188,7 +190,7 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
             else:
                 messages = ChatRequest(messages=body.messages).message_dicts()
                 text = chat.render(info.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs,
-                                   body.tools, options.chat_template)
+                                   body.tools, options.chat_template, body.continue_final_message)
                 ids = chat.encode(info.tokenizer, text)
             strs = [_decode(info.tokenizer, [t]) for t in ids] if body.return_token_strs else None
             return ids, strs

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+from flexsgl import chat_template
 from flexsgl.errors import PromptError, SamplingParamsError
 from flexsgl.sampling.params import DEFAULT_MAX_NEW_TOKENS, INT64_MAX, SamplingParams
 from flexsgl.sampling.structured import StructuredOutputsParams, check_json_schema
@@ -192,6 +193,7 @@ class ChatRequest(SamplingFields):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -216,18 +218,7 @@ class ChatRequest(SamplingFields):
 
     def message_dicts(self) -> list[dict]:
         """The messages for apply_chat_template; content given as parts is joined from its text parts."""
-        out = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                texts = []
-                for part in m.content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise SamplingParamsError("Only text content parts are supported.")
-                    texts.append(part["text"])
-                d["content"] = "".join(texts)
-            out.append(d)
-        return out
+        return chat_template.conversation([m.model_dump(exclude_none=True) for m in self.messages])
 
     def characters(self) -> int:
         """Characters of the messages' text (checked against the context before rendering)."""
@@ -250,6 +241,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: StrictBool = False
