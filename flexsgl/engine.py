@@ -45,7 +45,7 @@ from flexsgl.config import EngineConfig
 from flexsgl.engine_core import build_core, prepare
 from flexsgl.generation_config import default_sampling
 from flexsgl.log import logger, progress
-from flexsgl.errors import EngineDeadError, Health, PromptError, SamplingParamsError, UnknownRequestError, describe, short_repr
+from flexsgl.errors import EngineDeadError, Health, PromptError, RankFailedError, SamplingParamsError, UnknownRequestError, describe, short_repr
 from flexsgl.interrupts import deferred_interrupts
 from flexsgl.output import OutputProcessor
 from flexsgl.request import FinishReason, Request, RequestOutput
@@ -92,7 +92,12 @@ class LLM:
         except BaseException as e:
             if self._channel is not None and not isinstance(e, Exception):  # Ctrl-C half-way: the other ranks
                 self._channel.abandon(f"its start was interrupted ({describe(e)})")  # may wait in a collective
+            # A worker that died (killed, out of memory) breaks the collective rank 0 waits in: name it.
+            died = (self._channel.dead_soon() if self._channel is not None and isinstance(e, Exception)
+                    and not isinstance(e, (ValueError, RankFailedError)) else None)
             self.shutdown()
+            if died is not None:
+                raise RankFailedError(f"The engine could not start: {died}.") from None
             raise
         self.model, self.pool, self.runner, self.backends = core.model, core.pool, core.runner, core.backends
         self.compile = core.compile

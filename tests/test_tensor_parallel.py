@@ -772,15 +772,16 @@ def _run_exit_script(mode: str, device: str, signal_to_send=None, tp: int = 2):
 
 
 EXIT_MODES = [("exit", None), ("shutdown", None), ("rank-killed", None), ("step-interrupted", None),
-              ("load-interrupted", None), ("signal", "ctrl-c"), ("signal", "sigterm")]
+              ("load-interrupted", None), ("load-rank-killed", None), ("signal", "ctrl-c"), ("signal", "sigterm")]
 
 
 @pytest.mark.parametrize("mode, signal_to_send", EXIT_MODES)
 def test_every_exit_ends_every_rank(mode, signal_to_send):
     """On the CPU (gloo): a normal end with and without shutdown(), a killed rank, an interrupt half-way
     through a step (rank 1 inside its collectives) or while the model loads (rank 1 then waits for
-    rank 0 in a collective; this hung), Ctrl-C (after which the engine still runs), and SIGTERM to
-    rank 0 each end rank 0's process and every worker."""
+    rank 0 in a collective; this hung), rank 1 killed while rank 0 loads (RankFailedError naming it,
+    not the collective's error), Ctrl-C (after which the engine still runs), and SIGTERM to rank 0
+    each end rank 0's process and every worker."""
     _check_exit(*_run_exit_script(mode, "cpu", signal_to_send), mode, signal_to_send)
 
 
@@ -792,6 +793,8 @@ def _check_exit(code, lines, workers, err, mode, signal_to_send):
         assert "dead" in lines, err[-3000:]
     if mode in ("step-interrupted", "load-interrupted"):
         assert "interrupted" in lines, err[-3000:]
+    if mode == "load-rank-killed":
+        assert any(line.startswith("failed") and "rank 1 stopped" in line for line in lines), (lines, err[-3000:])
     if signal_to_send == "ctrl-c":
         assert "interrupted" in lines and "continued" in lines, err[-3000:]
 

@@ -13,6 +13,9 @@ It starts `tiny` at TP ranks (2 by default; compiled steps and CUDA graphs on a 
     load-interrupted  a KeyboardInterrupt on rank 0 while the model loads (rank 1 goes on loading and
                  then waits for rank 0 in a collective): prints the workers, `interrupted` once the
                  engine's construction raised it, and `generated` (where the test's reader stops), returns
+    load-rank-killed  rank 1 killed (SIGKILL) while rank 0 loads the model: prints the workers, `failed`
+                 and the reason once the engine's construction raised RankFailedError, then
+                 `generated`, returns
     signal       generates until the test signals the process: SIGTERM to rank 0 alone ends it;
                  after Ctrl-C (SIGINT to its process group) it prints `interrupted`, generates once
                  more (the engine must still run: the workers ignore Ctrl-C), prints `continued`
@@ -24,7 +27,7 @@ import signal
 import sys
 
 from flexsgl import LLM, SamplingParams
-from flexsgl.errors import EngineDeadError
+from flexsgl.errors import EngineDeadError, RankFailedError
 
 if __name__ == "__main__":
     mode, device = sys.argv[1], sys.argv[2]
@@ -32,11 +35,11 @@ if __name__ == "__main__":
     options = dict(device=device, load_format="dummy", tensor_parallel_size=tp, max_total_tokens=4096,
                    max_running_requests=4, page_size=16)
     options.update(compile=False) if device == "cpu" else options.update(cuda_graph_bs=(1, 2, 4))
-    if mode == "load-interrupted":
+    if mode in ("load-interrupted", "load-rank-killed"):
         import flexsgl.distributed.launcher as launcher
         import flexsgl.engine_core as engine_core
 
-        started, spawn = [], launcher.spawn
+        started, spawn, build_model = [], launcher.spawn, engine_core.build_model
 
         def recording_spawn(*args, **kwargs):
             group, procs, store = spawn(*args, **kwargs)
@@ -44,7 +47,11 @@ if __name__ == "__main__":
             return group, procs, store
 
         def interrupted(*args, **kwargs):
-            raise KeyboardInterrupt
+            if mode == "load-interrupted":
+                raise KeyboardInterrupt
+            os.kill(started[0].pid, signal.SIGKILL)
+            started[0].join()
+            return build_model(*args, **kwargs)
 
         launcher.spawn, engine_core.build_model = recording_spawn, interrupted  # this process's (rank 0's) alone
         try:
@@ -52,7 +59,10 @@ if __name__ == "__main__":
         except KeyboardInterrupt:
             print("workers", *[p.pid for p in started], flush=True)
             print("interrupted", flush=True)
-            print("generated", flush=True)
+        except RankFailedError as e:
+            print("workers", *[p.pid for p in started], flush=True)
+            print("failed", e, flush=True)
+        print("generated", flush=True)
         sys.exit(0)
     llm = LLM("tiny", **options)
     print("workers", *[p.pid for p in llm._channel.procs], flush=True)
