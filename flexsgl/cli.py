@@ -113,7 +113,12 @@ def generate(
                         "text: its token ids are shown instead")
         t1 = time.perf_counter()
         printer = TokenPrinter(llm, prompts[0]) if stream else None
-        outs = llm.generate(prompts, sampling, on_token=printer)
+        try:
+            outs = llm.generate(prompts, sampling, on_token=printer)
+        except KeyboardInterrupt:
+            if printer is not None and printer.prompt is None:  # end the streamed line before the exit
+                sys.stdout.write("\n")
+            raise
         elapsed = time.perf_counter() - t1
         compiling = llm.startup_times()["compile_s"] - ready["compile_s"]
     except ValueError as e:

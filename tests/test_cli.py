@@ -175,6 +175,27 @@ def test_ctrl_c_while_torch_imports_ends_with_130_and_no_traceback(entry):
     assert p.returncode == 130 and "Traceback" not in out, (p.returncode, out[-2000:])
 
 
+def test_ctrl_c_while_streaming_ends_the_line_and_exits_130():
+    """Ctrl-C in the middle of a streamed output: the line is ended, status 130, no traceback."""
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "flexsgl", "generate", "Return the", "--max-new-tokens", "1000",
+                          "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        shown = b""
+        while len(shown) < len("Return the") + 20:  # the prompt and some of the output
+            chunk = p.stdout.read1(4096)
+            assert chunk, p.stderr.read().decode()[-2000:]
+            shown += chunk
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and b"Traceback" not in err, (p.returncode, err[-2000:])
+    assert (shown + out).endswith(b"\n"), (shown + out)[-200:]
+
+
 def test_cache_shows_and_clears_the_compile_cache(tmp_path):
     where = tmp_path / "inductor"
     (where / "fxgraph").mkdir(parents=True)
