@@ -372,3 +372,58 @@ def test_a_default_length_beside_a_given_one_is_cut_to_fit_the_context():
         bench.plan(bench.BenchArgs(workload="latency", engine=cpu, input_len="1022"))
     with pytest.raises(ValueError, match="exceeds the context"):
         bench.plan(bench.BenchArgs(workload="throughput", engine=cpu, input_len="900:1000", output_len="100:200"))
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (from /proc)."""
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                parents[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    below, todo = [], [pid]
+    while todo:
+        top = todo.pop()
+        kids = [p for p, parent in parents.items() if parent == top]
+        below += kids
+        todo += kids
+    return below
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc for the server's processes")
+@pytest.mark.parametrize("when", ["starting", "started"])
+def test_sigterm_to_the_bench_stops_the_server_it_started(when):
+    """SIGTERM to the bench alone (`kill PID`) while its server starts (the server process alone), or
+    once the server's engine process runs too: the bench exits 143 and every process under it ends."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "flexsgl", *BASE, "--workload", "serve", "--num-prompts", "50"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(below := _descendants(proc.pid)) < (1 if when == "starting" else 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 143, err[-2000:]
+        deadline = time.monotonic() + 30
+        while (left := [p for p in below if _running(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"processes {left} outlived the bench"
+    finally:
+        for p in _descendants(proc.pid) + [proc.pid]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass

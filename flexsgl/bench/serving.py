@@ -177,6 +177,7 @@ class _server:
     def __init__(self, p: Plan, override: str):
         self.p, self.override, self.proc, self.log = p, override, None, None
         self.previous_sigterm = None  # the SIGTERM handler while this bench's own server runs
+        self.forking = self.sigterm_pending = False
         self.load_s = 0.0  # start to healthy, for a server the bench starts
 
     def __enter__(self) -> str:
@@ -184,24 +185,40 @@ class _server:
             return _answering(self.p.args.base_url.rstrip("/"))
         t0 = time.perf_counter()
         if threading.current_thread() is threading.main_thread():  # a SIGTERM to the bench alone stops
-            self.previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # its server too
+            self.previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)  # its server too
         port = _free_port()
         cmd = [sys.executable, "-m", "flexsgl", "serve", self.p.engine.model, "--port", str(port),
                "--override", self.override, *engine_flags(self.p.engine, skip=("model", "override"))]
         logger.info("starting: " + " ".join(cmd[1:]))
         self.log = tempfile.NamedTemporaryFile("w+", prefix="flexsgl-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S
-        while not _healthy(url):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                self.log.seek(0)
-                tail = self.log.read()[-2000:]
-                raise RuntimeError(f"the server did not become healthy (log {self.log.name}):\n{tail}")
-            time.sleep(0.5)
+        try:
+            self.forking = True  # a SIGTERM meanwhile waits until self.proc names the server
+            try:
+                self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+            finally:
+                self.forking = False
+            if self.sigterm_pending:
+                raise SystemExit(128 + signal.SIGTERM)
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + HEALTH_TIMEOUT_S
+            while not _healthy(url):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.log.seek(0)
+                    tail = self.log.read()[-2000:]
+                    raise RuntimeError(f"the server did not become healthy (log {self.log.name}):\n{tail}")
+                time.sleep(0.5)
+        except BaseException:  # a SIGTERM or Ctrl-C while it starts too: `with` calls no __exit__ here
+            self.__exit__()
+            raise
         self.load_s = time.perf_counter() - t0
         return url
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """Unwinds through __exit__ (or __enter__'s clean-up), which stops the server."""
+        if self.forking:
+            self.sigterm_pending = True
+        else:
+            raise SystemExit(128 + signal.SIGTERM)
 
     def __exit__(self, *exc) -> None:
         if self.previous_sigterm is not None:
@@ -216,10 +233,6 @@ class _server:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self.proc = None
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signal.SIGTERM)  # unwinds through _server.__exit__, which stops the server
 
 
 def _answering(url: str) -> str:
