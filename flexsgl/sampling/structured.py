@@ -11,7 +11,10 @@ checked against xgrammar's own outputs): contains, minContains, maxContains, uni
 dependentRequired, dependentSchemas, dependencies, if/then/else, not, allOf of several schemas,
 multipleOf outside `type: integer`, and minLength or maxLength beside a pattern or a format of
 XGRAMMAR_FORMATS. Other formats (pydantic's `password`, `binary`, ...) constrain nothing, as a
-JSON Schema validator treats a format by default: the string is any string.
+JSON Schema validator treats a format by default: the string is any string. `oneOf` is enforced as
+`anyOf` (as in vLLM): an output matches at least one of its schemas, and may match several where
+they overlap; disjoint ones (pydantic's discriminated unions, branches told apart by a `const`)
+are exact.
 """
 
 from __future__ import annotations
