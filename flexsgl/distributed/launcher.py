@@ -41,6 +41,7 @@ from flexsgl.config import EngineConfig
 from flexsgl.distributed.group import COLLECTIVE_TIMEOUT, TPGroup, init_group, rank_device
 from flexsgl.distributed.worker import exit_reason, stop_processes, worker_main
 from flexsgl.errors import RankFailedError, TensorParallelError
+from flexsgl.log import logger
 
 JOIN_TIMEOUT_S = 600.0  # the longest rank 0 waits for spawned workers to join (they import torch first)
 # The exit code of a spawned process that re-ran an unguarded main script's LLM(...) while it started.
@@ -156,5 +157,8 @@ def spawn(cfg: EngineConfig, device: torch.device, build):
 def join_torchrun(device: torch.device) -> TPGroup:
     """This process's rank of a torchrun start (its environment gives the rank and the rendezvous)."""
     rank, world, local = torchrun_env()
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    logger.info(f"rank {rank} of {world} (RANK, WORLD_SIZE): waiting for the other ranks to join at {where}, "
+                f"up to {COLLECTIVE_TIMEOUT.total_seconds() / 60:.0f} minutes")
     return init_group(rank, world, torch.device("cuda", local) if device.type == "cuda" else device,
                       one_host=one_host())
