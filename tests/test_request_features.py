@@ -59,7 +59,9 @@ def test_logprobs_match_a_float64_log_softmax():
     np.testing.assert_allclose(packed[:, 1].numpy(), ref.gather(1, tokens[:, None])[:, 0].numpy(), atol=1e-5)
     top = ref.topk(4, dim=-1)
     np.testing.assert_allclose(packed[:, 2:6].numpy(), top.values.numpy(), atol=1e-5, err_msg=f"seed={seed}")
-    assert packed[:, 6:].long().tolist() == top.indices.tolist(), f"seed={seed}"
+    assert packed[:, 6:10].long().tolist() == top.indices.tolist(), f"seed={seed}"
+    own = ref.gather(1, tokens[:, None])
+    assert packed[:, 10].long().tolist() == ((ref > own).sum(-1) + 1).tolist(), f"seed={seed}: ranks"
 
 
 def test_min_tokens_blocks_each_rows_stop_tokens_until_its_output_is_long_enough():

@@ -135,7 +135,7 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
 
         reqs, echo = await intake.run(make)
         choices = Choices(False, model_name, info.tokenizer, len(reqs), _prompt_tokens(reqs), echo=echo,
-                          continuous_usage=body.continuous_usage)
+                          continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None)
         _log_request(choices.id, prompts, sampling)
         return await _run(engine, request, reqs, choices, body, sampling.logprobs is not None)
 
@@ -166,7 +166,7 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
                 return MessageParser(options.reasoning_parser, plan, options.tool_call_parser, text,
                                      body.chat_template_kwargs)
         choices = Choices(True, model_name, info.tokenizer, len(reqs), reqs[0].prompt_len, parser=parser,
-                          continuous_usage=body.continuous_usage)
+                          continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None)
         _log_request(choices.id, [text], sampling)
         return await _run(engine, request, reqs, choices, body, body.logprobs)
 

@@ -22,11 +22,12 @@ class Choices:
     """`parser`: makes each chat choice's MessageParser (reasoning, tool calls); `echo`: each
     completion choice's prompt text, put before its output (completions' echo);
     `continuous_usage`: every stream chunk carries the usage so far (stream_options'
-    continuous_usage_stats), where chunks carry usage."""
+    continuous_usage_stats), where chunks carry usage; `prompt_logprobs`: the client asked for
+    vLLM's prompt_logprobs (echo with logprobs computes them too, for the echoed prompt's entries)."""
 
     def __init__(self, chat: bool, model: str, tokenizer, n_choices: int, prompt_tokens: int,
                  parser: Callable[[], MessageParser] | None = None, echo: list[str] | None = None,
-                 continuous_usage: bool = False):
+                 continuous_usage: bool = False, prompt_logprobs: bool = False):
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -40,6 +41,7 @@ class Choices:
         self.parser = parser
         self.parsers = [parser() for _ in range(n_choices)] if chat and parser is not None else None
         self.echo = echo
+        self.show_prompt_logprobs = prompt_logprobs
         self.started: set[int] = set()  # choices whose first chunk (a chat's role, a completion's echo) went out
         self._template: tuple[str, str, str] | None = None  # _token_chunk's pieces, made on first use
 
@@ -84,7 +86,7 @@ class Choices:
                 if want_logprobs:
                     prompt = self._prompt_entries(out.prompt_token_ids, out.prompt_logprobs) if echo else []
                     c["logprobs"] = self._logprobs(self.logprobs[i], 0, prompt)
-            if out.prompt_logprobs is not None:
+            if self.show_prompt_logprobs and out.prompt_logprobs is not None:
                 c["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs)
             choices.append(c)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -130,7 +132,7 @@ class Choices:
         c = {"index": ev.choice, "logprobs": lp, "finish_reason": reason}
         if ev.output is not None:
             c["stop_reason"] = ev.output.stop_reason
-            if ev.output.prompt_logprobs is not None:
+            if self.show_prompt_logprobs and ev.output.prompt_logprobs is not None:
                 c["prompt_logprobs"] = self._prompt_logprobs(ev.output.prompt_logprobs)
         if self.chat:
             c["delta"] = delta if delta is not None else ({"content": text} if text else {})
@@ -218,7 +220,8 @@ class Choices:
             entries = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": self._token(i)}
                        for r, (i, v) in enumerate(lp.top)}
             if str(lp.token_id) not in entries:
-                entries[str(lp.token_id)] = {"logprob": lp.logprob, "rank": None, "decoded_token": self._token(lp.token_id)}
+                entries[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": self._token(lp.token_id)}
             out.append(entries)
         return out
 

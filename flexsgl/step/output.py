@@ -21,14 +21,14 @@ NONFINITE = -1
 @dataclass
 class StepOutput:
     """A launched step's sampled tokens on their way to the host: token ids [S] int64, or, when a
-    request asked for log-probabilities, token_logprobs' packed rows [S, 2 + 2k] float32."""
+    request asked for log-probabilities, token_logprobs' packed rows [S, 3 + 2k] float32."""
 
     batch: ScheduledBatch
     host_tokens: torch.Tensor
     ready: torch.cuda.Event | None
     logprobs: list[TokenLogprobs | None] | None = None  # per sampled row, set by tokens()
     wait: Callable[[torch.cuda.Event], None] | None = None  # how to wait for `ready` (default: synchronize)
-    host_prompt: torch.Tensor | None = None  # prompt tokens' packed token_logprobs rows [P, 2 + 2k]
+    host_prompt: torch.Tensor | None = None  # prompt tokens' packed token_logprobs rows [P, 3 + 2k]
     plan: StepPlan | None = None  # where host_prompt's rows belong
 
     def prompt_logprobs(self) -> list[tuple[int, int, list[TokenLogprobs]]]:
@@ -39,9 +39,7 @@ class StepOutput:
         rows, k, out, at = self.host_prompt.tolist(), self.plan.prompt_k, [], 0
         for i, first, n in self.plan.prompt_spans:
             want = self.batch.requests[i].sampling.prompt_logprobs
-            out.append((i, first, [TokenLogprobs(int(row[0]), row[1], [(int(t), v) for t, v in
-                                                                       zip(row[2 + k:2 + k + want], row[2:])])
-                                   for row in rows[at:at + n]]))
+            out.append((i, first, [_token_logprobs(row, k, want) for row in rows[at:at + n]]))
             at += n
         return out
 
@@ -52,13 +50,17 @@ class StepOutput:
         if self.host_tokens.dim() == 1:
             return self.host_tokens.tolist()
         rows = self.host_tokens.tolist()
-        k = (len(rows[0]) - 2) // 2
+        k = (len(rows[0]) - 3) // 2
         sampled = [r for r, s in zip(self.batch.requests, self.batch.samples) if s]
-        self.logprobs = [None if r.sampling.logprobs is None else
-                         TokenLogprobs(int(row[0]), row[1], [(int(i), v) for i, v in
-                                                             zip(row[2 + k:2 + k + r.sampling.logprobs], row[2:])])
+        self.logprobs = [None if r.sampling.logprobs is None else _token_logprobs(row, k, r.sampling.logprobs)
                          for r, row in zip(sampled, rows)]
         return [int(row[0]) for row in rows]
+
+
+def _token_logprobs(row: list[float], k: int, want: int) -> TokenLogprobs:
+    """One packed token_logprobs row (k top entries) as TokenLogprobs with the `want` most likely."""
+    return TokenLogprobs(int(row[0]), row[1], [(int(t), v) for t, v in zip(row[2 + k:2 + k + want], row[2:])],
+                         int(row[2 + 2 * k]))
 
 
 @dataclass
