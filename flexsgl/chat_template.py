@@ -20,6 +20,13 @@ FALLBACK_TEMPLATE = ("{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
                      "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+# apply_chat_template's own arguments that chat_template_kwargs may not set: the messages, the
+# template, and what would make it return anything but the prompt's text
+RENDER_ARGUMENTS = frozenset({"messages", "conversation", "chat_template", "tokenize", "return_dict", "return_tensors",
+                              "padding", "truncation", "max_length", "tokenizer_kwargs",
+                              "return_assistant_tokens_mask"})
+
+
 def load_template(value: str) -> str:
     """`--chat-template`: a file's path, or the template itself (text holding `{{` or `{%`);
     ValueError (one sentence) for neither."""
@@ -69,11 +76,19 @@ def conversation(messages) -> list[dict]:
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None,
            tools: list[dict] | None = None, template: str | None = None,
            continue_final_message: bool = False) -> str:
-    """The prompt text of `messages`; a template that fails on them raises PromptError (400)."""
+    """The prompt text of `messages`; a template that fails on them raises PromptError (400).
+    `kwargs` (chat_template_kwargs) go to the template; as in vLLM, they may set
+    add_generation_prompt, continue_final_message and tools over the arguments."""
+    kwargs = dict(kwargs or {})
+    taken = sorted(set(kwargs) & RENDER_ARGUMENTS)
+    if taken:
+        raise PromptError(f"chat_template_kwargs cannot set {taken[0]!r}, an argument of the rendering itself.")
+    add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+    continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+    tools = kwargs.pop("tools", tools)
     if continue_final_message and add_generation_prompt:
         raise PromptError("continue_final_message and add_generation_prompt cannot both be true: "
                           "the model either goes on with the last message or starts a new one.")
-    kwargs = dict(kwargs or {})
     if tools:
         kwargs["tools"] = tools
     try:

@@ -92,6 +92,20 @@ def test_malformed_conversations_are_refused_in_one_sentence(llm, messages, matc
         llm.chat(messages)
 
 
+def test_chat_template_kwargs_set_the_rendering_flags_as_in_vllm(llm, hf_tokenizer):
+    """chat_template_kwargs' add_generation_prompt and tools take the place of the arguments'; the
+    messages or the return type cannot be set there."""
+    messages = [{"role": "user", "content": "value"}]
+    want = hf_tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, tools=TOOLS, tokenize=False,
+                                            add_generation_prompt=False)
+    out = llm.chat(messages, SamplingParams(max_new_tokens=1), chat_template=TEMPLATE,
+                   chat_template_kwargs={"add_generation_prompt": False, "tools": TOOLS})[0]
+    assert out.prompt_token_ids == hf_tokenizer.encode(want, add_special_tokens=False), want
+    for key in ("messages", "tokenize", "return_dict"):
+        with pytest.raises(PromptError, match=f"cannot set '{key}'"):
+            llm.chat(messages, chat_template_kwargs={key: True})
+
+
 def test_conflicting_flags_and_a_failing_template_are_refused(llm):
     messages = [{"role": "user", "content": "x"}]
     with pytest.raises(PromptError, match="cannot both be true"):
