@@ -125,6 +125,9 @@ class RequestFactory:
         if min(ids) < 0 or max(ids) >= vocab:
             raise PromptError(f"Prompt {index} has token ids outside the vocabulary [0, {vocab}).")
         ctx = self.config.max_position
+        if sampling.truncate_prompt_tokens is not None:  # the last ones, as vLLM keeps
+            keep = ctx - 1 if sampling.truncate_prompt_tokens == -1 else sampling.truncate_prompt_tokens
+            ids = list(ids[-keep:])
         if len(ids) >= ctx:
             raise PromptError(f"Prompt {index} has {len(ids)} tokens; the model's context is {ctx}, "
                               "leaving no room for a new token.")
@@ -146,6 +149,9 @@ class RequestFactory:
                                       f"{self.model_name!r} has no tokenizer to make one; use stop_token_ids.")
         if any(t >= vocab for t, _ in sampling.logit_bias):
             raise SamplingParamsError(f"logit_bias of prompt {index} names ids outside the vocabulary [0, {vocab}).")
+        if sampling.allowed_token_ids is not None and sampling.allowed_token_ids[-1] >= vocab:
+            raise SamplingParamsError(f"allowed_token_ids of prompt {index} hold ids outside the vocabulary "
+                                      f"[0, {vocab}).")
         if sampling.structured_outputs is not None:
             self.check_structured(sampling.structured_outputs)
         eos = self.config.eos_token_ids

@@ -116,6 +116,47 @@ def test_engine_penalties_follow_a_float64_greedy_reference(tiny_docs, hf):
     assert out.token_ids == hf_greedy(hf, prompt, 16, pen), f"seed={seed}"
 
 
+def test_allowed_token_ids_follow_a_float64_greedy_reference_and_bound_samples(tiny_docs, hf):
+    """Greedy: each token the float64 argmax over the allowed ids alone; sampled: every token among
+    them (the EOS not among them cannot end the output)."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 4096) for _ in range(rng.randrange(5, 30))]
+    allowed = sorted(rng.sample(range(1, 4096), 6))
+    ids, want = list(prompt), []
+    with torch.no_grad():
+        for _ in range(8):
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+            want.append(allowed[int(logits[allowed].argmax())])
+            ids.append(want[-1])
+    greedy, sampled = tiny_docs.generate([prompt, prompt], [
+        SamplingParams(max_new_tokens=8, temperature=0.0, allowed_token_ids=allowed),
+        SamplingParams(max_new_tokens=40, temperature=1.5, seed=seed, allowed_token_ids=allowed)])
+    assert greedy.token_ids == want, f"seed={seed}"
+    assert len(sampled.token_ids) == 40 and set(sampled.token_ids) <= set(allowed), f"seed={seed}"
+    with pytest.raises(SamplingParamsError, match="outside the vocabulary"):
+        tiny_docs.generate([prompt], SamplingParams(allowed_token_ids=[5, 4096]))
+    for bad in ([], [-1], "ab", [1.5]):
+        with pytest.raises(SamplingParamsError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_docs):
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 4096) for _ in range(rng.randrange(20, 60))]
+    keep = rng.randrange(1, 20)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    cut, whole = tiny_docs.generate([prompt, prompt[-keep:]], [greedy.replace(truncate_prompt_tokens=keep), greedy])
+    assert cut.prompt_token_ids == prompt[-keep:] and cut.token_ids == whole.token_ids, f"seed={seed}"
+    long = [rng.randrange(1, 4096) for _ in range(tiny_docs.config.max_position + 5)]
+    out = tiny_docs.generate([long], greedy.replace(truncate_prompt_tokens=-1, max_new_tokens=1))[0]
+    assert out.prompt_token_ids == long[-(tiny_docs.config.max_position - 1):] and out.finish_reason == "length"
+    for bad in (0, -2, 1.5):
+        with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
 def test_sample_i_of_the_largest_seed_wraps_and_fails_no_request(tiny_docs, hf):
     """Sample i of n draws with seed + i modulo 2**63: with seed 2**63 - 1, sample 1 draws as seed 0 does,
     and the greedy request beside it is untouched (an int64 overflow used to fail the whole step)."""

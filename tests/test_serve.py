@@ -245,6 +245,25 @@ def test_skip_special_tokens_false_keeps_their_text(client):
             assert text == ("" if skip else "<|endoftext|>" * 3), (skip, stream, text)
 
 
+def test_allowed_token_ids_and_truncate_prompt_tokens_as_offline(client, offline):
+    """vLLM's allowed_token_ids and truncate_prompt_tokens give what the offline API gives; chat's
+    per-request chat_template and echo, and beam search, are refused by name."""
+    rng = random.Random(rng_seed := random.randrange(1 << 30))
+    prompt = random_prompt(rng, 40)
+    allowed = sorted(rng.sample(range(1, 4096), 5))
+    sp = SamplingParams(max_tokens=6, temperature=0, allowed_token_ids=allowed, truncate_prompt_tokens=9)
+    ref = offline.generate(prompt, sp)[0]
+    out = client.completions.create(model="tiny-docs", prompt=prompt, max_tokens=6, temperature=0,
+                                    extra_body={"allowed_token_ids": allowed, "truncate_prompt_tokens": 9})
+    assert out.choices[0].text == ref.text and out.usage.prompt_tokens == 9, rng_seed
+    assert set(ref.token_ids) <= set(allowed)
+    messages = [{"role": "user", "content": "x"}]
+    for extra, name in (({"chat_template": "{{ 1 }}"}, "--chat-template"), ({"echo": True}, "echo"),
+                        ({"use_beam_search": True}, "use_beam_search")):
+        with pytest.raises(openai.BadRequestError, match=name):
+            client.chat.completions.create(model="tiny-docs", messages=messages, max_tokens=2, extra_body=extra)
+
+
 def test_logprobs_match_hf_in_float64(client, offline):
     import torch
     import transformers
@@ -360,6 +379,8 @@ BAD = [
     {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
     {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
     {"attention_params": {"window": 4}}, {"attention_params": {"window": "wide"}},
+    {"use_beam_search": True}, {"bad_words": ["x"]}, {"priority": 1}, {"logits_processors": ["m.f"]},
+    {"allowed_token_ids": []}, {"allowed_token_ids": [99999]}, {"truncate_prompt_tokens": 0},
 ]
 
 

@@ -1,7 +1,7 @@
 """A step's sampling parameters: the host lists that go to the device in the runner's packed
 uploads, then the SamplingTensors made from the uploaded views.
 
-The optional parts (logit bias, penalties, min_tokens, log-probabilities) cost nothing in a step where no
+The optional parts (logit bias, allowed token ids, penalties, min_tokens, log-probabilities) cost nothing in a step where no
 request uses them: their lists are empty and their tensors are not built. Nor do the sampling
 parameters themselves where every row is greedy and nothing changes its logits: the argmax needs none.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from flexsgl.sampling.sampler import LogitBias, MinTokens, Penalties, SamplingTensors
+from flexsgl.sampling.sampler import AllowedTokens, LogitBias, MinTokens, Penalties, SamplingTensors
 from flexsgl.sampling.token_counts import TokenCounts
 
 if TYPE_CHECKING:  # the requests are read, never made here: no import of flexsgl.request at run time
@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # the requests are read, never made here: no import of flexsg
 def host_parts(sampled: list[Request], prefill: bool) -> tuple[dict, dict]:
     """(int64 parts, float32 parts) of the sampled requests' parameters, for step/inputs.upload."""
     sp = [r.sampling for r in sampled]
-    if all(p.greedy and not p.penalized and p.min_tokens == 0 and not p.logit_bias for p in sp):
+    if all(p.greedy and not p.penalized and p.min_tokens == 0 and not p.logit_bias and p.allowed_token_ids is None
+           for p in sp):
         return {}, {}
     i64 = {"top_k": [p.top_k for p in sp], "seed": [r.rng_seed for r in sampled],
            "step": [r.num_scheduled_outputs - 1 for r in sampled]}
@@ -50,6 +51,11 @@ def host_parts(sampled: list[Request], prefill: bool) -> tuple[dict, dict]:
         i64.update(bias_rows=[row for row, p in enumerate(sp) for _ in p.logit_bias],
                    bias_ids=[t for p in sp for t, _ in p.logit_bias])
         f32.update(bias_values=[b for p in sp for _, b in p.logit_bias])
+    if any(p.allowed_token_ids is not None for p in sp):
+        allowed = [p.allowed_token_ids or () for p in sp]
+        i64.update(allowed_rows=_repeat(list(range(len(sp))), [len(a) for a in allowed]),
+                   allowed_ids=_concat([list(a) for a in allowed]),
+                   restricted=[int(p.allowed_token_ids is not None) for p in sp])
     return i64, f32
 
 
@@ -75,7 +81,7 @@ def host_flags(sampled: list[Request]) -> HostFlags:
 def make_tensors(flags: HostFlags, i64: dict, f32: dict, counts: TokenCounts,
                  write_slots: torch.Tensor) -> SamplingTensors:
     """The SamplingTensors of a step from its uploaded views (host_parts' names) and host_flags."""
-    penalties = min_tokens = bias = None
+    penalties = min_tokens = bias = allowed = None
     if "presence" in f32:
         if i64["reset_slots"].numel():  # host metadata: no sync
                 counts.reset(i64["reset_slots"], i64["prompt_slots"], i64["prompt_ids"], i64["output_slots"],
@@ -88,10 +94,12 @@ def make_tensors(flags: HostFlags, i64: dict, f32: dict, counts: TokenCounts,
                                has_stops=i64["has_stops"].bool())
     if "bias_rows" in i64:
         bias = LogitBias(rows=i64["bias_rows"], ids=i64["bias_ids"], values=f32["bias_values"])
+    if "allowed_rows" in i64:
+        allowed = AllowedTokens(rows=i64["allowed_rows"], ids=i64["allowed_ids"], restricted=i64["restricted"].bool())
     return SamplingTensors(
         temperature=f32.get("temperature"), top_k=i64.get("top_k"), top_p=f32.get("top_p"), min_p=f32.get("min_p"),
         seed=i64.get("seed"), step=i64.get("step"), all_greedy=flags.all_greedy, any_filter=flags.any_filter,
-        penalties=penalties, min_tokens=min_tokens, logprobs=flags.logprobs, logit_bias=bias,
+        penalties=penalties, min_tokens=min_tokens, logprobs=flags.logprobs, logit_bias=bias, allowed=allowed,
     )
 
 

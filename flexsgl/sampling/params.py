@@ -25,6 +25,7 @@ MAX_N = 128  # samples of one prompt
 MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI's chat API allows
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_ALLOWED_TOKEN_IDS = 65536
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class SamplingParams:
       output's text (vLLM's default), or keep it (False); token ids are kept either way.
     - detokenize: False gives token ids alone (the output's text is None), as an engine without a
       tokenizer does, sparing the detokenization; stop strings need the text.
+    - allowed_token_ids: None, or the only token ids the output may hold (vLLM's), up to
+      MAX_ALLOWED_TOKEN_IDS of them; an EOS or stop token outside them cannot end it.
+    - truncate_prompt_tokens: None, or keep only the prompt's last this many tokens (vLLM's; -1:
+      as many as the model's context leaves room for with one new token).
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -90,6 +95,8 @@ class SamplingParams:
     reasoning_end: str | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         put = partial(object.__setattr__, self)
@@ -153,6 +160,18 @@ class SamplingParams:
         if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end):
             raise SamplingParamsError(f"reasoning_end must be None or a non-empty string, "
                                       f"got {short_repr(self.reasoning_end)}.")
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                raise SamplingParamsError(f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, "
+                                          f"got {len(allowed)}.")
+            put("allowed_token_ids", tuple(sorted(set(allowed))))
+        if self.truncate_prompt_tokens is not None:
+            value = _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, INT64_MAX,
+                             "None, -1 or a positive integer")
+            if value == 0:
+                raise SamplingParamsError("truncate_prompt_tokens must be None, -1 or a positive integer, got 0.")
+            put("truncate_prompt_tokens", value)
         if self.prompt_logprobs is not None:
             put("prompt_logprobs", _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,
                                             f"None or an integer from 0 to {MAX_LOGPROBS}"))
@@ -169,7 +188,7 @@ class SamplingParams:
     def changes_logits(self) -> bool:
         """Whether anything but temperature and the filters changes the logits a token is drawn from."""
         return (self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
-                or self.structured_outputs is not None)
+                or self.structured_outputs is not None or self.allowed_token_ids is not None)
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with `changes`, checked again (max_tokens is folded into max_new_tokens)."""
@@ -247,13 +266,13 @@ def _real(name: str, value, what: str) -> float:
     return float(value)
 
 
-def _token_ids(value) -> tuple[int, ...]:
+def _token_ids(value, name: str = "stop_token_ids") -> tuple[int, ...]:
     if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
-        raise SamplingParamsError(f"stop_token_ids must be a list of token ids, got {short_repr(value)}.")
+        raise SamplingParamsError(f"{name} must be a list of token ids, got {short_repr(value)}.")
     ids = tuple(value)
     for t in ids:
         if token_id(t) is None or token_id(t) < 0:
-            raise SamplingParamsError(f"stop_token_ids must hold non-negative integer token ids, got {short_repr(t)}.")
+            raise SamplingParamsError(f"{name} must hold non-negative integer token ids, got {short_repr(t)}.")
     return tuple(token_id(t) for t in ids)
 
 

@@ -42,6 +42,23 @@ class MinTokens:
 
 
 @dataclass
+class AllowedTokens:
+    """Rows that may sample only some tokens (allowed_token_ids): entry i allows ids[i] in row
+    rows[i]; every other token of a `restricted` row is masked out."""
+
+    rows: torch.Tensor  # [A] int64
+    ids: torch.Tensor  # [A] int64
+    restricted: torch.Tensor  # [S] bool
+
+
+def apply_allowed(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
+    """logits with every token a restricted row does not allow at -inf."""
+    keep = torch.zeros_like(logits, dtype=torch.bool).index_put((allowed.rows, allowed.ids),
+                                                                torch.ones_like(allowed.ids, dtype=torch.bool))
+    return logits.masked_fill(allowed.restricted[:, None] & ~keep, float("-inf"))
+
+
+@dataclass
 class LogitBias:
     """Biases added to some rows' logits: entry i adds values[i] to logits[rows[i], ids[i]]."""
 
@@ -89,13 +106,14 @@ class SamplingTensors:
     min_tokens: MinTokens | None = None  # some row has min_tokens
     logprobs: int = -1  # the most top log-probabilities a row asked for; -1: no row asked
     logit_bias: LogitBias | None = None  # some row has a logit bias
+    allowed: AllowedTokens | None = None  # some row has allowed_token_ids
     token_mask: TokenMask | None = None  # some row has structured outputs
 
     @property
     def changes_logits(self) -> bool:
         """Whether some row's logits change before sampling (bias, penalties, min_tokens, a token mask)."""
         return not (self.penalties is None and self.min_tokens is None and self.logit_bias is None
-                    and self.token_mask is None)
+                    and self.allowed is None and self.token_mask is None)
 
     @property
     def races_only(self) -> bool:
@@ -194,6 +212,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, argmax: torch.Tensor | Non
             logits = apply_penalties(logits, st.penalties)
         if st.min_tokens is not None:
             logits = block_stop_tokens(logits, st.min_tokens, st.step)
+        if st.allowed is not None:
+            logits = apply_allowed(logits, st.allowed)
         if st.token_mask is not None:
             logits = apply_token_mask(logits, st.token_mask)
     if st.all_greedy:

@@ -8,8 +8,10 @@ stop_token_ids, include_stop_str_in_output, skip_special_tokens, prompt_logprobs
 attention_params (values of the attention variants' per-request parameters), and the
 structured-output constraints (`structured_outputs` {json, regex, choice, grammar, json_object},
 and the older guided_json, guided_regex, guided_grammar, guided_choice); OpenAI's response_format
-constrains completions as well as chat, as in vLLM. Unknown fields are
-ignored, as vLLM does.
+constrains completions as well as chat, as in vLLM; also allowed_token_ids, truncate_prompt_tokens and
+skip_special_tokens. vLLM's fields that flexsgl does not implement (UNSUPPORTED; for chat also
+CHAT_UNSUPPORTED) are refused with a 400 naming them when given a value other than their default;
+other unknown fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from flexsgl import chat_template
-from flexsgl.errors import PromptError, SamplingParamsError
+from flexsgl.errors import PromptError, SamplingParamsError, short_repr
 from flexsgl.sampling.params import DEFAULT_MAX_NEW_TOKENS, INT64_MAX, SamplingParams
 from flexsgl.sampling.structured import StructuredOutputsParams, check_json_schema
 
 Number = StrictFloat  # ints too; not strings or booleans
+# vLLM's request fields flexsgl does not implement, with the values that ask nothing of it.
+UNSUPPORTED = {"use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],),
+               "logits_processors": ([],), "return_tokens_as_token_ids": (False,), "priority": (0,),
+               "prompt_embeds": (), "spaces_between_special_tokens": (True,)}
+CHAT_UNSUPPORTED = {"chat_template": (), "echo": (False,), "documents": ([],), "add_special_tokens": (False,)}
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
 
 
@@ -72,12 +79,23 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     response_format: ResponseFormat | None = None
     attention_params: dict[str, StrictInt | StrictFloat] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
     user: str | None = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    priority: Any = None
+    prompt_embeds: Any = None
+    spaces_between_special_tokens: Any = None
 
     COPIED: ClassVar[tuple[str, ...]] = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
                                          "include_stop_str_in_output", "skip_special_tokens", "ignore_eos",
                                          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                                         "prompt_logprobs", "attention_params")
+                                         "prompt_logprobs", "attention_params", "allowed_token_ids",
+                                         "truncate_prompt_tokens")
 
     def sampling(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
                  structured: StructuredOutputsParams | None = None, reasoning_end: str | None = None) -> SamplingParams:
@@ -86,6 +104,7 @@ class SamplingFields(BaseModel):
         `reasoning_end`: the text after which a constraint applies (a chat request in thinking mode)."""
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed with stream: true.")
+        self.refuse_unsupported(UNSUPPORTED)
         given = {name: getattr(self, name) for name in self.COPIED if getattr(self, name) is not None}
         if self.stop is not None:
             given["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -99,6 +118,17 @@ class SamplingFields(BaseModel):
                                       "cannot be combined with response_format or a required tool call.")
         given["structured_outputs"] = own or structured
         return defaults.replace(logprobs=logprobs, reasoning_end=reasoning_end, **given)
+
+    def refuse_unsupported(self, fields: dict) -> None:
+        """SamplingParamsError (400) for the first of `fields` given a value other than its defaults."""
+        for name, defaults in fields.items():
+            value = getattr(self, name, None)
+            if value is not None and not any(value == d and type(value) is type(d) for d in defaults):
+                if name == "chat_template":
+                    raise SamplingParamsError("A chat_template in the request is not accepted (vLLM's default); "
+                                              "start the server with --chat-template.")
+                raise SamplingParamsError(f"{name} is not supported by this server (vLLM's option; "
+                                          f"got {short_repr(value)}).")
 
     def structured(self) -> StructuredOutputsParams | None:
         """The constraint of structured_outputs or the guided_ fields, if any (one at most)."""
@@ -195,6 +225,10 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     tools: list[dict[str, Any]] | None = None
+    chat_template: Any = None
+    echo: Any = None
+    documents: Any = None
+    add_special_tokens: Any = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
 
@@ -203,6 +237,7 @@ class ChatRequest(SamplingFields):
         """`room`: tokens left in the context after the prompt, the default limit (as vLLM);
         `structured`: the constraint a required or named tool call puts on the output;
         `reasoning_end`: the text after which a constraint applies (thinking mode)."""
+        self.refuse_unsupported(CHAT_UNSUPPORTED)
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs needs logprobs: true.")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
