@@ -17,7 +17,9 @@ TokenEvent per token; OutputProcessor.process takes them in batch order. For eac
    output there ("stop", with the string as `stop_reason`), from the min_tokens-th token on, the
    token that reached max_new_tokens included; a stop token (EOS, stop_token_ids) adds no text of
    its own unless include_stop_str_in_output (as vLLM), and no stop string is looked for after it;
-4. the on_token callback runs and sees the decision (`finish_reason`, `stop_reason`).
+4. the on_token callback runs and sees the decision (`finish_reason`, `stop_reason`). A callback
+   may abort requests (LLM.abort): its own ends there with reason "abort"; one it aborts whose token
+   comes later in the step takes that token's text and log-probabilities, and nothing more.
 
 The requests that end come back as Endings, for the engine to finish in the scheduler. A callback
 that raises ends its own request with reason "error"; a KeyboardInterrupt or SystemExit from a
@@ -130,6 +132,10 @@ class OutputProcessor:
             r = ev.request
             if r.logprobs is not None and ev.logprobs is not None:
                 r.logprobs.append(ev.logprobs)
+            if r.finished:  # aborted by a callback earlier in this step (LLM.abort): the token joins its text
+                if r.text_state is not None and r.text_state.growing:
+                    self._add_text(r, ev.token)
+                continue
             r.finish_reason, r.stop_reason = _stop_token(r, ev.token)
             if r.grammar is not None:
                 if not allowed[r.request_id]:
@@ -144,6 +150,8 @@ class OutputProcessor:
             error, raised = _run_callback(r)
             if interrupt is None:
                 interrupt = raised
+            if r.finished:  # its own callback aborted it
+                continue
             if error is not None:
                 endings.append(Ending(r, FinishReason.ERROR, error))
             elif r.finish_reason is not None:

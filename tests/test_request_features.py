@@ -366,6 +366,34 @@ def test_output_path_stop_decisions(tokens, eos, sampling, want):
     assert ending.reason.value == out.finish_reason and ending.error is None
 
 
+def test_a_callback_may_abort_its_own_request_and_others(tiny_docs):
+    """on_token aborting its own request and a later one of the same step (a stop criterion of the
+    user's): both end "abort" with 3 tokens and the text of exactly those, the third request runs
+    on as it would alone; this raised KeyError out of step() and left the later one unfinished."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 4096) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = tiny_docs.generate([prompts[1]], greedy)[0]
+    ids = []
+
+    def stop_two(req):
+        if req.request_id == ids[0] and len(req.output_ids) == 3:
+            tiny_docs.abort(ids[0])
+            tiny_docs.abort(ids[2])
+
+    ids += [tiny_docs.add_request(p, greedy, on_token=stop_two) for p in prompts]
+    outs = {}
+    while len(outs) < 3:
+        outs.update((o.request_id, o) for o in tiny_docs.step())
+    a, b, c = (outs[i] for i in ids)
+    assert (a.finish_reason, c.finish_reason, b.finish_reason) == ("abort", "abort", "length"), f"seed={seed}"
+    assert len(a.token_ids) == len(c.token_ids) == 3 and b.token_ids == alone.token_ids, f"seed={seed}"
+    for o in (a, c):
+        assert o.text == tiny_docs.tokenizer.decode(o.token_ids, skip_special_tokens=True), f"seed={seed}"
+    assert not tiny_docs.has_unfinished
+
+
 def test_output_path_callback_faults():
     def fails_at_2(req):
         if len(req.output_ids) == 2:
