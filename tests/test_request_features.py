@@ -464,13 +464,18 @@ def test_penalties_logprobs_and_n_on_cuda_graphs_match_the_cpu(tmp_path):
     prompts = [[rng.randrange(320) for _ in range(rng.randrange(20, 90))] for _ in range(6)]
     sp = SamplingParams(max_tokens=12, temperature=0.7, seed=seed, n=2, presence_penalty=0.8, frequency_penalty=0.3,
                         repetition_penalty=1.2, min_tokens=4, logprobs=3, ignore_eos=True)
+    allowed = sp.replace(allowed_token_ids=rng.sample(range(320), 7), n=1)  # beside unrestricted rows
     outs = {}
     for device in ("cpu", "cuda"):
         llm = LLM(str(tmp_path), device=device, dtype="float32", page_size=16, max_total_tokens=8192,
                   max_running_requests=16)
-        outs[device] = llm.generate(prompts, sp)
+        outs[device] = llm.generate(prompts, [sp] * 4 + [allowed] * 2)
         del llm
     for a, b in zip(outs["cpu"], outs["cuda"]):
         assert a.token_ids == b.token_ids, f"seed={seed}"
         assert [t.logprob for t in a.logprobs] == pytest.approx([t.logprob for t in b.logprobs], abs=1e-3)
         assert [[i for i, _ in t.top] for t in a.logprobs] == [[i for i, _ in t.top] for t in b.logprobs]
+        for t in b.logprobs:  # the rank against the top ones (every more likely token is among them, or it is past them)
+            above = sum(v > t.logprob for _, v in t.top)
+            assert t.rank == above + 1 if above < len(t.top) else t.rank > len(t.top), f"seed={seed}"
+    assert all(set(o.token_ids) <= set(allowed.allowed_token_ids) for o in outs["cuda"][-2:]), f"seed={seed}"
