@@ -438,6 +438,33 @@ def test_echo_and_prompt_logprobs_match_hf_in_float64(base, client, tokenizer):
         assert int((row > v + 1e-4).sum()) + 1 <= own["rank"] <= int((row > v - 1e-4).sum()), (i, seed, own)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(client, tokenizer):
+    """echo, max_tokens 0 and logprobs (lm-evaluation-harness's loglikelihood requests): the prompt
+    alone with its tokens' log-probabilities, against HF's float64 ones, streamed or not; no
+    completion token counted. max_tokens 0 without echo is still a 400."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(EMBEDDED["tiny-docs"]), dtype=torch.float64).eval()
+    seed = random.randrange(1 << 30)
+    prompt = random_prompt(random.Random(seed), 10)
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)
+    resp = complete(client, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    out = resp.choices[0]
+    assert out.text == prompt and out.finish_reason == "length", (seed, out.text)
+    assert resp.usage.completion_tokens == 0 and resp.usage.prompt_tokens == len(ids)
+    lp = out.logprobs
+    assert lp.tokens == [tokenizer.decode([i]) for i in ids] and lp.token_logprobs[0] is None, seed
+    assert all(abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-3 for i in range(1, len(ids))), seed
+    chunks = complete(client, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == prompt, seed
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens, seed
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        complete(client, prompt=prompt, max_tokens=0)
+
+
 def test_the_api_key_is_required(base):
     body = json.dumps({"model": "tiny-docs", "prompt": "x", "max_tokens": 1}).encode()
     for key in (None, "wrong"):

@@ -135,7 +135,8 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
 
         reqs, echo = await intake.run(make)
         choices = Choices(False, model_name, info.tokenizer, len(reqs), _prompt_tokens(reqs), echo=echo,
-                          continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None)
+                          continuous_usage=body.continuous_usage, prompt_logprobs=body.prompt_logprobs is not None,
+                          scores_prompt=body.scores_prompt)
         _log_request(choices.id, prompts, sampling)
         return await _run(engine, request, reqs, choices, body, sampling.logprobs is not None)
 
@@ -287,7 +288,7 @@ async def _run(engine: EngineClient, request: Request, reqs, choices: Choices, b
             ev, getter = getter.result(), None
             if ev.error is not None:
                 raise APIError(500, ev.error, kind="internal_error")
-            choices.add(ev)
+            choices.add(choices.shown(ev))
     except asyncio.CancelledError:
         engine.abort(ids)
         raise
@@ -318,6 +319,7 @@ async def _stream(engine: EngineClient, events: asyncio.Queue, ids: list[int], c
                     lines.append(sse(error_body(ev.error or ev.output.error, 500, "internal_error")))
                     failed = True
                     break
+                ev = choices.shown(ev)
                 choices.add(ev)
                 lines += choices.chunk(ev, want_logprobs, include_usage)
             if lines:

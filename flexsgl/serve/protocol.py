@@ -197,12 +197,20 @@ class CompletionRequest(SamplingFields):
             return [p]
         return list(p)
 
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its log-probabilities) alone, no new token."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling(self, defaults: SamplingParams) -> SamplingParams:
         if self.suffix:
             raise SamplingParamsError("suffix is not supported.")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise SamplingParamsError("best_of is not supported (other than equal to n).")
-        sp = self.sampling(defaults, self.max_tokens, self.logprobs, self.response_format_constraint())
+        # echo with max_tokens 0 scores the prompt (vLLM's, lm-evaluation-harness's loglikelihoods): one token
+        # is computed, for the prompt's log-probabilities, and left out of the response (responses.Choices)
+        sp = self.sampling(defaults, 1 if self.scores_prompt else self.max_tokens, self.logprobs,
+                           self.response_format_constraint())
         if self.echo and self.logprobs is not None and sp.prompt_logprobs is None:  # echo shows the prompt's too
             sp = sp.replace(prompt_logprobs=self.logprobs)
         # OpenAI's default for completions is 16 tokens; a model's generation_config may say otherwise.

@@ -8,6 +8,7 @@ choice's starts with its prompt when echoed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -23,11 +24,13 @@ class Choices:
     completion choice's prompt text, put before its output (completions' echo);
     `continuous_usage`: every stream chunk carries the usage so far (stream_options'
     continuous_usage_stats), where chunks carry usage; `prompt_logprobs`: the client asked for
-    vLLM's prompt_logprobs (echo with logprobs computes them too, for the echoed prompt's entries)."""
+    vLLM's prompt_logprobs (echo with logprobs computes them too, for the echoed prompt's entries);
+    `scores_prompt`: echo with max_tokens 0, the one token computed for the prompt's
+    log-probabilities left out (its text, log-probabilities and count)."""
 
     def __init__(self, chat: bool, model: str, tokenizer, n_choices: int, prompt_tokens: int,
                  parser: Callable[[], MessageParser] | None = None, echo: list[str] | None = None,
-                 continuous_usage: bool = False, prompt_logprobs: bool = False):
+                 continuous_usage: bool = False, prompt_logprobs: bool = False, scores_prompt: bool = False):
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -42,12 +45,17 @@ class Choices:
         self.parsers = [parser() for _ in range(n_choices)] if chat and parser is not None else None
         self.echo = echo
         self.show_prompt_logprobs = prompt_logprobs
+        self.scores_prompt = scores_prompt
         self.started: set[int] = set()  # choices whose first chunk (a chat's role, a completion's echo) went out
         self._template: tuple[str, str, str] | None = None  # _token_chunk's pieces, made on first use
 
     @property
     def done(self) -> bool:
         return all(o is not None for o in self.outputs)
+
+    def shown(self, ev: Event) -> Event:
+        """`ev` as the response shows it (without its token where the request scores its prompt)."""
+        return dataclasses.replace(ev, text="", token_ids=[], logprobs=[]) if self.scores_prompt else ev
 
     def add(self, ev: Event) -> None:
         self.texts[ev.choice] += ev.text
@@ -59,7 +67,8 @@ class Choices:
     def usage(self) -> dict:
         """The usage of the tokens so far (every token, once every choice is done)."""
         done = [o for o in self.outputs if o is not None]
-        completion = sum(n if o is None else len(o.token_ids) for n, o in zip(self.tokens, self.outputs))
+        completion = 0 if self.scores_prompt else sum(n if o is None else len(o.token_ids)
+                                                      for n, o in zip(self.tokens, self.outputs))
         cached = sum(o.cached_tokens for o in done if o.index == 0)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
@@ -114,15 +123,15 @@ class Choices:
                 delta = _merge(delta, p.finish())
         if not text and not ev.token_ids and ev.output is None:
             return out
-        mid = ev.output is None and not (want_logprobs and ev.logprobs)
+        prompt = self._prompt_entries(*ev.prompt) if first and echo and ev.prompt else None
+        mid = ev.output is None and not (want_logprobs and (ev.logprobs or prompt))
         if mid and delta is not None and not delta:  # the parsers hold this token's text back
             return out
         if mid and (delta is None or delta == {"content": text}) and not self.continuous_usage:  # the common chunk
             out.append(self._token_chunk(ev.choice, text, include_usage))
             return out
         lp = None
-        if want_logprobs and ev.logprobs:  # a completion's first chunk also has its echoed prompt's
-            prompt = self._prompt_entries(*ev.prompt) if first and echo and ev.prompt else None
+        if want_logprobs and (ev.logprobs or prompt):  # a completion's first chunk also has its echoed prompt's
             lp = self._logprobs(ev.logprobs, self.text_offsets[ev.choice], prompt)
             if not self.chat:
                 self.text_offsets[ev.choice] = lp["text_offset"][-1] + len(lp["tokens"][-1])
