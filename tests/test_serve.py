@@ -389,6 +389,9 @@ def test_bad_parameters_get_400_and_an_openai_error_body(server, bad):
     body = {"model": "tiny-docs", "prompt": "Return the", "max_tokens": 4, **bad}
     status, err = post(server + "/v1/completions", json.dumps(body).encode())
     assert status == 400 and isinstance(err["error"]["message"], str) and err["error"]["message"], (bad, err)
+    if len(bad) == 1 and not any(k.startswith(("guided", "structured", "response")) for k in bad) \
+            and "refused" not in err["error"]["message"]:  # the field, as OpenAI names it
+        assert (err["error"]["param"] or "").split(".")[0] == next(iter(bad)), (bad, err)
 
 
 def test_bad_requests_through_the_client_and_by_hand(server, client):

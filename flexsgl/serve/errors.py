@@ -21,8 +21,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from flexsgl.errors import InputError
+from flexsgl.errors import InputError, PromptError
 from flexsgl.log import logger
+from flexsgl.serve.protocol import ChatRequest, CompletionRequest
 
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|[a-z-]+\[.*\]|function-[a-z]+|constrained-[a-z]+)$")
@@ -31,6 +32,13 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|[a-z-]+\[.*\]|funct
 def error_body(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
+
+
+def named_field(message: str) -> str | None:
+    """The request field a range error names first ("temperature must be ...", "logit_bias keys
+    ..."), for the error body's `param`, or None."""
+    word = message.split(" ", 1)[0]
+    return word if word in CompletionRequest.model_fields or word in ChatRequest.model_fields else None
 
 
 def error_response(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None,
@@ -115,7 +123,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(InputError)
     async def bad_input(request, e: InputError):
-        return error_response(str(e), 400)
+        param = named_field(str(e))
+        if param is None and isinstance(e, PromptError):
+            param = "messages" if request.url.path.endswith("/chat/completions") else "prompt"
+        return error_response(str(e), 400, param=param)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
