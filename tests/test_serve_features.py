@@ -487,6 +487,8 @@ def test_every_error_route_answers_in_openais_format(base):
     e = error(400, "POST", "/v1/completions", b'{"prompt": "x", "max_tokens": ')
     assert "not valid JSON" in e["message"] and e["param"] is None
     assert "not valid JSON" in error(400, "POST", "/v1/chat/completions", b"\xff\xfe")["message"]
+    assert "surrogate escape without its pair" in error(400, "POST", "/v1/completions",
+                                                        json.dumps({"prompt": "a\ud800"}).encode())["message"]
     assert "JSON object" in error(400, "POST", "/v1/completions", b"[1, 2]")["message"]
     assert "nested too deeply" in error(400, "POST", "/v1/completions", b"[" * 100_000)["message"]
     assert "POST" in error(405, "GET", "/v1/completions")["message"]

@@ -110,6 +110,8 @@ def install(app: FastAPI) -> None:
             reason = (first.get("ctx") or {}).get("error") or first.get("msg", "invalid JSON")
             if "recursion limit" in reason:
                 return error_response(f"The request body is nested too deeply to parse ({reason}).", 400)
+            if "hex escape" in reason:  # a \ud800-\udfff escape without its pair (Python's json.dumps writes them)
+                reason += "; a UTF-16 surrogate escape without its pair is no Unicode character"
             return error_response(f"The request body is not valid JSON ({reason}).", 400)
         raw = [str(x) for x in first.get("loc", ())[1:]]
         loc = [x for x in raw if not _TYPE_TAG.match(x)]  # a union's member types are not fields
