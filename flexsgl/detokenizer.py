@@ -19,6 +19,8 @@ TextState.
 from __future__ import annotations
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (a word's leading space)
+CHARACTER_TOKENS = 3  # tokens that may hold the start of a UTF-8 character (up to 4 bytes, one at least a token)
+MAX_PENDING = 8  # tokens without text an IncrementalDetokenizer's window holds before dropping the older ones
 
 
 class IncrementalDetokenizer:
@@ -43,10 +45,17 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         shown = self._decode(self.ids[self.prefix:self.read])
         text = self._decode(self.ids[self.prefix:])
-        if len(text) < len(shown) or (text.endswith("\ufffd") and not final):
+        if len(text) <= len(shown):
+            # Nothing new yet: the tokens stay in the window (the bytes of a character that some
+            # tokenizers show as nothing until it is whole; a skipped special token between two
+            # words, whose space the window's context decides). A run of them longer than any
+            # character's bytes adds no text: it leaves the window, but for the last ones, which
+            # may yet begin a character, so each step decodes a few tokens however long the run.
+            if len(self.ids) - self.read > MAX_PENDING:
+                del self.ids[self.read:len(self.ids) - CHARACTER_TOKENS]
             return ""
-        # Tokens that add no text (skipped special tokens; a byte tokenizer's ids past 255) move the
-        # window on too: held, they would make each later step decode all of them again.
+        if text.endswith("\ufffd") and not final:  # an incomplete character: wait for the rest of it
+            return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(shown):]
 
@@ -64,9 +73,22 @@ class StreamDetokenizer:
         self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self.shown = context[-CONTEXT_TOKENS:]  # the last tokens whose text went out (context for flush)
         self.held: list[int] = []  # tokens since the last text
+        self.fallback: IncrementalDetokenizer | None = None  # once DecodeStream cannot go on (step)
 
     def step(self, token: int) -> str:
-        text = self.stream.step(self.backend, token)
+        if self.fallback is not None:
+            return self.fallback.step(token)
+        try:
+            text = self.stream.step(self.backend, token)
+        except Exception as e:
+            if "Invalid prefix" not in str(e):
+                raise
+            # A byte-fallback tokenizer turned text already released into U+FFFD once a later byte
+            # made its run invalid (tokenizers' DecodeStream cannot go on): the rest of the output
+            # goes through the windowed decode, from the text released so far.
+            self.fallback = IncrementalDetokenizer(self.tokenizer, self.shown, self.skip_special_tokens)
+            held, self.held = self.held, []
+            return "".join(self.fallback.step(t) for t in held + [token])
         if text is None:
             self.held.append(token)
             return ""
@@ -75,6 +97,8 @@ class StreamDetokenizer:
         return text
 
     def flush(self) -> str:
+        if self.fallback is not None:
+            return self.fallback.flush()
         if not self.held:
             return ""
         rest = IncrementalDetokenizer(self.tokenizer, self.shown, self.skip_special_tokens)
