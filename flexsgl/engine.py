@@ -247,7 +247,7 @@ class LLM:
                 return
             raise UnknownRequestError(f"abort takes an id that add_request, add_requests or submit returned; "
                                       f"no request has id {short_repr(request_id)}.")
-        if not req.finished:
+        if not req.finished and req.finish_reason is None:  # not ended, nor ending in this step (a callback's abort)
             self.loop.finish(req, FinishReason.ABORT)
             self.grammars.discard(req)
 

@@ -200,7 +200,8 @@ class StepLoop:
         callback."""
         endings, interrupt = self.outputs.process(events, allowed)
         for req, reason, error in endings:
-            self.finish(req, reason, error)
+            if not req.finished:
+                self.finish(req, reason, error)
         return interrupt
 
 

@@ -412,27 +412,30 @@ def test_output_path_stop_decisions(tokens, eos, sampling, want):
 
 
 def test_a_callback_may_abort_its_own_request_and_others(tiny_docs):
-    """on_token aborting its own request and a later one of the same step (a stop criterion of the
-    user's): both end "abort" with 3 tokens and the text of exactly those, the third request runs
-    on as it would alone; this raised KeyError out of step() and left the later one unfinished."""
+    """on_token aborting its own request, a later one of the same step and one that ended earlier
+    in it (a stop criterion of the user's): the first two end "abort" with 3 tokens and the text of
+    exactly those, the ended one keeps its reason, another request runs on as it would alone; each
+    raised KeyError out of step() or left the later one unfinished."""
     seed = random.randrange(2**31)
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 4096) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    prompts = [[rng.randrange(1, 4096) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     alone = tiny_docs.generate([prompts[1]], greedy)[0]
     ids = []
 
-    def stop_two(req):
-        if req.request_id == ids[0] and len(req.output_ids) == 3:
-            tiny_docs.abort(ids[0])
-            tiny_docs.abort(ids[2])
+    def stop_others(req):
+        if req.request_id == ids[1] and len(req.output_ids) == 3:
+            for i in (1, 3, 0):  # itself, a later one, and one that ended earlier in this step (a no-op)
+                tiny_docs.abort(ids[i])
 
-    ids += [tiny_docs.add_request(p, greedy, on_token=stop_two) for p in prompts]
+    ids.append(tiny_docs.add_request(prompts[3], greedy.replace(max_new_tokens=3), on_token=stop_others))
+    ids += [tiny_docs.add_request(p, greedy, on_token=stop_others) for p in prompts[:3]]
     outs = {}
-    while len(outs) < 3:
+    while len(outs) < 4:
         outs.update((o.request_id, o) for o in tiny_docs.step())
-    a, b, c = (outs[i] for i in ids)
+    d, a, b, c = (outs[i] for i in ids)
     assert (a.finish_reason, c.finish_reason, b.finish_reason) == ("abort", "abort", "length"), f"seed={seed}"
+    assert d.finish_reason == "length" and len(d.token_ids) == 3, f"seed={seed}"
     assert len(a.token_ids) == len(c.token_ids) == 3 and b.token_ids == alone.token_ids, f"seed={seed}"
     for o in (a, c):
         assert o.text == tiny_docs.tokenizer.decode(o.token_ids, skip_special_tokens=True), f"seed={seed}"
