@@ -36,7 +36,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, log-probability)
-    rank: int | None = None  # 1 + the tokens more likely than it (vLLM's Logprob.rank)
+    rank: int | None = None  # the tokens at least as likely as it, ties included (vLLM's Logprob.rank)
 
 
 @dataclass

@@ -257,9 +257,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.
     """The sampled tokens with their log-probabilities under the model's distribution (logits [S, V]
     before penalties and temperature) and the k most likely, packed for one read-back: float32
     [S, 3 + 2k] = token id, its log-probability, k log-probabilities, their k token ids, then the
-    token's rank (1 + the tokens more likely than it; ids and ranks below 2**24 are exact in float32)."""
+    token's rank (vLLM's: the tokens at least as likely as it, itself and its ties included; ids and
+    ranks below 2**24 are exact in float32)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     own = logp.gather(1, tokens[:, None])
-    rank = (logp > own).sum(-1, keepdim=True) + 1
+    rank = (logp >= own).sum(-1, keepdim=True)
     top, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], tokens[:, None][:, :0])
     return torch.cat([tokens[:, None].float(), own, top, ids.float(), rank.float()], dim=1)
