@@ -257,6 +257,14 @@ def test_allowed_token_ids_and_truncate_prompt_tokens_as_offline(client, offline
                                     extra_body={"allowed_token_ids": allowed, "truncate_prompt_tokens": 9})
     assert out.choices[0].text == ref.text and out.usage.prompt_tokens == 9, rng_seed
     assert set(ref.token_ids) <= set(allowed)
+    # a text longer than the context can hold, truncated: served, the default limit the room truncation leaves
+    long = " ".join(random_prompt(rng, 40) for _ in range(800))
+    out = client.completions.create(model="tiny-docs", prompt=long, max_tokens=2,
+                                    extra_body={"truncate_prompt_tokens": 50})
+    assert out.usage.prompt_tokens == 50, rng_seed
+    out = client.chat.completions.create(model="tiny-docs", messages=[{"role": "user", "content": long}],
+                                         extra_body={"truncate_prompt_tokens": 20, "ignore_eos": True})
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (20, 1024 - 20), rng_seed
     messages = [{"role": "user", "content": "x"}]
     for extra, name in (({"chat_template": "{{ 1 }}"}, "--chat-template"), ({"echo": True}, "echo"),
                         ({"use_beam_search": True}, "use_beam_search")):

@@ -121,7 +121,7 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
         info = _check(engine, body.model, model_name)
         prompts = body.prompts()
         for i, p in enumerate(prompts):
-            if isinstance(p, str):
+            if isinstance(p, str) and body.truncate_prompt_tokens is None:  # truncated, a prompt may be longer
                 intake.check_chars(len(p), info, f"Prompt {i}")
         sampling = body.to_sampling(info.default_sampling)
 
@@ -147,16 +147,21 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
         if info.tokenizer is None:
             raise APIError(400, f"Model {model_name!r} has no tokenizer, so it cannot chat.")
         plan = tools.plan(body.tools, body.tool_choice, options.tool_call_parser, body.parallel_tool_calls is not False)
-        intake.check_chars(body.characters(), info, "The messages")
+        truncated = body.truncate_prompt_tokens
+        if truncated is None:  # truncated, the messages may be longer
+            intake.check_chars(body.characters(), info, "The messages")
 
         def make():
             text = chat.render(info.tokenizer, body.message_dicts(), body.add_generation_prompt,
                                body.chat_template_kwargs, body.tools, options.chat_template,
                                body.continue_final_message)
-            intake.check_chars(len(text), info, "The rendered chat prompt")
+            if truncated is None:
+                intake.check_chars(len(text), info, "The rendered chat prompt")
             ids = chat.encode(info.tokenizer, text)
+            ctx = info.config.max_position
+            kept = len(ids) if truncated is None else min(len(ids), ctx - 1 if truncated == -1 else truncated)
             thinking = options.reasoning_parser is not None and reasoning.thinks(text, body.chat_template_kwargs)
-            sampling = body.to_sampling(info.default_sampling, info.config.max_position - len(ids), plan.constraint(),
+            sampling = body.to_sampling(info.default_sampling, ctx - kept, plan.constraint(),
                                         reasoning.END if thinking else None)
             return text, sampling, info.requests.make_requests(ids, sampling)
 
