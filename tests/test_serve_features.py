@@ -458,6 +458,9 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, tokenizer):
     lp = out.logprobs
     assert lp.tokens == [tokenizer.decode([i]) for i in ids] and lp.token_logprobs[0] is None, seed
     assert all(abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-3 for i in range(1, len(ids))), seed
+    stopped = complete(client, prompt=prompt, max_tokens=0, echo=True, temperature=0, stop=["e", " "],
+                       extra_body={"stop_token_ids": list(range(4096))})  # its one hidden token stops, unseen
+    assert (stopped.choices[0].finish_reason, stopped.choices[0].stop_reason) == ("length", None), seed
     chunks = complete(client, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in chunks) == prompt, seed
     assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens, seed

@@ -125,7 +125,7 @@ class SamplingFields(BaseModel):
             value = getattr(self, name, None)
             if value is not None and not any(value == d and type(value) is type(d) for d in defaults):
                 if name == "chat_template":
-                    raise SamplingParamsError("A chat_template in the request is not accepted (vLLM's default); "
+                    raise SamplingParamsError("chat_template in a request is not accepted (vLLM's default); "
                                               "start the server with --chat-template.")
                 raise SamplingParamsError(f"{name} is not supported by this server (vLLM's option; "
                                           f"got {short_repr(value)}).")

@@ -54,8 +54,14 @@ class Choices:
         return all(o is not None for o in self.outputs)
 
     def shown(self, ev: Event) -> Event:
-        """`ev` as the response shows it (without its token where the request scores its prompt)."""
-        return dataclasses.replace(ev, text="", token_ids=[], logprobs=[]) if self.scores_prompt else ev
+        """`ev` as the response shows it: where the request scores its prompt, without its token, and
+        ending by length whatever that token would have stopped."""
+        if not self.scores_prompt:
+            return ev
+        out = ev.output
+        if out is not None and out.finish_reason in ("stop", "length"):
+            out = dataclasses.replace(out, finish_reason="length", stop_reason=None)
+        return dataclasses.replace(ev, text="", token_ids=[], logprobs=[], output=out)
 
     def add(self, ev: Event) -> None:
         self.texts[ev.choice] += ev.text
