@@ -137,6 +137,8 @@ def test_allowed_token_ids_follow_a_float64_greedy_reference_and_bound_samples(t
     assert len(sampled.token_ids) == 40 and set(sampled.token_ids) <= set(allowed), f"seed={seed}"
     with pytest.raises(SamplingParamsError, match="outside the vocabulary"):
         tiny_docs.generate([prompt], SamplingParams(allowed_token_ids=[5, 4096]))
+    with pytest.raises(SamplingParamsError, match="all stop tokens"):  # EOS is 0
+        tiny_docs.generate([prompt], SamplingParams(allowed_token_ids=[0, 11], stop_token_ids=[11], min_tokens=2))
     for bad in ([], [-1], "ab", [1.5]):
         with pytest.raises(SamplingParamsError, match="allowed_token_ids"):
             SamplingParams(allowed_token_ids=bad)
