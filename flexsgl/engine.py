@@ -43,7 +43,7 @@ from flexsgl.attention.request_variants import RequestVariants
 from flexsgl import chat_template as chat_prompt
 from flexsgl.config import EngineConfig
 from flexsgl.engine_core import build_core, prepare
-from flexsgl.generation_config import default_sampling
+from flexsgl.generation_config import default_sampling, eos_token_ids
 from flexsgl.log import logger, progress
 from flexsgl.errors import EngineDeadError, Health, PromptError, RankFailedError, SamplingParamsError, UnknownRequestError, describe, short_repr
 from flexsgl.interrupts import deferred_interrupts
@@ -121,7 +121,7 @@ class LLM:
             structured = f"model {self.src.name!r} has no tokenizer"
         self.requests = RequestFactory(self.src.name, mcfg, self.tokenizer, cfg.page_size, self.allocator.capacity,
                                        variants, self.scheduler.held_tokens, structured,
-                                       self.scheduler.whole_prompt_tokens, cfg.random_seed)
+                                       self.scheduler.whole_prompt_tokens, cfg.random_seed, eos_token_ids(self.src))
         self.grammars = grammar.GrammarQueue(self.tokenizer, mcfg.vocab_size)  # requests waiting for their grammar
         self._live: dict[int, Request] = {}  # added and not yet returned by step()
         self._unclaimed: list[RequestOutput] = []  # add_request's outputs that a generate() call read back

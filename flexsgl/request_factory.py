@@ -87,27 +87,35 @@ def check_prompt(prompt, index: int) -> str | list[int]:
 class RequestFactory:
     def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int,
                  variants: RequestVariants | None = None, held_tokens: int | None = None,
-                 no_structured_outputs: str | None = None, whole_prompt_tokens: int | None = None, seed: int = 0):
+                 no_structured_outputs: str | None = None, whole_prompt_tokens: int | None = None, seed: int = 0,
+                 eos_ids: tuple[int, ...] = ()):
         """`config`: the model's ModelConfig; `capacity`: KV pages a request may ever use;
         `variants`: what the engine's attention variants take from a request (None: nothing);
         `held_tokens`: the most KV slots a request holds at once (refusal);
         `no_structured_outputs`: why this engine cannot take structured outputs (None: it can);
         `whole_prompt_tokens`: the longest prompt where prompts are prefilled in one step (refusal);
         `seed`: where the noise seeds of requests without a seed of their own come from, one after
-        another (an engine's random_seed: the same seed, the same requests, the same samples)."""
+        another (an engine's random_seed: the same seed, the same requests, the same samples);
+        `eos_ids`: end tokens besides config.json's and the tokenizer's (generation_config.json's)."""
         self.model_name, self.config, self.tokenizer = model_name, config, tokenizer
         self.page_size, self.capacity = page_size, capacity
         self.variants = RequestVariants([]) if variants is None else variants
         self.held_tokens, self.no_structured_outputs = held_tokens, no_structured_outputs
         self.whole_prompt_tokens = whole_prompt_tokens
         self.seed = seed
+        self.extra_eos = tuple(eos_ids)
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+        # every end token the model's files name: config.json's, generation_config.json's, the tokenizer's
+        self.eos = tuple(i for i in dict.fromkeys([*config.eos_token_ids, *eos_ids,
+                                                   *([tokenizer_eos] if isinstance(tokenizer_eos, int) else [])])
+                         if i < config.vocab_size)
         self._ids = itertools.count()
         self._seeds = random.Random(seed)
 
     def __reduce__(self):
         return RequestFactory, (self.model_name, self.config, self.tokenizer, self.page_size, self.capacity,
                                 self.variants, self.held_tokens, self.no_structured_outputs, self.whole_prompt_tokens,
-                                self.seed)
+                                self.seed, self.extra_eos)
 
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams, index: int = 0) -> Request:
         """Check one prompt and its sampling parameters and turn them into a Request (not queued);
@@ -154,9 +162,7 @@ class RequestFactory:
                                       f"[0, {vocab}).")
         if sampling.structured_outputs is not None:
             self.check_structured(sampling.structured_outputs)
-        eos = self.config.eos_token_ids
-        if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos = (self.tokenizer.eos_token_id,)
+        eos = self.eos
         if sampling.allowed_token_ids is not None and sampling.min_tokens > 0 and set(sampling.allowed_token_ids) <= \
                 set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos)):
             raise SamplingParamsError(f"allowed_token_ids of prompt {index} are all stop tokens, which min_tokens keeps "

@@ -504,6 +504,26 @@ def test_generation_config_sets_the_defaults(tmp_path):
         LLM(str(tmp_path), max_total_tokens=256)
 
 
+def test_generation_configs_end_tokens_end_outputs(tmp_path):
+    """generation_config.json's eos_token_id list (a chat model's end of turn often stands only
+    there, as HF's generate and vLLM read it): a token of it ends a greedy output where it first
+    comes; it was ignored."""
+    seed = random.randrange(2**31)
+    make_checkpoint("qwen3", tmp_path, seed=seed)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    llm = LLM(str(tmp_path), max_total_tokens=256, max_running_requests=2)
+    free = llm.generate([[1, 2, 3]], greedy.replace(ignore_eos=True))[0].token_ids
+    end = free[len(free) // 2]
+    config_eos = list(llm.config.eos_token_ids)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": config_eos + [end]}))
+    out = LLM(str(tmp_path), max_total_tokens=256, max_running_requests=2).generate([[1, 2, 3]], greedy)[0]
+    first = free.index(end)
+    assert out.token_ids == free[:first + 1] and out.finish_reason == "stop", f"seed={seed}: {free}, {end}"
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(CheckpointError, match="eos_token_id"):
+        LLM(str(tmp_path), max_total_tokens=256)
+
+
 @pytest.mark.gpu
 def test_penalties_logprobs_and_n_on_cuda_graphs_match_the_cpu(tmp_path):
     """The request features through CUDA graphs and torch.compile give the CPU's tokens and logprobs.
