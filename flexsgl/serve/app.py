@@ -198,7 +198,7 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
                 text = chat.render(info.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs,
                                    body.tools, options.chat_template, body.continue_final_message)
                 ids = chat.encode(info.tokenizer, text)
-            strs = [_decode(info.tokenizer, [t]) for t in ids] if body.return_token_strs else None
+            strs = _token_strs(info.tokenizer, ids) if body.return_token_strs else None
             return ids, strs
 
         ids, strs = await intake.run(make)
@@ -235,6 +235,14 @@ def _validate(raw: bytes, model):
 def _decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False) if hasattr(tokenizer, "convert_ids_to_tokens") \
         else tokenizer.decode(ids)
+
+
+def _token_strs(tokenizer, ids: list[int]) -> list[str]:
+    """The vocabulary's entry of each token (vLLM's /tokenize token_strs: '▁the', '<0x0A>', 'Ġthe'),
+    or, for a tokenizer without entries (bytes), its text."""
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
+        return list(tokenizer.convert_ids_to_tokens(ids))
+    return [tokenizer.decode([t]) for t in ids]
 
 
 def _check(engine: EngineClient, model: str | None, model_name: str):
