@@ -52,10 +52,11 @@ def host_parts(sampled: list[Request], prefill: bool) -> tuple[dict, dict]:
                    bias_ids=[t for p in sp for t, _ in p.logit_bias])
         f32.update(bias_values=[b for p in sp for _, b in p.logit_bias])
     if any(p.allowed_token_ids is not None for p in sp):
-        allowed = [p.allowed_token_ids or () for p in sp]
-        i64.update(allowed_rows=_repeat(list(range(len(sp))), [len(a) for a in allowed]),
-                   allowed_ids=_concat([list(a) for a in allowed]),
-                   restricted=[int(p.allowed_token_ids is not None) for p in sp])
+        rows = [row for row, p in enumerate(sp) if p.allowed_token_ids is not None]
+        words = [sp[row].allowed_words for row in rows]
+        width = max(len(w) for w in words)
+        i64.update(allowed_rows=rows,
+                   allowed_words=[w if len(w) == width else np.pad(w, (0, width - len(w))) for w in words])
     return i64, f32
 
 
@@ -95,7 +96,8 @@ def make_tensors(flags: HostFlags, i64: dict, f32: dict, counts: TokenCounts,
     if "bias_rows" in i64:
         bias = LogitBias(rows=i64["bias_rows"], ids=i64["bias_ids"], values=f32["bias_values"])
     if "allowed_rows" in i64:
-        allowed = AllowedTokens(rows=i64["allowed_rows"], ids=i64["allowed_ids"], restricted=i64["restricted"].bool())
+        rows = i64["allowed_rows"]
+        allowed = AllowedTokens(rows=rows, words=i64["allowed_words"].view(rows.numel(), -1))
     return SamplingTensors(
         temperature=f32.get("temperature"), top_k=i64.get("top_k"), top_p=f32.get("top_p"), min_p=f32.get("min_p"),
         seed=i64.get("seed"), step=i64.get("step"), all_greedy=flags.all_greedy, any_filter=flags.any_filter,

@@ -25,7 +25,7 @@ MAX_N = 128  # samples of one prompt
 MAX_LOGPROBS = 20  # top log-probabilities per token, as OpenAI's chat API allows
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
-MAX_ALLOWED_TOKEN_IDS = 65536
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,17 @@ class SamplingParams:
         """Whether anything but temperature and the filters changes the logits a token is drawn from."""
         return (self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
                 or self.structured_outputs is not None or self.allowed_token_ids is not None)
+
+    @functools.cached_property
+    def allowed_words(self):
+        """allowed_token_ids as a bitmask, numpy int64 words: bit j of word w allows token 64 w + j
+        (made once, uploaded each step of the request: sampling/batch.py)."""
+        import numpy as np
+
+        ids = np.asarray(self.allowed_token_ids, dtype=np.int64)
+        words = np.zeros(int(ids.max()) // 64 + 1, dtype=np.uint64)
+        np.bitwise_or.at(words, ids >> 6, np.left_shift(np.uint64(1), (ids & 63).astype(np.uint64)))
+        return words.view(np.int64)
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with `changes`, checked again (max_tokens is folded into max_new_tokens)."""

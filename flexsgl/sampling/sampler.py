@@ -43,19 +43,21 @@ class MinTokens:
 
 @dataclass
 class AllowedTokens:
-    """Rows that may sample only some tokens (allowed_token_ids): entry i allows ids[i] in row
-    rows[i]; every other token of a `restricted` row is masked out."""
+    """Rows that may sample only some tokens (allowed_token_ids), as bitmasks: bit j of words[i, w]
+    allows token 64 w + j in row rows[i] (tokens past the words are not allowed)."""
 
-    rows: torch.Tensor  # [A] int64
-    ids: torch.Tensor  # [A] int64
-    restricted: torch.Tensor  # [S] bool
+    rows: torch.Tensor  # [R] int64
+    words: torch.Tensor  # [R, W] int64
 
 
 def apply_allowed(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
     """logits with every token a restricted row does not allow at -inf."""
-    keep = torch.zeros_like(logits, dtype=torch.bool).index_put((allowed.rows, allowed.ids),
-                                                                torch.ones_like(allowed.ids, dtype=torch.bool))
-    return logits.masked_fill(allowed.restricted[:, None] & ~keep, float("-inf"))
+    vocab, width = logits.shape[-1], allowed.words.shape[1]
+    ids = torch.arange(vocab, device=logits.device)
+    bits = (allowed.words[:, (ids >> 6).clamp(max=width - 1)] >> (ids & 63)) & 1
+    keep = (bits == 1) & (ids < 64 * width)
+    rows = logits[allowed.rows].masked_fill(~keep, float("-inf"))
+    return logits.index_put((allowed.rows,), rows)
 
 
 @dataclass
