@@ -155,11 +155,14 @@ class TestTwoRanksOfTiny:
         prompts = ragged_prompts(random.Random(seed), 512, n=3)
         sp = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=seed % 1000, presence_penalty=0.5,
                             repetition_penalty=1.2, logprobs=2)
-        ref, out = one.generate(prompts, sp), two.generate(prompts, sp)
+        sps = [sp] * (len(prompts) - 1) + [sp.replace(allowed_token_ids=random.Random(seed).sample(range(512), 9))]
+        ref, out = one.generate(prompts, sps), two.generate(prompts, sps)
         assert [o.token_ids for o in out] == [o.token_ids for o in ref], f"seed={seed}"
+        assert set(out[-1].token_ids) <= set(sps[-1].allowed_token_ids), f"seed={seed}"  # one row restricted
         for a, b in zip(out, ref):
             for x, y in zip(a.logprobs, b.logprobs):
                 assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, rel=1e-4, abs=1e-5)
+                assert abs(x.rank - y.rank) <= 1, f"seed={seed}"  # a near tie may fall either way
 
 
     def test_temperature_sampling_gives_one_ranks_tokens(self, tiny):
