@@ -262,6 +262,10 @@ def test_allowed_token_ids_and_truncate_prompt_tokens_as_offline(client, offline
     out = client.completions.create(model="tiny-docs", prompt=long, max_tokens=2,
                                     extra_body={"truncate_prompt_tokens": 50})
     assert out.usage.prompt_tokens == 50, rng_seed
+    echoed = client.completions.create(model="tiny-docs", prompt=prompt, max_tokens=1, echo=True, logprobs=0,
+                                       extra_body={"truncate_prompt_tokens": 9})  # the text of the tokens kept
+    kept = "".join(echoed.choices[0].logprobs.tokens[:9])
+    assert prompt.endswith(kept) and echoed.choices[0].text.startswith(kept) and len(kept) < len(prompt), rng_seed
     out = client.chat.completions.create(model="tiny-docs", messages=[{"role": "user", "content": long}],
                                          extra_body={"truncate_prompt_tokens": 20, "ignore_eos": True})
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (20, 1024 - 20), rng_seed

@@ -128,9 +128,10 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
         def make():
             reqs = [r for i, p in enumerate(prompts) for r in info.requests.make_requests(p, sampling, i)]
             echo = None
-            if body.echo:
-                texts = [p if isinstance(p, str) else _decode(info.tokenizer, p) for p in prompts]
-                echo = [texts[i] for i, p in enumerate(prompts) for _ in range(sampling.n)]
+            if body.echo:  # the prompt as given, or, truncated, the text of the tokens kept
+                echo = [_decode(info.tokenizer, r.prompt_ids) if body.truncate_prompt_tokens is not None
+                        else p if isinstance(p, str) else _decode(info.tokenizer, p)
+                        for p, r in zip((p for p in prompts for _ in range(sampling.n)), reqs)]
             return reqs, echo
 
         reqs, echo = await intake.run(make)
