@@ -76,6 +76,7 @@ class LLM:
         self.device = cfg.torch_device
         # Refuses before the model loads, with the reason.
         self.src, self.resolved = prepare(cfg, self.device)
+        variants = RequestVariants(self.resolved.variants)  # what requests give them (refuses clashes)
         resolve_s = time.perf_counter() - started
         self.dtype = self.resolved.dtype
         self.config = mcfg = self.src.config
@@ -107,7 +108,6 @@ class LLM:
         self.outputs = OutputProcessor(self.tokenizer)  # text, stop decisions, callbacks
         self.default_sampling = default_sampling(self.src)
         self.allocator = PageAllocator(core.num_pages)
-        variants = RequestVariants(self.resolved.variants)
         self.scheduler = Scheduler(cfg.page_size, self.allocator, cfg.max_num_batched_tokens,
                                    cfg.max_running_requests, kv_window(self.resolved.variants), cfg.prefill_first,
                                    variants.whole_prompt)

@@ -18,6 +18,7 @@ from flexsgl.attention import flex_blocks, flex_meta
 from flexsgl.attention.bound_variant import VariantSet
 from flexsgl.attention.flex import FlexAttentionBackend
 from flexsgl.attention.flex_masks import Q_BLOCK
+from flexsgl.attention.request_variants import RequestVariants
 from flexsgl.attention.variant import AttentionVariant, PerHead, PerRequest, VariantError, check
 from flexsgl.attention import variants as V
 from flexsgl.cache.pool import KVPool, PageAllocator
@@ -598,6 +599,8 @@ def test_layer_specs_pick_layers_compose_with_and_and_refuse_a_layer_given_two()
     both = user_variants("alibi&softcap:cap=30", 3)
     assert both[0].name == "alibi&softcap(30)" and all(v is both[0] for v in both)
     assert both[0].params.keys() == {"slopes"} and both[0].kernel is None
+    # a kernel takes one softcap: two compose to flex alone (the second had replaced the first for kernels)
+    assert (V.softcap(2.0) & V.softcap(30.0)).kernel is None and (V.softcap(2.0) & V.causal()).kernel == {"softcap": 2.0}
     partial = user_variants("sliding_window:window=8@1", 3)
     assert partial[0] is None and partial[2] is None and partial[1].window == 8
     for bad in ("alibi;softcap:cap=30", "alibi@0;softcap:cap=30@0", "alibi@all;causal@2",
@@ -610,14 +613,26 @@ def test_a_variant_that_cannot_run_is_refused_in_one_sentence():
     """Values and mods that would run as nonsense or fail inside a step: each a VariantError naming
     the variant or parameter, before any request runs."""
     from flexsgl import LLM
+    from flexsgl.attention.layer_variants import user_variants
 
     cases = [
         (lambda: V.softcap(0), "cap must be a positive number"),
         (lambda: V.softcap(-1.5), "cap must be a positive number"),
         (lambda: PerRequest("abc"), "default must be a number"),
+        (lambda: PerRequest(1, dtype=torch.bool), "dtype must be one of"),
+        (lambda: PerRequest(3_000_000_000), "no value of its dtype torch.int32"),
+        (lambda: PerRequest(1.5, dtype=torch.int32), "no value of its dtype"),
+        (lambda: check(AttentionVariant("f64", score_mod=lambda s, b, h, q, kv: s.double() + 1)),
+         "'f64': its score_mod must return the score, a float32 tensor"),
+        (lambda: user_variants("alibi@4:", 4), "select no layer"),
+        (lambda: RequestVariants([AttentionVariant("a", score_mod=lambda s, b, h, q, kv, p: s + p.w[b],
+                                                   params={"w": PerRequest(1.0)}),
+                                  AttentionVariant("b", score_mod=lambda s, b, h, q, kv, p: s - p.w[b],
+                                                   params={"w": PerRequest(2.0)})]),
+         "per-request parameter 'w' differently"),
         (lambda: AttentionVariant("x", causal="no"), "causal must be True or False"),
         (lambda: check(AttentionVariant("boolean", score_mod=lambda s, b, h, q, kv: s > 0)),
-         "'boolean': its score_mod must return the score, a float tensor"),
+         "'boolean': its score_mod must return the score, a float32 tensor"),
         (lambda: check(AttentionVariant("t", score_mod=lambda s, b, h, q, kv, p: s / p.temp[h],
                                         params={"temp": PerHead(lambda n: 1 / 0)})),
          "'t''s parameter 'temp' could not be made for 4 heads \\(ZeroDivisionError"),

@@ -52,7 +52,8 @@ def _split_layers(part: str) -> tuple[str, str]:
 
 
 def select_layers(selector, num_layers: int) -> list[int]:
-    """Layer indices from "all", an int, "start:stop[:step]" or "i,j,k"; VariantError if out of range."""
+    """Layer indices from "all", an int, "start:stop[:step]" or "i,j,k"; VariantError if out of range
+    (a slice that selects none included)."""
     if isinstance(selector, int) and not isinstance(selector, bool):
         picked = [selector]
     elif isinstance(selector, str) and selector.strip() == "all":
@@ -60,9 +61,12 @@ def select_layers(selector, num_layers: int) -> list[int]:
     elif isinstance(selector, str) and ":" in selector:
         try:
             bounds = [int(x) if x.strip() else None for x in selector.split(":")]
-            return list(range(num_layers))[slice(*bounds)]
+            picked = list(range(num_layers))[slice(*bounds)]
         except (ValueError, TypeError):
             raise VariantError(f"Layers {selector!r} are not a slice like '0::2'.") from None
+        if not picked:
+            raise VariantError(f"Layers {selector!r} select no layer; the model has {num_layers} layers.")
+        return picked
     elif isinstance(selector, str):
         try:
             picked = [int(x) for x in selector.split(",")]

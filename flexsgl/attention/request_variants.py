@@ -25,14 +25,20 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from flexsgl.attention.variant import AttentionVariant, PerRequest, PromptLength
+from flexsgl.attention.variant import AttentionVariant, PerRequest, PromptLength, VariantError
 
 
 class RequestVariants:
     def __init__(self, per_layer: Sequence[AttentionVariant | None]):
         variants = [v for v in per_layer if v is not None]
-        self.params: dict[str, PerRequest] = {n: p for v in variants for n, p in v.params.items()
-                                              if isinstance(p, PerRequest)}
+        self.params: dict[str, PerRequest] = {}
+        for v in variants:
+            for n, p in v.params.items():
+                if isinstance(p, PerRequest):
+                    if self.params.setdefault(n, p) != p:  # one value per request: one definition
+                        raise VariantError(f"Two layers' attention variants declare the per-request parameter {n!r} "
+                                           f"differently ({self.params[n]} and {p}); a request gives one value for "
+                                           "a name: give them different names.")
         # whether a prompt token's K/V depend on the prompt after it
         self.whole_prompt = any(not v.causal or any(isinstance(p, PromptLength) for p in v.params.values())
                                 for v in variants)

@@ -65,9 +65,24 @@ class PerRequest:
             raise VariantError(f"A PerRequest parameter's default must be a number, got {self.default!r}.")
         if self.dtype is None:
             object.__setattr__(self, "dtype", torch.float32 if isinstance(self.default, float) else torch.int32)
+        if self.dtype not in PER_REQUEST_DTYPES:
+            raise VariantError(f"A PerRequest parameter's dtype must be one of "
+                               f"{', '.join(str(d) for d in PER_REQUEST_DTYPES)}, got {self.dtype!r}.")
+        if self.dtype.is_floating_point:
+            ok = abs(self.default) <= torch.finfo(self.dtype).max
+        else:
+            info = torch.iinfo(self.dtype)
+            ok = float(self.default).is_integer() and info.min <= self.default <= info.max
+        if not ok:
+            raise VariantError(f"A PerRequest parameter's default {self.default!r} is no value of its dtype "
+                               f"{self.dtype} (a whole number in range, or a finite one).")
 
     def value(self, given) -> float | int:
         return self.default if given is None else given
+
+
+# the types a per-request value may have in flex's masks and scores
+PER_REQUEST_DTYPES = (torch.int32, torch.int64, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -152,7 +167,8 @@ class AttentionVariant:
         if clash:
             raise VariantError(f"{where} both define the parameter {clash[0]!r} differently.")
         windows = [w for w in (self.window, other.window) if w is not None]
-        covered = self.kernel is not None and other.kernel is not None
+        # a kernel takes one of each feature: two softcaps or two chunks compose to what none computes
+        covered = self.kernel is not None and other.kernel is not None and not self.kernel.keys() & other.kernel.keys()
         return AttentionVariant(
             f"{self.name}&{other.name}", mask_mod=_and_masks(self, other), score_mod=_chain_scores(self, other),
             causal=_and_causal(self, other), window=min(windows) if windows else None,
@@ -294,9 +310,9 @@ def check(variant: AttentionVariant, num_heads: int = 4) -> None:
         if variant.score_mod is not None:
             score = lambda s, b_, h_, q, kv: call_score(variant.score_mod, s, b_, h_, q, kv, p)  # noqa: E731
             out = score(torch.tensor(0.5), torch.tensor(0), torch.tensor(0), torch.tensor(3), torch.tensor(1))
-            if not (isinstance(out, torch.Tensor) and out.dtype.is_floating_point):
-                raise VariantError(f"{where}: its score_mod must return the score, a float tensor, got "
-                                   f"{getattr(out, 'dtype', type(out).__name__)}.")
+            if not (isinstance(out, torch.Tensor) and out.dtype == torch.float32):  # float64 breaks flex's p @ v
+                raise VariantError(f"{where}: its score_mod must return the score, a float32 tensor as it is "
+                                   f"given, got {getattr(out, 'dtype', type(out).__name__)}.")
             q = torch.randn(b, h, n, 8)
             import warnings
             with warnings.catch_warnings():
