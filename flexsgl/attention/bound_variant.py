@@ -26,6 +26,9 @@ from flexsgl.attention.variant import (AttentionVariant, Params, PerHead, PerReq
                                       with_params)
 
 _ids = itertools.count()
+# The request's prompt length, a parameter every non-causal variant reads (VariantMods.visible): a
+# preempted request recomputes its outputs in one prefill, and those must not see later ones.
+PROMPT_LEN = "_prompt_len"
 BOUND: dict[int, "BoundVariant"] = {}  # by id: flex_ops' decode op finds a layer's variant by its id
 
 
@@ -48,6 +51,8 @@ class VariantMods(nn.Module):
         vis = base
         if self.causal:
             vis = vis & (kv_pos <= q_pos)
+        elif hasattr(p, PROMPT_LEN):  # past the prompt, causal: an output token saw no later one when decoded
+            vis = vis & ((kv_pos <= q_pos) | (kv_pos < getattr(p, PROMPT_LEN)[slot]))  # (nor when recomputed)
         if self.window is not None:
             vis = vis & (q_pos - kv_pos < self.window)
         if self.mask_mod is not None:
@@ -112,8 +117,12 @@ class VariantSet:
         self.request_params: dict[str, PerRequest | PromptLength] = {}
         for v in filter(None, per_layer):
             self.request_params.update((n, p) for n, p in v.params.items() if not isinstance(p, PerHead))
+        if any(v is not None and not v.causal for v in per_layer):  # VariantMods.visible reads it
+            self.request_params[PROMPT_LEN] = PromptLength()
         self.request_tensors = {n: torch.zeros(slots, dtype=p.dtype, device=device)
                                 for n, p in self.request_params.items()}
+        if PROMPT_LEN in self.request_tensors:  # until a request's prefill writes it: every key is the prompt's
+            self.request_tensors[PROMPT_LEN].fill_(torch.iinfo(torch.int32).max)
         bound: dict[int, BoundVariant] = {}
         for v in filter(None, per_layer):
             if id(v) not in bound:
@@ -126,6 +135,8 @@ class VariantSet:
         where = f"Attention variant {v.name!r}'s"
         params = {n: (p.tensor(total, f"{where} parameter {n!r}")[heads].to(self.device) if isinstance(p, PerHead)
                       else self.request_tensors[n]) for n, p in v.params.items()}
+        if not v.causal:
+            params[PROMPT_LEN] = self.request_tensors[PROMPT_LEN]
         sink = (v.sink.tensor(total, f"{where} sink")[heads].float().to(self.device) if isinstance(v.sink, PerHead)
                 else None)
         return BoundVariant(v, params, sink)
