@@ -7,7 +7,8 @@ torch's `/tmp/torchinductor_$USER`, so a warm start survives a reboot. flash-att
 kernels, which FlexAttention's FLASH backend compiles (about 10 s each on an H200), are kept in
 its `flash_attn_cute` subdirectory unless FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED or _DIR says
 otherwise; without it every process compiles them again. `flexsgl cache` shows the directory and
-its size; `flexsgl cache --clear` deletes it.
+its size; `flexsgl cache --clear` deletes it (of a directory the user named, only what torch.compile
+keeps there).
 
 torch.compile keys its cached graphs on the graph it traced, not on the code of the custom ops the
 graph calls: a graph traced by one version of flexsgl can be served to another whose op takes other
@@ -23,6 +24,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -38,6 +40,9 @@ FLASH_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_
 
 
 TAG_ENV = "TORCH_COMPILE_CACHE_KEY_TAG"
+# what torch.compile (and flash-attn-4, here) keep under the cache directory
+TORCH_ENTRIES = frozenset({"fxgraph", "aotautograd", "triton", "flash_attn_cute", "pgo", "autotune", "precompile",
+                           "cache", "kernel"})
 
 
 def cache_dir() -> Path:
@@ -79,8 +84,17 @@ def size_bytes(path: Path) -> int:
 
 
 def clear() -> int:
-    """Delete the cache directory; returns the bytes it held."""
+    """Delete the cached compiled code; returns the bytes it held. flexsgl's own directory goes
+    whole; a TORCHINDUCTOR_CACHE_DIR the user set keeps everything but what torch.compile writes
+    there (TORCH_ENTRIES, and Inductor's code in directories named by two characters of a hash)."""
     path = cache_dir()
-    held = size_bytes(path)
-    shutil.rmtree(path, ignore_errors=True)
+    if path == default_dir():
+        held = size_bytes(path)
+        shutil.rmtree(path, ignore_errors=True)
+        return held
+    held = 0
+    for entry in path.iterdir() if path.is_dir() else ():
+        if entry.is_dir() and (entry.name in TORCH_ENTRIES or re.fullmatch(r"[0-9a-z]{2}", entry.name)):
+            held += size_bytes(entry)
+            shutil.rmtree(entry, ignore_errors=True)
     return held

@@ -197,15 +197,21 @@ def test_ctrl_c_while_streaming_ends_the_line_and_exits_130():
 
 
 def test_cache_shows_and_clears_the_compile_cache(tmp_path):
+    """A TORCHINDUCTOR_CACHE_DIR of the user's: what torch.compile keeps there goes, the rest stays
+    (the whole directory went, another project's files with it)."""
     where = tmp_path / "inductor"
-    (where / "fxgraph").mkdir(parents=True)
-    (where / "fxgraph" / "entry").write_bytes(os.urandom(2_000_000))
+    for entry in ("fxgraph", "c4"):
+        (where / entry).mkdir(parents=True)
+        (where / entry / "entry").write_bytes(os.urandom(1_000_000))
+    (where / "other_project").mkdir()
+    (where / "other_project" / "keep.txt").write_text("mine")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(where)}
     show = subprocess.run([sys.executable, "-m", "flexsgl.cli", "cache"], env=env, text=True, capture_output=True)
     assert show.returncode == 0 and show.stdout.startswith(f"{where} (2.0 MB)"), show
     cleared = subprocess.run([sys.executable, "-m", "flexsgl.cli", "cache", "--clear"], env=env, text=True,
                              capture_output=True)
-    assert cleared.returncode == 0 and "2.0 MB" in cleared.stdout and not where.exists(), cleared
+    assert cleared.returncode == 0 and "2.0 MB" in cleared.stdout, cleared
+    assert sorted(p.name for p in where.iterdir()) == ["other_project"] and (where / "other_project" / "keep.txt").exists()
 
 
 def test_cache_defaults_under_the_user_cache_dir(tmp_path):
