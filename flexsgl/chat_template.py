@@ -36,9 +36,23 @@ def load_template(value: str) -> str:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"--chat-template {value!r} could not be read ({describe(e)}).") from None
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+    if "{{" not in value and "{%" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+    return value
+
+
+def checked_template(value: str) -> str:
+    """load_template's template, once Jinja parses it (ValueError, one sentence, where it does not:
+    refused at start-up, not blamed on each request)."""
+    template = load_template(value)
+    from jinja2 import Environment, TemplateSyntaxError
+
+    try:
+        Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template ({(e.message or '').rstrip('.')}, line "
+                         f"{e.lineno}).") from None
+    return template
 
 
 def has_template(tokenizer) -> bool:

@@ -257,9 +257,9 @@ def serve(
     try:
         from flexsgl.model.presets import DEFAULT_MODEL
         from flexsgl.model.source import resolve
-        from flexsgl.chat_template import load_template
+        from flexsgl.chat_template import checked_template
 
-        options = ServerOptions(api_key=api_key, chat_template=chat_template and load_template(chat_template),
+        options = ServerOptions(api_key=api_key, chat_template=chat_template and checked_template(chat_template),
                                 reasoning_parser=reasoning_parser and reasoning_parser.replace("-", "_"),
                                 tool_call_parser=tool_call_parser, request_log=enable_log_requests,
                                 max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)

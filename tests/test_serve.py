@@ -423,7 +423,7 @@ def test_bad_requests_through_the_client_and_by_hand(server, client):
 
 
 @pytest.mark.parametrize("args", [["no/such-model-dir"], ["--port", "0"], ["--max-total-tokens", "-5"],
-                                  ["--override", "nope"]])
+                                  ["--override", "nope"], ["--chat-template", "{{ foo"]])
 def test_serve_refuses_bad_arguments_with_one_line(args):
     from typer.testing import CliRunner
 
