@@ -189,6 +189,14 @@ class RequestFactory:
 
         grammar.parse(spec)
 
+    def longest(self) -> int:
+        """The most tokens (prompt and outputs) a request can have here: the context, or less where
+        the whole KV cache holds less and a request keeps every token's K/V (no window)."""
+        cache = self.capacity * self.page_size
+        if self.held_tokens is not None and self.held_tokens <= cache:
+            return self.config.max_position
+        return min(self.config.max_position, cache)
+
     def refusal(self, req: Request) -> str | None:
         """Why `req` can never run here (longer than the context or the whole KV cache), or None."""
         return refusal(req, self.page_size, self.capacity, self.held_tokens, self.whole_prompt_tokens)

@@ -245,6 +245,16 @@ def test_skip_special_tokens_false_keeps_their_text(client):
             assert text == ("" if skip else "<|endoftext|>" * 3), (skip, stream, text)
 
 
+def test_chats_default_limit_fits_a_kv_cache_smaller_than_the_context():
+    """A cache of 512 tokens under a 1,024-token context: a chat without max_tokens runs to what the
+    cache holds (it was refused: the default asked for the context's room)."""
+    with running_server("--max-total-tokens", "512") as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+        out = client.chat.completions.create(model="tiny-docs", messages=[{"role": "user", "content": "Return the"}],
+                                             extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == 512 and out.choices[0].finish_reason == "length"
+
+
 def test_allowed_token_ids_and_truncate_prompt_tokens_as_offline(client, offline):
     """vLLM's allowed_token_ids and truncate_prompt_tokens give what the offline API gives; chat's
     per-request chat_template and echo, and beam search, are refused by name."""

@@ -162,7 +162,8 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
             ctx = info.config.max_position
             kept = len(ids) if truncated is None else min(len(ids), ctx - 1 if truncated == -1 else truncated)
             thinking = options.reasoning_parser is not None and reasoning.thinks(text, body.chat_template_kwargs)
-            sampling = body.to_sampling(info.default_sampling, ctx - kept, plan.constraint(),
+            # the default limit: the room the context, or a KV cache holding less, leaves (as vLLM's)
+            sampling = body.to_sampling(info.default_sampling, info.requests.longest() - kept, plan.constraint(),
                                         reasoning.END if thinking else None)
             return text, sampling, info.requests.make_requests(ids, sampling)
 
