@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from flexsgl.model.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "float": torch.float32, "half": torch.float16}  # vLLM's names too
 DTYPE_NAMES = ("auto", *DTYPES)
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": FP8, "fp8": FP8}
 

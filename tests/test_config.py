@@ -121,6 +121,8 @@ def test_cpu_defaults_resolve_to_float32_eager_no_graphs_and_16k_tokens():
     assert rc.attention.label == "flex"
     rc = EngineConfig(dtype="bf16", compile=True, max_total_tokens=640).resolve(TINY, CPU)
     assert (rc.dtype, rc.compile, rc.max_total_tokens) == (torch.bfloat16, True, 640)
+    for name, dtype in (("half", torch.float16), ("float", torch.float32)):  # vLLM's names
+        assert EngineConfig(dtype=name).resolve(TINY, CPU).dtype == dtype
 
 
 @pytest.mark.parametrize("checkpoint_dtype, dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16),

@@ -250,6 +250,8 @@ def test_chats_default_limit_fits_a_kv_cache_smaller_than_the_context():
     cache holds (it was refused: the default asked for the context's room)."""
     with running_server("--max-total-tokens", "512") as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+        card = client.models.retrieve("tiny-docs")
+        assert card.created > 0 and card.max_model_len == 1024
         out = client.chat.completions.create(model="tiny-docs", messages=[{"role": "user", "content": "Return the"}],
                                              extra_body={"ignore_eos": True})
     assert out.usage.prompt_tokens + out.usage.completion_tokens == 512 and out.choices[0].finish_reason == "length"

@@ -17,6 +17,8 @@ import logging
 import signal
 import socket
 
+from flexsgl.log import logger
+
 
 class PortInUseError(OSError):
     """The address the server was to listen on is taken."""
@@ -66,6 +68,8 @@ def serve(engine_config, host: str = "127.0.0.1", port: int = 8000, served_model
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    where = sock.getsockname()
+    engine.on_ready = lambda: logger.info(f"serving {name} on http://{where[0]}:{where[1]}")
     engine.on_start_failed = lambda: setattr(server, "should_exit", True)  # not a signal: uvicorn would end
     try:                                                                    # the process with it (status 143)
         server.run(sockets=[sock])

@@ -101,8 +101,10 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    started = int(time.time())
+
     def card() -> dict:
-        return {"id": model_name, "object": "model", "created": 0, "owned_by": "flexsgl",
+        return {"id": model_name, "object": "model", "created": started, "owned_by": "flexsgl",
                 "max_model_len": engine.info.config.max_position if engine.serving else None}
 
     @app.get("/v1/models")

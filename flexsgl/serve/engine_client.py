@@ -70,6 +70,7 @@ class EngineClient:
         self.stopping = False
         self.start_failed = threading.Event()  # the engine could not start (`failure` says why)
         self.on_start_failed = lambda: os.kill(os.getpid(), signal.SIGTERM)  # what stops the server then
+        self.on_ready = lambda: None  # once the engine is ready (the server says where it serves)
         self.draining = False  # the server is stopping: requests in flight are being ended (drain)
 
     # ---- lifetime
@@ -203,6 +204,7 @@ class EngineClient:
                     self.info = msg.info
                     self.metrics.engine(msg.stats, msg.info.total_pages)  # the gauges before any step
                     self.ready.set()
+                    self.on_ready()
                 elif isinstance(msg, StartFailed):
                     self._failed(msg.reason)
                     self.start_failed.set()
