@@ -400,12 +400,15 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc for the server's processes")
-@pytest.mark.parametrize("when", ["starting", "started"])
-def test_sigterm_to_the_bench_stops_the_server_it_started(when):
-    """SIGTERM to the bench alone (`kill PID`) while its server starts (the server process alone), or
-    once the server's engine process runs too: the bench exits 143 and every process under it ends."""
+@pytest.mark.parametrize("when, sig", [("starting", "SIGTERM"), ("started", "SIGTERM"), ("started", "SIGHUP")])
+def test_sigterm_to_the_bench_stops_the_server_it_started(when, sig):
+    """SIGTERM to the bench alone (`kill PID`), or SIGHUP (its terminal closed), while its server
+    starts (the server process alone), or once the server's engine process runs too: the bench
+    exits 128 + the signal and every process under it ends."""
     import signal
     import time
+
+    sig = getattr(signal, sig)
 
     proc = subprocess.Popen([sys.executable, "-m", "flexsgl", *BASE, "--workload", "serve", "--num-prompts", "50"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
@@ -414,9 +417,9 @@ def test_sigterm_to_the_bench_stops_the_server_it_started(when):
         while len(below := _descendants(proc.pid)) < (1 if when == "starting" else 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
             time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         err = proc.communicate(timeout=60)[1]
-        assert proc.returncode == 143, err[-2000:]
+        assert proc.returncode == 128 + sig, err[-2000:]
         deadline = time.monotonic() + 30
         while (left := [p for p in below if _running(p)]) and time.monotonic() < deadline:
             time.sleep(0.1)

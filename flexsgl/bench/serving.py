@@ -171,34 +171,38 @@ async def _pass(base_url: str, prompts, out_lens, rate: float, *, model: str | N
             "cached_tokens": cached[0]}
 
 
+STOPPING = (signal.SIGTERM, signal.SIGHUP)  # signals that end a bench, and with it the server it started
+
+
 class _server:
     """The server to measure: --base-url's, or a `flexsgl serve` process for this override."""
 
     def __init__(self, p: Plan, override: str):
         self.p, self.override, self.proc, self.log = p, override, None, None
-        self.previous_sigterm = None  # the SIGTERM handler while this bench's own server runs
-        self.forking = self.sigterm_pending = False
+        self.previous: dict = {}  # the SIGTERM and SIGHUP handlers while this bench's own server runs
+        self.forking, self.pending = False, None  # a signal that came while the server forked
         self.load_s = 0.0  # start to healthy, for a server the bench starts
 
     def __enter__(self) -> str:
         if self.p.args.base_url:
             return _answering(self.p.args.base_url.rstrip("/"))
         t0 = time.perf_counter()
-        if threading.current_thread() is threading.main_thread():  # a SIGTERM to the bench alone stops
-            self.previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)  # its server too
+        if threading.current_thread() is threading.main_thread():  # a SIGTERM to the bench alone, or the
+            for sig in STOPPING:  # SIGHUP of a closed terminal, stops its server too
+                self.previous[sig] = signal.signal(sig, self._on_signal)
         port = _free_port()
         cmd = [sys.executable, "-m", "flexsgl", "serve", self.p.engine.model, "--port", str(port),
                "--override", self.override, *engine_flags(self.p.engine, skip=("model", "override"))]
         logger.info("starting: " + " ".join(cmd[1:]))
         self.log = tempfile.NamedTemporaryFile("w+", prefix="flexsgl-serve-", suffix=".log", delete=False)
         try:
-            self.forking = True  # a SIGTERM meanwhile waits until self.proc names the server
+            self.forking = True  # a signal meanwhile waits until self.proc names the server
             try:
                 self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
             finally:
                 self.forking = False
-            if self.sigterm_pending:
-                raise SystemExit(128 + signal.SIGTERM)
+            if self.pending is not None:
+                raise SystemExit(128 + self.pending)
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + HEALTH_TIMEOUT_S
             while not _healthy(url):
@@ -207,23 +211,23 @@ class _server:
                     tail = self.log.read()[-2000:]
                     raise RuntimeError(f"the server did not become healthy (log {self.log.name}):\n{tail}")
                 time.sleep(0.5)
-        except BaseException:  # a SIGTERM or Ctrl-C while it starts too: `with` calls no __exit__ here
+        except BaseException:  # a SIGTERM, SIGHUP or Ctrl-C while it starts too: `with` calls no __exit__ here
             self.__exit__()
             raise
         self.load_s = time.perf_counter() - t0
         return url
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         """Unwinds through __exit__ (or __enter__'s clean-up), which stops the server."""
         if self.forking:
-            self.sigterm_pending = True
+            self.pending = signum
         else:
-            raise SystemExit(128 + signal.SIGTERM)
+            raise SystemExit(128 + signum)
 
     def __exit__(self, *exc) -> None:
-        if self.previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, self.previous_sigterm)
-            self.previous_sigterm = None
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
         if self.proc is None:
             return
         self.proc.terminate()
