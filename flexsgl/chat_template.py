@@ -50,6 +50,8 @@ def checked_template(value: str) -> str:
     try:
         Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
     except TemplateSyntaxError as e:
+        if "'generation'" in (e.message or ""):  # transformers' own tag (assistant masks), which it parses
+            return template
         raise ValueError(f"--chat-template is not a valid Jinja template ({(e.message or '').rstrip('.')}, line "
                          f"{e.lineno}).") from None
     return template
