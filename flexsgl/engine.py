@@ -45,7 +45,8 @@ from flexsgl.config import EngineConfig
 from flexsgl.engine_core import build_core, prepare
 from flexsgl.generation_config import default_sampling, eos_token_ids
 from flexsgl.log import logger, progress
-from flexsgl.errors import EngineDeadError, Health, PromptError, RankFailedError, SamplingParamsError, UnknownRequestError, describe, short_repr
+from flexsgl.errors import (EngineDeadError, Health, PromptError, RankFailedError, SamplingParamsError,
+                            UnknownRequestError, describe, short_repr)
 from flexsgl.interrupts import deferred_interrupts
 from flexsgl.output import OutputProcessor
 from flexsgl.request import FinishReason, Request, RequestOutput

@@ -165,8 +165,8 @@ class RequestFactory:
         eos = self.eos
         if sampling.allowed_token_ids is not None and sampling.min_tokens > 0 and set(sampling.allowed_token_ids) <= \
                 set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos)):
-            raise SamplingParamsError(f"allowed_token_ids of prompt {index} are all stop tokens, which min_tokens keeps "
-                                      "out of the first tokens: no token could be sampled.")
+            raise SamplingParamsError(f"allowed_token_ids of prompt {index} are all stop tokens, which "
+                                      "min_tokens keeps out of the first tokens: no token could be sampled.")
         return Request(next(self._ids), ids, sampling, eos, ctx, rng_seed=self._seeds.getrandbits(62),
                        cache_salt=self.variants.salt(ids, sampling.attention_params))
 

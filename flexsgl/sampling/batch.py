@@ -1,9 +1,10 @@
 """A step's sampling parameters: the host lists that go to the device in the runner's packed
 uploads, then the SamplingTensors made from the uploaded views.
 
-The optional parts (logit bias, allowed token ids, penalties, min_tokens, log-probabilities) cost nothing in a step where no
-request uses them: their lists are empty and their tensors are not built. Nor do the sampling
-parameters themselves where every row is greedy and nothing changes its logits: the argmax needs none.
+The optional parts (logit bias, allowed token ids, penalties, min_tokens, log-probabilities) cost
+nothing in a step where no request uses them: their lists are empty and their tensors are not built.
+Nor do the sampling parameters themselves where every row is greedy and nothing changes its logits:
+the argmax needs none.
 """
 
 from __future__ import annotations
