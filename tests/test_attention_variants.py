@@ -161,6 +161,21 @@ def test_variant_eager_matches_float64(name, case, page_size):
     run_variant_case(name, CASES[case], page_size)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("score", [False, True], ids=["sdpa", "scores-written-out"])
+def test_a_mask_that_reads_the_head_runs_uncompiled(monkeypatch, case, score):
+    """The uncompiled path's dense mask, per head where the mask reads h (built once for all heads,
+    it failed every request: h was None), alone (SDPA) and beside a score_mod, against float64; a
+    PerHead value read in the mask too."""
+    widths = PerHead(torch.tensor([2, 7, 30, 1000]))
+    variant = AttentionVariant("head_mask", mask_mod=lambda b, h, q, kv, p: (h % 2 == 0) | (q - kv < p.w[h]),
+                               score_mod=(lambda s, b, h, q, kv: s * 0.5) if score else None, params={"w": widths})
+    ref_visible = lambda i, h, q, kv, c: _causal(q, kv) & ((h % 2 == 0) | (q - kv < widths.values[h]))  # noqa: E731
+    monkeypatch.setitem(REFERENCE, "head_mask", (variant, ref_visible,
+                                                 (lambda s, i, h, q, kv, c: s * 0.5) if score else None, None))
+    run_variant_case("head_mask", CASES[case], 16)
+
+
 # Each compile costs seconds on the CPU: one case per layout, covering every kind of mod between them.
 @pytest.mark.parametrize("name,case,packed", [
     ("gemma_gpt_oss_like", "ragged-prefill", True),  # window, score_mod, sink; prefill over packed rows

@@ -17,6 +17,7 @@ captures no symbolic integer (which FlexAttention's FLASH lowering refuses).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -77,6 +78,22 @@ class BoundVariant:
         self.sink_name = variant.sink if isinstance(variant.sink, str) else None
         self.sink = sink  # a PerHead sink's values (this rank's heads); a named one comes from the layer
         self.plain = variant.plain
+
+    @functools.cached_property
+    def reads_head(self) -> bool:
+        """Whether the mask reads the query head h (traced once; where it cannot be, taken to): the
+        uncompiled path then builds a mask per head."""
+        if self.mask_mod is None:
+            return False
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        coord = lambda v: torch.tensor([v], dtype=torch.int32)  # noqa: E731
+        try:
+            graph = make_fx(lambda b, h, q, kv: self.visible(q >= 0, b, h, q, kv))(
+                coord(0), coord(0), coord(3), coord(1)).graph
+        except Exception:
+            return True
+        return bool([n for n in graph.nodes if n.op == "placeholder"][1].users)
 
     @property
     def has_sink(self) -> bool:

@@ -178,11 +178,15 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
             out = _scores_written_out(qb.transpose(1, 2), k, v, *_dense_from_mods(meta, nb, hq, nq, k.shape[2], q.device),
                                       scale, sink)
         elif meta.score_mod is not None or sink is not None:
-            out = _scores_written_out(qb.transpose(1, 2), k, v, meta.mask_state[0][:, None], meta.score_mod, scale, sink)
+            visible = meta.mask_state[0]  # [nb, nq, N], or per head [nb, Hq, nq, N]
+            out = _scores_written_out(qb.transpose(1, 2), k, v, visible if visible.dim() == 4 else visible[:, None],
+                                      meta.score_mod, scale, sink)
         else:  # every query as one sequence over the one KV sequence: SDPA never copies K/V per request
+            visible = meta.mask_state[0]
+            mask = (visible.transpose(0, 1).reshape(1, hq, nb * nq, -1) if visible.dim() == 4
+                    else visible.reshape(1, 1, nb * nq, -1))
             out = F.scaled_dot_product_attention(qb.reshape(1, nb * nq, hq, d).transpose(1, 2), k, v,
-                                                 attn_mask=meta.mask_state[0].reshape(1, 1, nb * nq, -1),
-                                                 scale=scale, enable_gqa=hq != k.shape[1])
+                                                 attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
             out = out.view(hq, nb, nq, -1).permute(1, 0, 2, 3)
         out = out.transpose(1, 2)  # [nb, nq, Hq, Dv]
         return out.reshape(t, hq, v.shape[-1]) if meta.rows is None else out[meta.rows]

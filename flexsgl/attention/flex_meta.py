@@ -176,7 +176,7 @@ class FlexMetaBuilder:
             mask_mod, score_mod = (paged_causal(fb.page_table, last, self.page_pos, ps), None) if bound is None \
                 else paged_decode_variant(bound, fb.page_table, last, self.page_pos, fb.req_slots, ps)
         if not self.compiled:
-            return self._dense_meta(fb, mask_mod, (b, 1), compact, score_mod)
+            return self._dense_meta(fb, mask_mod, (b, 1), compact, score_mod, self._dense_heads(bound))
         valid = torch.ones(b, dtype=torch.bool, device=last.device)
         full = self.decode_full_blocks(b) and (bound is None or bound.full_blocks)
         window = None if bound is None else bound.window
@@ -214,7 +214,7 @@ class FlexMetaBuilder:
             mask_mod, score_mod = packed_paged_variant(bound, fb.page_table, *mask_state, seq_last, self.page_pos,
                                                        fb.req_slots.int(), ps)
         if not self.compiled:  # a block is a token, in packed order: the queries are a plain view
-            return self._dense_meta(fb, mask_mod, (1, qr.num_rows), compact, score_mod)
+            return self._dense_meta(fb, mask_mod, (1, qr.num_rows), compact, score_mod, self._dense_heads(bound))
         blocks = self._full_listed(block_lists(fb.page_table, ps, qr, *block_rules(bound, seq_last[qr.piece_req])))
         return self._meta(fb, [x if x is None else x[None, None] for x in blocks], mask_mod, (1, qr.num_rows), qr.rows,
                           mask_state, Q_BLOCK, score_mod=score_mod)
@@ -267,14 +267,20 @@ class FlexMetaBuilder:
             return num_partial, partial_idx, torch.zeros_like(num_partial), torch.zeros_like(partial_idx)
         return blocks
 
-    def _dense_meta(self, fb: ForwardBatch, mask_mod, query_shape, compact: bool, score_mod=None) -> FlexMeta:
+    def _dense_heads(self, bound) -> int | None:
+        """The query heads a dense mask is built for: this rank's, where `bound`'s mask reads the head."""
+        return self.num_heads if bound is not None and bound.reads_head else None
+
+    def _dense_meta(self, fb: ForwardBatch, mask_mod, query_shape, compact: bool, score_mod=None,
+                    heads: int | None = None) -> FlexMeta:
         """Not compiled: the mask_mod evaluated over every (query, key) pair once per step, which
         the backend's attend() applies with SDPA (or, for a variant's score_mod or sink, with the scores written
         out). torch's eager flex_attention would evaluate it in every layer under four nested vmaps,
         whose Python cost per call (about 10 ms on the development CPU) would dominate a small
         model's step. compact (on the CPU, outside graph buffers): the KV is only the slots of the
         pages the step's requests hold, which the prefix cache spreads over the pool; attention over
-        the whole extent dominated steps of many requests."""
+        the whole extent dominated steps of many requests. `heads`: the query heads, where the
+        mask reads the head (BoundVariant.reads_head): a mask per head, `[nb, heads, nq, N]`."""
         ps = self.pool.page_size
         dev = fb.page_table.device
         nb, nq = query_shape
@@ -284,7 +290,11 @@ class FlexMetaBuilder:
             kv_slots = (pages[:, None] * ps + torch.arange(ps)).flatten()
         kv_idx = kv_slots if kv_slots is not None else torch.arange(fb.num_kv_pages * ps, device=dev)
         b, q_idx = torch.arange(nb, device=dev), torch.arange(nq, device=dev)
-        visible = mask_mod(b[:, None, None], None, q_idx[None, :, None], kv_idx[None, None, :])
+        if heads is None:
+            visible = mask_mod(b[:, None, None], None, q_idx[None, :, None], kv_idx[None, None, :])
+        else:
+            visible = mask_mod(b[:, None, None, None], torch.arange(heads, device=dev)[None, :, None, None],
+                               q_idx[None, None, :, None], kv_idx[None, None, None, :])
         dense_score = None
         if score_mod is not None:
             def dense_score(s):  # s: [nb, Hq, nq, N]
