@@ -84,6 +84,14 @@ def check_prompt(prompt, index: int) -> str | list[int]:
     return ids
 
 
+def kept_tokens(prompt_len: int, truncate: int | None, ctx: int) -> int:
+    """How many of a prompt's tokens, its last ones, truncate_prompt_tokens keeps (vLLM's; -1: as
+    many as a context of `ctx` tokens leaves room for with one new token; None: all)."""
+    if truncate is None:
+        return prompt_len
+    return min(prompt_len, ctx - 1 if truncate == -1 else truncate)
+
+
 class RequestFactory:
     def __init__(self, model_name: str, config, tokenizer, page_size: int, capacity: int,
                  variants: RequestVariants | None = None, held_tokens: int | None = None,
@@ -133,9 +141,7 @@ class RequestFactory:
         if min(ids) < 0 or max(ids) >= vocab:
             raise PromptError(f"Prompt {index} has token ids outside the vocabulary [0, {vocab}).")
         ctx = self.config.max_position
-        if sampling.truncate_prompt_tokens is not None:  # the last ones, as vLLM keeps
-            keep = ctx - 1 if sampling.truncate_prompt_tokens == -1 else sampling.truncate_prompt_tokens
-            ids = list(ids[-keep:])
+        ids = list(ids[len(ids) - kept_tokens(len(ids), sampling.truncate_prompt_tokens, ctx):])
         if len(ids) >= ctx:
             raise PromptError(f"Prompt {index} has {len(ids)} tokens; the model's context is {ctx}, "
                               "leaving no room for a new token.")

@@ -184,12 +184,6 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
-    def changes_logits(self) -> bool:
-        """Whether anything but temperature and the filters changes the logits a token is drawn from."""
-        return (self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
-                or self.structured_outputs is not None or self.allowed_token_ids is not None)
-
     @functools.cached_property
     def allowed_words(self):
         """allowed_token_ids as a bitmask, numpy int64 words: bit j of word w allows token 64 w + j

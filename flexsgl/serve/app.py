@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from flexsgl.errors import PromptError, short_repr
 from flexsgl import chat_template as chat
+from flexsgl.request_factory import kept_tokens
 from flexsgl.serve import errors, reasoning, tools
 from flexsgl.serve.engine_client import EngineClient
 from flexsgl.serve.errors import APIError, error_body
@@ -161,8 +162,7 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
             if truncated is None:
                 intake.check_chars(len(text), info, "The rendered chat prompt")
             ids = chat.encode(info.tokenizer, text)
-            ctx = info.config.max_position
-            kept = len(ids) if truncated is None else min(len(ids), ctx - 1 if truncated == -1 else truncated)
+            kept = kept_tokens(len(ids), truncated, info.config.max_position)
             thinking = options.reasoning_parser is not None and reasoning.thinks(text, body.chat_template_kwargs)
             # the default limit: the room the context, or a KV cache holding less, leaves (as vLLM's)
             sampling = body.to_sampling(info.default_sampling, info.requests.longest() - kept, plan.constraint(),

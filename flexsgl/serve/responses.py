@@ -129,7 +129,7 @@ class Choices:
                 delta = _merge(delta, p.finish())
         if not text and not ev.token_ids and ev.output is None:
             return out
-        prompt = self._prompt_entries(*ev.prompt) if first and echo and ev.prompt else None
+        prompt = self._prompt_entries(*ev.prompt) if want_logprobs and first and echo and ev.prompt else None
         mid = ev.output is None and not (want_logprobs and (ev.logprobs or prompt))
         if mid and delta is not None and not delta:  # the parsers hold this token's text back
             return out
