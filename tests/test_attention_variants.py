@@ -462,7 +462,8 @@ def per_request_window() -> AttentionVariant:
     def mask(b, h, q_pos, kv_pos, p):
         return q_pos - kv_pos < p.w[b]
 
-    return AttentionVariant("per_request_window", mask_mod=mask, window=64, params={"w": PerRequest(64)})
+    return AttentionVariant("per_request_window", mask_mod=mask, window=64,
+                            params={"w": PerRequest(64, low=1, high=64)})
 
 
 def _fresh_logits(path, attention, prompt, greedy, monkeypatch, given=None):
@@ -538,17 +539,27 @@ def test_a_users_variants_per_layer_track_hf_with_them_written_out(tmp_path, mon
     check_outputs(hf, llm, seen, prompts, outs, seed, "per-layer variants")
 
 
-def test_a_whole_number_parameter_refuses_a_fraction():
+def test_a_parameter_refuses_values_outside_its_type_and_bounds():
+    """A fraction for a whole-number parameter, a value its int32 tensor would wrap, one outside its
+    bounds (a window above the variant's would be hidden by it), a non-finite float: each refused
+    naming what the parameter takes. The bounds' own edges run."""
     from flexsgl import LLM, SamplingParams
     from flexsgl.errors import SamplingParamsError
 
     assert PerRequest(48).dtype == torch.int32 and PerRequest(0.5).dtype == torch.float32
-    llm = LLM("tiny", attention=per_request_window(), load_format="dummy", device="cpu", max_total_tokens=1024)
-    for bad in (2.5, 2**31, -2**31 - 1, float("inf")):  # int32: beyond it a value would wrap in the tensor
-        with pytest.raises(SamplingParamsError, match=rf"give w {re.escape(repr(bad))}, and it takes whole numbers"):
-            llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, attention_params={"w": bad}))
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, attention_params={"w": 2.0}))[0]
-    assert out.error is None
+    scaled = AttentionVariant("scaled", score_mod=lambda s, b, h, q, kv, p: s * p.t[b],
+                              params={"t": PerRequest(1.0, low=0.25, high=4.0)})
+    llm = LLM("tiny", attention={"0": per_request_window(), "1:": scaled}, load_format="dummy", device="cpu",
+              max_total_tokens=1024)
+    cases = [({"w": v}, "whole numbers from 1 to 64") for v in (2.5, 65, 0, 2**31, -2**31 - 1, float("inf"))]
+    cases += [({"t": v}, "finite numbers of torch.float32 from 0.25 to 4") for v in (4.5, 0.0, float("inf"))]
+    for given, takes in cases:
+        [(name, bad)] = given.items()
+        with pytest.raises(SamplingParamsError, match=rf"give {name} {re.escape(repr(bad))}, and it takes {takes}"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, attention_params=given))
+    outs = llm.generate([[1, 2, 3]] * 3, [SamplingParams(max_new_tokens=2, attention_params=p)
+                                          for p in ({"w": 2.0, "t": 0.25}, {"w": 1, "t": 4}, {"w": 64})])
+    assert all(o.error is None and len(o.token_ids) == 2 for o in outs)
 
 
 @pytest.mark.parametrize("case", ["prefix-lm", "per-request-window"])
@@ -640,6 +651,9 @@ def test_a_variant_that_cannot_run_is_refused_in_one_sentence():
         (lambda: PerRequest(1, dtype=torch.bool), "dtype must be one of"),
         (lambda: PerRequest(3_000_000_000), "no value of its dtype torch.int32"),
         (lambda: PerRequest(1.5, dtype=torch.int32), "no value of its dtype"),
+        (lambda: PerRequest(64, low=1, high=32), r"default 64 lies outside its bounds \[1, 32\]"),
+        (lambda: PerRequest(1.0, low=float("nan")), "low must be a finite number"),
+        (lambda: PerRequest(1, high="8"), "high must be a finite number"),
         (lambda: check(AttentionVariant("f64", score_mod=lambda s, b, h, q, kv: s.double() + 1)),
          "'f64': its score_mod must return the score, a float32 tensor"),
         (lambda: user_variants("alibi@4:", 4), "select no layer"),

@@ -1,8 +1,8 @@
 """What an engine's attention variants take from each request, and what they mean for reusing its K/V.
 
 A request may give the variants' per-request parameters (`PerRequest`) through
-`SamplingParams.attention_params`; an integer parameter takes whole numbers its dtype holds, a
-floating one finite numbers (`refusal`).
+`SamplingParams.attention_params`; an integer parameter takes whole numbers, a floating one finite
+numbers, within the parameter's bounds and what its dtype holds (`refusal`).
 
 The prefix cache hands a request the K/V another computed for the same tokens. That is right only
 where both computed them alike, and a token's K/V after the first layer depend on every earlier
@@ -45,14 +45,16 @@ class RequestVariants:
 
     def refusal(self, name: str, value: float | int) -> str | None:
         """What parameter `name` takes, where `value` is not that (else None): an integer one whole
-        numbers its dtype holds, a floating one finite numbers it holds."""
-        dtype = self.params[name].dtype
-        if dtype.is_floating_point:
-            top = torch.finfo(dtype).max
-            return None if -top <= value <= top else f"finite numbers of {dtype} (magnitude up to {top:.4g})"
-        low, top = torch.iinfo(dtype).min, torch.iinfo(dtype).max
-        if float(value).is_integer() and low <= value <= top:
+        numbers, a floating one finite numbers, within its bounds and what its dtype holds."""
+        param = self.params[name]
+        floating = param.dtype.is_floating_point
+        info = torch.finfo(param.dtype) if floating else torch.iinfo(param.dtype)
+        low = info.min if param.low is None else max(param.low, info.min)
+        top = info.max if param.high is None else min(param.high, info.max)
+        if (floating or float(value).is_integer()) and low <= value <= top:
             return None
+        if floating:
+            return f"finite numbers of {param.dtype} from {low:.4g} to {top:.4g}"
         return f"whole numbers from {low} to {top}"
 
     def salt(self, prompt_ids: Sequence[int], given: dict | None) -> Hashable | None:

@@ -55,10 +55,14 @@ class PerRequest:
     """A value per request: `SamplingParams(attention_params={name: value})`, else `default`. Its
     dtype, unless given: float32 for a float default, else int32, the type of every integer flex's
     masks read (FlexAttention's FLASH lowering keeps one integer type). An integer parameter takes
-    whole numbers only (a request giving another is refused)."""
+    whole numbers only. `low` and `high` bound what a request may give (inclusive): a window given
+    per request should say `high=` the variant's `window`, which would hide the keys beyond it. A
+    request giving a value outside them is refused."""
 
     default: float | int
     dtype: torch.dtype | None = None
+    low: float | int | None = None
+    high: float | int | None = None
 
     def __post_init__(self):
         if isinstance(self.default, bool) or not isinstance(self.default, (int, float)) or self.default != self.default:
@@ -76,6 +80,14 @@ class PerRequest:
         if not ok:
             raise VariantError(f"A PerRequest parameter's default {self.default!r} is no value of its dtype "
                                f"{self.dtype} (a whole number in range, or a finite one).")
+        for name in ("low", "high"):
+            bound = getattr(self, name)
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
+                                      or not math.isfinite(bound)):
+                raise VariantError(f"A PerRequest parameter's {name} must be a finite number, got {bound!r}.")
+        if not (self.low is None or self.low <= self.default) or not (self.high is None or self.default <= self.high):
+            raise VariantError(f"A PerRequest parameter's default {self.default!r} lies outside its bounds "
+                               f"[{self.low}, {self.high}].")
 
     def value(self, given) -> float | int:
         return self.default if given is None else given
