@@ -68,3 +68,37 @@ def test_logprobs_requests_end_with_an_error_too(checkpoint):
     prompt = [rng.randrange(320) for _ in range(rng.randrange(1, 12))]
     out = llm.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=2))[0]
     assert out.finish_reason == "error" and "not finite" in out.error, (out, f"seed={seed}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_request_with_nan_in_attention_ends_alone_in_a_shared_step(checkpoint, device):
+    """A prompt holding a NaN embedding row prefilled in one step with two clean ones (uncompiled,
+    the CPU's attention reads every request's keys at once), and a variant whose score_mod makes a
+    NaN score for the requests that ask: the poisoned request ends with an error, the others give
+    the tokens they give alone."""
+    import torch
+
+    from flexsgl import AttentionVariant, PerRequest
+
+    path, seed = checkpoint
+    rng = random.Random(seed + 2)
+    clean = [[rng.randrange(1, 320) for _ in range(rng.randrange(20, 60))] for _ in range(2)]
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(path), device=device, page_size=16)
+    alone = [llm.generate([p], params)[0].token_ids for p in clean]
+    poison = rng.choice(sorted(set(range(1, 320)) - {t for p in clean for t in p} - {t for a in alone for t in a}))
+    llm.runner.model.model.embed_tokens.weight[poison] = float("nan")
+    bad = [rng.randrange(1, 320) for _ in range(rng.randrange(2, 30))] + [poison]
+    outs = llm.generate([clean[0], bad, clean[1]], params)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"], f"seed={seed}"
+    assert [outs[0].token_ids, outs[2].token_ids] == alone, f"seed={seed}"
+
+    def nan_past(score, b, h, q_pos, kv_pos, p):
+        return torch.where(kv_pos > p.cut[b], float("nan"), score)
+
+    variant = AttentionVariant("nan_past", score_mod=nan_past, params={"cut": PerRequest(1 << 20)})
+    llm = LLM(str(path), device=device, page_size=16, attention=variant)
+    alone = [llm.generate([p], params)[0].token_ids for p in clean]
+    outs = llm.generate(clean + clean[:1], [params, params, params.replace(attention_params={"cut": 3})])
+    assert [o.finish_reason for o in outs] == ["length", "length", "error"], f"seed={seed}"
+    assert [outs[0].token_ids, outs[1].token_ids] == alone, f"seed={seed}"
