@@ -126,12 +126,14 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
                                fb.page_table, *meta.mask_state, self.pool.page_size, scale,
                                -1 if plain else variant.id, None if plain else self.page_pos,
                                None if plain else fb.req_slots, sink)
+        poisoned = None if self.compiled else _nan_writes_zeroed(k, v, fb)
         k, v = self.kv_sequence(k, fb, meta), self.kv_sequence(v, fb, meta)
         if k.dtype != q.dtype and (meta.kv_rows is not None or not (self.compiled and q.is_cuda)):
             # An FP8 cache where no Triton flex kernel casts it as it loads (SDPA, the CPU's flex
             # kernel), or packed rows, which are a copy anyway.
             k, v = k.to(q.dtype), v.to(q.dtype)
-        return self.attend(q, k, v, meta, scale, options, sink)
+        out = self.attend(q, k, v, meta, scale, options, sink)
+        return out if poisoned is None else out.masked_fill(poisoned[:, None, None], float("nan"))
 
     def kv_sequence(self, x: torch.Tensor, fb: ForwardBatch, meta: FlexMeta | None = None) -> torch.Tensor:
         """One layer's pool tensor `[slots, H, D]` as the step's KV sequence `[1, H, N, D]` for the
@@ -185,10 +187,9 @@ class FlexAttentionBackend(FlexMetaBuilder, AttentionBackend):
             visible = meta.mask_state[0]
             mask = (visible.transpose(0, 1).reshape(1, hq, nb * nq, -1) if visible.dim() == 4
                     else visible.reshape(1, 1, nb * nq, -1))
-            k, v, poisoned = _unseen_nan_dropped(k, v, mask)
             out = F.scaled_dot_product_attention(qb.reshape(1, nb * nq, hq, d).transpose(1, 2), k, v,
                                                  attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
-            out = out.masked_fill(poisoned, float("nan")).view(hq, nb, nq, -1).permute(1, 0, 2, 3)
+            out = out.view(hq, nb, nq, -1).permute(1, 0, 2, 3)
         out = out.transpose(1, 2)  # [nb, nq, Hq, Dv]
         return out.reshape(t, hq, v.shape[-1]) if meta.rows is None else out[meta.rows]
 
@@ -198,29 +199,35 @@ def _scores_written_out(q, k, v, visible, score, scale: float | None, sink: torc
     run them (not compiled, or a sink on the CPU): q `[nb, Hq, nq, D]` over k, v `[1, Hkv, N, D]`,
     `visible` broadcasting to `[nb, Hq, nq, N]`, `score` a function of those scores (or None), the
     sink as one more column; returns `[nb, Hq, nq, Dv]`. As in flex, a row that sees nothing is zeros
-    and one with a NaN score or value among the keys it sees is NaN (the engine then ends its
-    request); the keys a row does not see change nothing."""
+    and one with a NaN score among the keys it sees is NaN (the engine then ends its request)."""
     hq, g = q.shape[1], q.shape[1] // k.shape[1]
-    k, v, poisoned = _unseen_nan_dropped(k, v, visible)
-    k, v = k.repeat_interleave(g, dim=1), v.float().repeat_interleave(g, dim=1)
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = (q.float() @ k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if score is not None:
         s = score(s)
-    poisoned = poisoned | (s.isnan() & visible).any(-1, keepdim=True)
+    poisoned = (s.isnan() & visible).any(-1, keepdim=True)
     s = s.masked_fill(~visible, float("-inf"))
     if sink is not None:
         s = torch.cat([s, sink.float().view(1, hq, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :k.shape[2]]  # a row that sees nothing: zeros
-    return (p @ v).masked_fill(poisoned, float("nan")).to(q.dtype)
+    return (p @ v.float()).masked_fill(poisoned, float("nan")).to(q.dtype)
 
 
-def _unseen_nan_dropped(k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> tuple:
-    """The uncompiled paths attend over every request's keys at once, and a hidden key's NaN still
-    reaches every row (NaN + -inf and 0 x NaN are NaN): so that a request whose K/V are NaN ends
-    alone, (k, v) with their NaNs as zeros, and the rows that see one of those keys (`[..., rows,
-    1]`, as `visible` `[..., rows, N]` lays them out), to be made NaN after."""
-    nan_keys = (k.isnan().any(-1) | v.isnan().any(-1)).any(1).view(-1)  # [N]: NaN in any head
-    return k.nan_to_num(0.0), v.nan_to_num(0.0), (visible & nan_keys).any(-1, keepdim=True)
+def _nan_writes_zeroed(k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """Not compiled, attention reads every request's keys at once (SDPA, the scores written out),
+    and a key a row does not see still reaches it if it is NaN (NaN + -inf and 0 x NaN are NaN);
+    only this step's K/V can be (the pages of a request whose logits were NaN are zeroed as it
+    ends). So: this step's NaN K/V become zeros in the pool `k`, `v` `[slots, H, D]`, and the
+    returned `[T]` marks the tokens of every request that wrote one, whose outputs are made NaN for
+    the engine to end it; the requests beside it run on."""
+    slots = fb.out_slots
+    new_k, new_v = k[slots].float(), v[slots].float()
+    nan = new_k.isnan().flatten(1).any(1) | new_v.isnan().flatten(1).any(1)
+    k[slots] = torch.where(nan[:, None, None], 0.0, new_k).to(k.dtype)
+    v[slots] = torch.where(nan[:, None, None], 0.0, new_v).to(v.dtype)
+    request = torch.bucketize(torch.arange(slots.shape[0], device=slots.device), fb.q_offsets, right=True) - 1
+    wrote = torch.zeros(fb.batch_size, dtype=torch.int32, device=slots.device).index_add_(0, request, nan.int())
+    return wrote[request] > 0
 
 
 def _dense_from_mods(meta: FlexMeta, nb: int, hq: int, nq: int, n: int, device) -> tuple:
