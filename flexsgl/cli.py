@@ -265,7 +265,7 @@ def serve(
                                 max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
         config = engine.replace(model=model)
         # A model that cannot be found, options that cannot run together: say so now.
-        config.resolve(resolve(config.model or DEFAULT_MODEL, config.load_format).config)
+        config.resolve(resolve(config.model or DEFAULT_MODEL, config.load_format, config.context_length).config)
         sock = listen(host, port)
     except (ValueError, OSError) as e:
         fail(str(e))

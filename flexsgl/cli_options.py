@@ -34,8 +34,8 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-# Shorter names a flag also answers to (SGLang's --tp-size, and --tp).
-ALIASES = {"tensor_parallel_size": ("--tp-size", "--tp")}
+# Other names a flag also answers to (SGLang's --tp-size, and --tp; vLLM's --max-model-len).
+ALIASES = {"tensor_parallel_size": ("--tp-size", "--tp"), "context_length": ("--max-model-len",)}
 
 
 def _flag(name: str, kind, default, help: str, hidden: bool = False) -> inspect.Parameter:

@@ -48,6 +48,9 @@ class EngineConfig:
                                                 "the CPU).")
     mem_fraction_static: float = option(0.85, "Fraction of the GPU memory free once the weights are "
                                               "loaded that the KV cache and one step's activations may take.")
+    context_length: int | None = option(None, "The most tokens, prompt and output, a request may hold (vLLM's "
+                                              "max_model_len; default: the model's context, "
+                                              "max_position_embeddings, which it may not exceed).")
     max_running_requests: int = option(256, "Most requests decoding at once.")
     max_num_batched_tokens: int = option(8192, "Most tokens in one prefill step (longer prompts are "
                                                "prefilled in chunks).")
@@ -97,6 +100,11 @@ class EngineConfig:
     def from_options(cls, model: str | None = None, **options: Any) -> "EngineConfig":
         """`LLM(model, **options)`'s arguments as a config; old option names warn and still work."""
         defaults = {f.name: f.default for f in fields(cls)}
+        for other, name in SYNONYMS.items():
+            if other in options:
+                if name in options:
+                    raise ValueError(f"Give {name!r} or {other!r}, not both.")
+                options[name] = options.pop(other)
         for old, (new, convert) in DEPRECATED.items():
             if old in options:
                 warnings.warn(f"The engine option {old!r} is deprecated; use {new!r}.", FutureWarning, stacklevel=3)
@@ -198,6 +206,7 @@ CHECKS = {
     "attention": lambda name, value: _attention(value),
     "page_size": _positive_int,
     "max_total_tokens": _optional(_positive_int),
+    "context_length": _optional(_positive_int),
     "mem_fraction_static": _fraction,
     "max_running_requests": _positive_int,
     "max_num_batched_tokens": _positive_int,
@@ -211,6 +220,9 @@ CHECKS = {
     "random_seed": _seed,
     "tensor_parallel_size": _positive_int,
 }
+
+# vLLM's name of an option -> flexsgl's (SGLang's); both are taken.
+SYNONYMS = {"max_model_len": "context_length"}
 
 # Old option name -> (new name, how its value converts). Kept for one release.
 _same = lambda v: v  # noqa: E731

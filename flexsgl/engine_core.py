@@ -31,7 +31,7 @@ from flexsgl.runner import ModelRunner
 def prepare(cfg: EngineConfig, device: torch.device | None = None) -> tuple[ModelSource, ResolvedConfig]:
     """The model `cfg` names and `cfg` resolved for it on `device` (EngineConfig.resolve): every
     refusal that needs no weights, before anything loads."""
-    src = resolve(cfg.model or DEFAULT_MODEL, cfg.load_format)
+    src = resolve(cfg.model or DEFAULT_MODEL, cfg.load_format, cfg.context_length)
     return src, cfg.resolve(src.config, device)
 
 

@@ -32,7 +32,7 @@ def one_sentence(e: pytest.ExceptionInfo) -> str:
     {"disable_cuda_graph": None}, {"cuda_graph_bs": ()}, {"cuda_graph_bs": (1, 0)}, {"cuda_graph_bs": "1,2"},
     {"random_seed": -1}, {"override": 3}, {"model": 7}, {"cuda_graph_max_bs": 0}, {"cuda_graph_max_bs": 2.0},
     {"prefill_first": "maybe"}, {"prefill_first": None}, {"kv_cache_dtype": "int4"}, {"quantization": "awq"},
-    {"tensor_parallel_size": 0},
+    {"tensor_parallel_size": 0}, {"context_length": 0}, {"context_length": "4k"},
 ], ids=lambda o: ",".join(f"{k}={v!r}" for k, v in o.items()))
 def test_bad_values_are_refused_in_one_sentence(options):
     with pytest.raises(ValueError) as e:
@@ -70,6 +70,33 @@ def test_old_and_new_name_together_are_refused():
         warnings.simplefilter("ignore", FutureWarning)
         with pytest.raises(ValueError) as e:
             EngineConfig.from_options(kv_cache_tokens=64, max_total_tokens=128)
+    assert "not both" in one_sentence(e)
+
+
+def test_context_length_limits_requests_and_the_kv_caches_default():
+    """context_length (vLLM's max_model_len, taken too) cuts the context: a request of exactly that
+    many tokens runs, one more is refused naming it, and the CPU's default KV cache is what the
+    running requests at that context fill; above the model's own context it is refused."""
+    import random
+
+    from flexsgl import SamplingParams
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    ctx = rng.randrange(40, 200)
+    llm = LLM("tiny", device="cpu", load_format="dummy", max_model_len=ctx, max_running_requests=4, page_size=16)
+    assert llm.config.max_position == ctx and llm.pool.num_pages - 1 == 2 * 4 * -(-ctx // 16), seed
+    prompt = [rng.randrange(1, 200) for _ in range(rng.randrange(1, ctx - 1))]
+    fits, over = llm.generate([prompt, prompt], [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+                                                 for n in (ctx - len(prompt), ctx - len(prompt) + 1)])
+    assert (fits.finish_reason, len(fits.token_ids)) == ("length", ctx - len(prompt)), seed
+    assert over.finish_reason == "refused" and f"context of {ctx} tokens" in over.error, (seed, over.error)
+    whole = resolve_source("tiny").config.max_position
+    with pytest.raises(ValueError) as e:
+        LLM("tiny", device="cpu", load_format="dummy", context_length=whole + 1)
+    assert f"context_length {whole + 1} exceeds the model's context of {whole} tokens" in one_sentence(e)
+    with pytest.raises(ValueError) as e:
+        EngineConfig.from_options(context_length=64, max_model_len=64)
     assert "not both" in one_sentence(e)
 
 

@@ -257,6 +257,20 @@ def test_chats_default_limit_fits_a_kv_cache_smaller_than_the_context():
     assert out.usage.prompt_tokens + out.usage.completion_tokens == 512 and out.choices[0].finish_reason == "length"
 
 
+def test_max_model_len_is_the_servers_context():
+    """--max-model-len (SGLang's --context-length): the model card and /tokenize report it, a chat
+    without max_tokens runs to it, and a request asking past it is a 400 naming it."""
+    ctx = random.randrange(100, 400)
+    with running_server("--max-model-len", str(ctx)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+        assert client.models.retrieve("tiny-docs").max_model_len == ctx
+        out = client.chat.completions.create(model="tiny-docs", messages=[{"role": "user", "content": "Return the"}],
+                                             extra_body={"ignore_eos": True})
+        assert out.usage.prompt_tokens + out.usage.completion_tokens == ctx, ctx
+        with pytest.raises(openai.BadRequestError, match=f"context of {ctx} tokens"):
+            client.completions.create(model="tiny-docs", prompt="Return the", max_tokens=ctx)
+
+
 def test_allowed_token_ids_and_truncate_prompt_tokens_as_offline(client, offline):
     """vLLM's allowed_token_ids and truncate_prompt_tokens give what the offline API gives; chat's
     per-request chat_template and echo, and beam search, are refused by name."""

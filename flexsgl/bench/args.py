@@ -132,7 +132,7 @@ def plan(args: BenchArgs) -> Plan:
     load_format = "dummy" if model in PRESETS and e.load_format == "auto" else e.load_format
     engine = e.replace(model=model, load_format=load_format, device=str(e.torch_device), random_seed=args.seed)
     overrides = args.overrides or ["auto"]
-    mcfg = resolve(model, load_format).config  # reads a config; loads no weights
+    mcfg = resolve(model, load_format, e.context_length).config  # reads a config; loads no weights
     # Every override, for this model's attention and page size, before anything runs: a later one
     # cannot fail after an earlier ran.
     backends = [resolve_override(o, engine.torch_device, mcfg.attention, engine.page_size).label for o in overrides]

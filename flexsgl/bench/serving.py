@@ -290,4 +290,4 @@ def _free_port() -> int:
 def _source(p: Plan):
     from flexsgl.model.source import resolve
 
-    return resolve(p.engine.model, p.engine.load_format)
+    return resolve(p.engine.model, p.engine.load_format, p.engine.context_length)

@@ -4,7 +4,7 @@ and the place its weights are (the weight files of a directory, sharded or not).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flexsgl.errors import CheckpointError, describe, short_repr
@@ -22,8 +22,27 @@ class ModelSource:
     load_format: str  # "safetensors" or "dummy"
 
 
-def resolve(model: str, load_format: str = "auto") -> ModelSource:
-    """Turn what the user typed into a config and a place to load from, or say in one sentence why not."""
+def resolve(model: str, load_format: str = "auto", context_length: int | None = None) -> ModelSource:
+    """Turn what the user typed into a config and a place to load from, or say in one sentence why
+    not; `context_length` (the option; None: the model's own) cuts the config's context."""
+    return with_context_length(_located(model, load_format), context_length)
+
+
+def with_context_length(src: ModelSource, tokens: int | None) -> ModelSource:
+    """`src` with its context cut to `tokens` (None: the model's own): every limit the engine
+    derives from the context (requests, the KV cache's default size, the server's max_model_len)
+    follows it; RoPE's frequencies do not depend on it. A context longer than the model's is
+    refused: its positions were never trained."""
+    ctx = src.config.max_position
+    if tokens is None or tokens == ctx:
+        return src
+    if tokens > ctx:
+        raise ValueError(f"context_length {tokens} exceeds the model's context of {ctx} tokens "
+                         "(max_position_embeddings); flexsgl does not extend a model's context.")
+    return replace(src, config=replace(src.config, max_position=tokens))
+
+
+def _located(model: str, load_format: str) -> ModelSource:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"Unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}.")
     if model in PRESETS:
