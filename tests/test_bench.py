@@ -202,6 +202,7 @@ BAD = {
     "base-url-and-override": ["--workload", "serve", "--base-url", "http://127.0.0.1:1", "--override", "flex"],
     "base-url-not-http": ["--workload", "serve", "--base-url", "localhost:8000"],
     "base-url-nobody-answers": ["--workload", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2"],
+    "base-url-and-engine-flag": ["--workload", "serve", "--base-url", "http://127.0.0.1:1", "--max-total-tokens", "64"],
     "unknown-structured": ["--workload", "serve", "--structured", "xml"],
     "structured-for-throughput": ["--structured", "json-schema"],
     "dataset-not-a-file": ["--workload", "serve", "--dataset-path", "/no/such/sharegpt.json"],
@@ -217,6 +218,16 @@ def test_bad_input_exits_2_with_one_error_line(name):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and len(errors[0]) > len("error: "), r.stderr
     assert "Traceback" not in r.output and r.stdout == "", r.output
+
+
+@pytest.mark.parametrize("flag", [["--max-total-tokens", "4096"], ["--tp", "2"], ["--dtype", "float16"]])
+def test_with_base_url_an_engine_flag_is_refused_naming_it(flag):
+    """The server is already running: a flag that would configure the one the bench starts is refused
+    (it was taken and meant nothing); --model, which the requests are made for, is not."""
+    r = CliRunner().invoke(app, [*BASE, "--workload", "serve", "--base-url", "http://127.0.0.1:1", *flag])
+    assert r.exit_code == 2 and "with --base-url the server is already running" in r.stderr, r.output
+    name = {"--tp": "--tensor-parallel-size"}.get(flag[0], flag[0])
+    assert f"error: {name} configures a server" in r.stderr, r.stderr
 
 
 def test_each_engine_is_freed_before_the_next(monkeypatch):

@@ -12,7 +12,7 @@ resolved into a Plan before anything loads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from flexsgl.config import EngineConfig
 from flexsgl.log import logger
@@ -30,6 +30,10 @@ APPLIES = {"num_prompts": ("throughput", "serve"), "batch_size": ("latency",), "
            "output_len": ("throughput", "latency", "serve"), "request_rate": ("serve",),
            "max_concurrency": ("serve",), "base_url": ("serve",), "dataset_path": ("serve",),
            "structured": ("serve",)}
+
+
+# The engine options a bench of a running server (--base-url) takes: what its requests are made for.
+BASE_URL_OPTIONS = ("model", "load_format", "context_length", "device")
 
 
 @dataclass
@@ -142,6 +146,12 @@ def plan(args: BenchArgs) -> Plan:
         if args.base_url and args.overrides:
             raise ValueError("--override picks the backend of a server the bench starts; with --base-url the "
                              "server is already running.")
+        if args.base_url:  # the model names the tokenizer and the context the requests are made for
+            engine_flag = next((f.name for f in fields(EngineConfig) if f.name not in BASE_URL_OPTIONS
+                                and getattr(e, f.name) != f.default), None)
+            if engine_flag:
+                raise ValueError(f"--{engine_flag.replace('_', '-')} configures a server the bench starts; with "
+                                 "--base-url the server is already running (pass its --model only).")
         if args.base_url and not args.base_url.startswith("http://"):
             raise ValueError(f"--base-url should look like http://HOST:PORT, got {args.base_url!r}.")
         if args.structured is not None and args.structured not in STRUCTURED:
