@@ -21,7 +21,9 @@ so constrained and unconstrained runs produce the same tokens' worth of work.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
+import os
 import random
 import signal
 import socket
@@ -174,6 +176,9 @@ async def _pass(base_url: str, prompts, out_lens, rate: float, *, model: str | N
 STOPPING = (signal.SIGTERM, signal.SIGHUP)  # signals that end a bench, and with it the server it started
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 class _server:
     """The server to measure: --base-url's, or a `flexsgl serve` process for this override."""
 
@@ -198,7 +203,8 @@ class _server:
         try:
             self.forking = True  # a signal meanwhile waits until self.proc names the server
             try:
-                self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+                self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                             preexec_fn=_ended_with_this_process())
             finally:
                 self.forking = False
             if self.pending is not None:
@@ -237,6 +243,26 @@ class _server:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self.proc = None
+
+
+def _ended_with_this_process():
+    """A preexec_fn that makes the child get SIGTERM when this process ends, even by SIGKILL, which
+    no handler here sees (Linux's PR_SET_PDEATHSIG); None elsewhere. prctl is looked up before the
+    fork, so the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # this process ended before the call: no signal will come
+            os._exit(1)
+
+    return in_child
 
 
 def _answering(url: str) -> str:
