@@ -578,7 +578,9 @@ def test_metrics_count_requests_as_requests(base, client):
                  "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
                  "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
-                 "request_queue_time_seconds_count"):
+                 "request_queue_time_seconds_count", "request_time_per_output_token_seconds_count",
+                 "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+                 "request_inference_time_seconds_count"):
         assert any(k[0] == "flexsgl:" + name for k in before), name
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -597,9 +599,15 @@ def test_metrics_count_requests_as_requests(base, client):
     assert grew("flexsgl:generation_tokens_total") == out.usage.completion_tokens == 20
     assert grew("flexsgl:prompt_tokens_total") == out.usage.prompt_tokens
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-              "time_per_output_token_seconds"):
+              "request_time_per_output_token_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+              "request_inference_time_seconds"):
         assert grew(f"flexsgl:{h}_count") == 1, h
-    assert grew("flexsgl:inter_token_latency_seconds_count") == 4 * 4, "each choice's gaps between its 5 tokens"
+    for h in ("inter_token_latency_seconds", "time_per_output_token_seconds"):  # per token, as vLLM's
+        assert grew(f"flexsgl:{h}_count") == 4 * 4, (h, "each choice's gaps between its 5 tokens")
+    # the request's phases: admission to first token, first to last, and both together
+    prefill, decode, inference = (grew(f"flexsgl:request_{h}_time_seconds_sum") for h in ("prefill", "decode", "inference"))
+    assert decode > 0 and inference == pytest.approx(prefill + decode, abs=1e-6), (prefill, decode, inference)
+    assert inference <= grew("flexsgl:e2e_request_latency_seconds_sum"), seed
 
 
 def test_the_request_log_names_each_request_and_its_end(server, client):

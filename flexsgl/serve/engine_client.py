@@ -45,7 +45,8 @@ class Call:
     most_tokens: int = 0  # of one choice
     tokens: int = 0  # of all choices
     reasons: list = field(default_factory=list)
-    queue_s: float | None = None
+    queue_s: float | None = None  # its choices' longest wait for admission
+    first_admitted_s: float | None = None  # their shortest: when its first choice was admitted
 
 
 @dataclass
@@ -154,7 +155,7 @@ class EngineClient:
                 c.first_token = now
                 m.ttft.observe(now - c.arrival)
             if s.last_token is not None:
-                m.itl.observe(now - s.last_token)
+                m.token_gap(now - s.last_token)
             s.last_token, s.tokens = now, s.tokens + 1
             c.last_token, c.tokens, c.most_tokens = now, c.tokens + 1, max(c.most_tokens, s.tokens)
             s.events.put_nowait(Event(s.choice, text, [token], [lp] if lp is not None else [],
@@ -171,10 +172,11 @@ class EngineClient:
         c.reasons.append(reason)
         if queue_s is not None:
             c.queue_s = max(c.queue_s or 0.0, queue_s)
+            c.first_admitted_s = min(c.first_admitted_s if c.first_admitted_s is not None else queue_s, queue_s)
         if len(c.reasons) < c.choices:
             return
-        if c.most_tokens > 1:
-            self.metrics.tpot.observe((c.last_token - c.first_token) / (c.most_tokens - 1))
+        if c.first_token is not None:
+            self.metrics.generated(c.most_tokens, c.arrival + (c.first_admitted_s or 0.0), c.first_token, c.last_token)
         self.metrics.finished(c.reasons, c.prompt_tokens, c.tokens, now - c.arrival, c.queue_s)
 
     def _fail_all(self) -> None:

@@ -14,8 +14,11 @@ every counter and histogram here, and its tokens are all its choices' tokens.
   prefix_cache_hits_total (prompt tokens looked up, and found, in the prefix cache; the engine's),
   num_preemptions_total.
 - Histograms (seconds): time_to_first_token_seconds, inter_token_latency_seconds (every gap between
-  a request's token arrivals), time_per_output_token_seconds (a request's mean gap),
-  e2e_request_latency_seconds, request_queue_time_seconds (its longest wait for admission), and
+  a choice's token arrivals) and time_per_output_token_seconds (the same gaps: vLLM's older name
+  for them), request_time_per_output_token_seconds (a request's mean gap),
+  e2e_request_latency_seconds, request_queue_time_seconds (its longest wait for admission),
+  request_prefill_time_seconds (admission to the first token), request_decode_time_seconds (first
+  token to last), request_inference_time_seconds (admission to the last token), and
   request_prompt_tokens and request_generation_tokens.
 
 The HTTP process's event loop writes them: the engine's gauges and counters as they arrive with
@@ -74,11 +77,19 @@ class Metrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to a request's first token.",
                               TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between a request's token arrivals.", ITL_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds", "A request's mean time between tokens after its "
-                              "first.", ITL_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Time between a request's token arrivals (vLLM's "
+                              "older name of inter_token_latency_seconds).", ITL_BUCKETS)
+        self.request_tpot = histogram("request_time_per_output_token_seconds", "A request's mean time between "
+                                      "tokens after its first.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to a request's end.", LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Time a request waited to be admitted.",
                                LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from a request's admission to its "
+                                      "first token.", LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from a request's first token to its "
+                                     "last.", LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Time from a request's admission to its "
+                                        "last token.", LATENCY_BUCKETS)
         self.prompt_hist = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
         self.generation_hist = histogram("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
         self._seen = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
@@ -100,6 +111,20 @@ class Metrics:
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
                 self._seen[key] = value
+
+    def token_gap(self, seconds: float) -> None:
+        """The time between two of a choice's token arrivals."""
+        self.itl.observe(seconds)
+        self.tpot.observe(seconds)
+
+    def generated(self, tokens: int, admitted: float, first: float, last: float) -> None:
+        """A request's token times (perf_counter seconds): when it was admitted and its first and
+        last tokens arrived, `tokens` the most one choice generated."""
+        if tokens > 1:
+            self.request_tpot.observe((last - first) / (tokens - 1))
+        self.prefill_time.observe(max(first - admitted, 0.0))
+        self.decode_time.observe(last - first)
+        self.inference_time.observe(max(last - admitted, 0.0))
 
     def finished(self, reasons: list[str], prompt_tokens: int, generated: int, e2e: float,
                  queue: float | None) -> None:
