@@ -195,7 +195,8 @@ class OutputProcessor:
             index=req.index,
             stop_reason=req.stop_reason,
             logprobs=None if req.logprobs is None else list(req.logprobs),
-            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            prompt_logprobs=(list(req.prompt_logprobs) if req.prompt_logprobs is not None
+                             and len(req.prompt_logprobs) == len(req.prompt_ids) else None),
             time_in_queue=None if req.scheduled_at is None else req.scheduled_at - req.added_at,
         )
         if text is not None and text.error is not None:

@@ -51,7 +51,8 @@ class RequestOutput:
     index: int = 0  # which of its prompt's n samples
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
-    # Per prompt token, when SamplingParams.prompt_logprobs is set: None for the first, which no token precedes.
+    # Per prompt token, when SamplingParams.prompt_logprobs is set: None for the first, which no token
+    # precedes. None where the prompt was not prefilled whole (refused, or ended before).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     time_in_queue: float | None = None  # seconds from entering the engine to its first step (None: it never ran)
 

@@ -172,7 +172,10 @@ def test_token_ids_of_any_integer_type_are_accepted(llm, reference):
 
 def test_request_larger_than_the_kv_cache_is_refused_with_a_reason():
     llm = LLM("tiny", device="cpu", max_total_tokens=128, page_size=64)
-    refused, ok = llm.generate(["Hello", "Hello"], [SamplingParams(max_new_tokens=1000), SamplingParams(max_new_tokens=8)])
-    assert refused.finish_reason == "refused" and not refused.token_ids
+    refused, ok = llm.generate(["Hello", "Hello"], [SamplingParams(max_new_tokens=n, prompt_logprobs=1, ignore_eos=True)
+                                                    for n in (1000, 8)])
+    assert refused.finish_reason == "refused" and not refused.token_ids and refused.prompt_logprobs is None
     assert "cache" in refused.error and "\n" not in refused.error and refused.error.endswith(".")
     assert len(ok.token_ids) == 8 and ok.finish_reason == "length"
+    assert len(ok.prompt_logprobs) == len(ok.prompt_token_ids) and ok.prompt_logprobs[0] is None
+    assert all(lp is not None for lp in ok.prompt_logprobs[1:])
