@@ -247,3 +247,35 @@ def test_an_expert_beyond_the_models_is_refused(tmp_path):
     tensors[extra] = tensors["model.layers.1.mlp.experts.7.gate_proj.weight"].clone()
     msg = refused(write(tmp_path, json.loads((tmp_path / "config.json").read_text()), tensors))
     assert extra in msg and "no place" in msg, (msg, f"seed={seed}")
+
+
+@pytest.mark.parametrize("cached", ["config only", "whole", "nothing"])
+def test_a_hub_id_cached_in_part_fetches_the_rest(source, tmp_path, monkeypatch, cached):
+    """A hub id whose cached snapshot holds only its config (AutoConfig fetched it alone) is fetched
+    from the hub again, not refused for want of weights; a whole snapshot is served from the cache
+    without asking the hub. (huggingface_hub's snapshot_download stands in for the hub.)"""
+    import shutil
+
+    import huggingface_hub
+
+    from flexsgl.model.source import resolve
+
+    path = source[0]
+    part, whole = tmp_path / "part", tmp_path / "whole"
+    part.mkdir()
+    shutil.copy(path / "config.json", part)
+    shutil.copytree(path, whole)
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns=None, local_files_only=False):
+        asked.append(local_files_only)
+        if local_files_only:
+            if cached == "nothing":
+                raise FileNotFoundError("not cached")
+            return str(part if cached == "config only" else whole)
+        return str(whole)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    src = resolve("someone/tiny-qwen3")
+    assert src.path == whole and src.load_format == "safetensors", cached
+    assert asked == ([True] if cached == "whole" else [True, False]), cached

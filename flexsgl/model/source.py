@@ -79,12 +79,23 @@ def _fetch_from_hub(repo_id: str, hint: str) -> Path:
 
         patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
         try:
-            return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+            local = Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+            if _whole(local):  # else only part of it is cached (a config fetched alone): fetch the rest
+                return local
         except Exception:
-            return Path(snapshot_download(repo_id, allow_patterns=patterns))
+            pass
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # no network, no such repo, gated repo: all end the same way for the user
         raise ValueError(f"Could not fetch {repo_id!r} from the hub (no network, or no such repository: "
                          f"{type(e).__name__}); {hint}.") from None
+
+
+def _whole(path: Path) -> bool:
+    """Whether a cached hub snapshot holds a config and its weights."""
+    try:
+        return (path / "config.json").is_file() and bool(weight_files(path))
+    except CheckpointError:
+        return False
 
 
 def weight_files(path: Path) -> list[Path]:
