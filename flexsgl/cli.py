@@ -215,7 +215,9 @@ def serve(
     model: str = typer.Argument(None, help="Preset, local HF model directory or hub id (default: the embedded model)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
     port: int = typer.Option(8000, help="Port to listen on."),
-    served_model_name: str = typer.Option(None, help="The model name clients pass (default: MODEL as given)."),
+    served_model_name: list[str] = typer.Option(None, help="The model name clients pass (default: MODEL as "
+                                                "given); repeat it for several, which requests may name "
+                                                "alike (responses carry the first)."),
     api_key: str = typer.Option(None, help="Clients must send 'Authorization: Bearer KEY' (default: no key; "
                                 "/health and /metrics stay open)."),
     chat_template: str = typer.Option(None, help="A Jinja chat template (a file, or the template itself) used "
@@ -254,6 +256,8 @@ def serve(
         fail(f"--max-request-bytes must be at least 1024, got {max_request_bytes}.")
     if api_key is not None and not api_key:
         fail("--api-key must not be empty.")
+    if served_model_name and not all(name.strip() for name in served_model_name):
+        fail("--served-model-name must not be empty.")
     try:
         from flexsgl.model.presets import DEFAULT_MODEL
         from flexsgl.model.source import resolve

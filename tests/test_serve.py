@@ -4,6 +4,7 @@ model, HF transformers' float64 log-probabilities, and the metrics it exposes.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -257,18 +258,24 @@ def test_chats_default_limit_fits_a_kv_cache_smaller_than_the_context():
     assert out.usage.prompt_tokens + out.usage.completion_tokens == 512 and out.choices[0].finish_reason == "length"
 
 
-def test_max_model_len_is_the_servers_context():
-    """--max-model-len (SGLang's --context-length): the model card and /tokenize report it, a chat
-    without max_tokens runs to it, and a request asking past it is a 400 naming it."""
+def test_max_model_len_and_several_served_model_names():
+    """--max-model-len (SGLang's --context-length): the model cards report it, a chat without
+    max_tokens runs to it, and a request asking past it is a 400 naming it. --served-model-name
+    given twice (vLLM's A B): /v1/models lists both, requests may name either and responses carry
+    the first; another name is a 404 naming both."""
     ctx = random.randrange(100, 400)
-    with running_server("--max-model-len", str(ctx)) as base:
+    with running_server("--max-model-len", str(ctx), "--served-model-name", "docs",
+                        "--served-model-name", "org/tiny-docs") as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
-        assert client.models.retrieve("tiny-docs").max_model_len == ctx
-        out = client.chat.completions.create(model="tiny-docs", messages=[{"role": "user", "content": "Return the"}],
+        assert [m.id for m in client.models.list().data] == ["docs", "org/tiny-docs"]
+        assert client.models.retrieve("org/tiny-docs").max_model_len == ctx
+        out = client.chat.completions.create(model="org/tiny-docs", messages=[{"role": "user", "content": "Return the"}],
                                              extra_body={"ignore_eos": True})
-        assert out.usage.prompt_tokens + out.usage.completion_tokens == ctx, ctx
+        assert out.usage.prompt_tokens + out.usage.completion_tokens == ctx and out.model == "docs", ctx
         with pytest.raises(openai.BadRequestError, match=f"context of {ctx} tokens"):
-            client.completions.create(model="tiny-docs", prompt="Return the", max_tokens=ctx)
+            client.completions.create(model="docs", prompt="Return the", max_tokens=ctx)
+        with pytest.raises(openai.NotFoundError, match="serves 'docs' or 'org/tiny-docs'"):
+            client.completions.create(model="tiny-docs", prompt="Return the", max_tokens=2)
 
 
 def test_allowed_token_ids_and_truncate_prompt_tokens_as_offline(client, offline):
@@ -607,6 +614,36 @@ def test_requests_are_logged_only_with_the_request_log_flag(enabled):
             assert request_log.isEnabledFor(logging.INFO) == enabled, logging.getLevelName(level)
     finally:
         logger.setLevel(before)
+
+
+def test_a_fault_in_the_engine_reader_makes_the_server_unavailable_not_stuck():
+    """The HTTP process's reader of the engine's messages raising (here its on_ready hook) ends with
+    the server unavailable, saying why, rather than leaving every request waiting on it."""
+    pytest.importorskip("prometheus_client")
+    from flexsgl.config import EngineConfig
+    from flexsgl.serve.engine_client import EngineClient
+    from flexsgl.serve.messages import EngineInfo, Ready
+    from flexsgl.serve.metrics import Metrics
+
+    class OnePipe:
+        def __init__(self):
+            self.sent = [Ready(EngineInfo(None, None, 4), {})]
+
+        def recv(self):
+            if self.sent:
+                return self.sent.pop()
+            raise AssertionError("read past the fault")
+
+    client = EngineClient(EngineConfig(), Metrics("tiny-docs"))
+    client.loop = asyncio.new_event_loop()
+    client._from_engine = OnePipe()
+    client.on_ready = lambda: {}["no such key"]
+    try:
+        client._read()
+        client.loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        client.loop.close()
+    assert not client.serving and "stopped reading the engine (KeyError" in client.failure, client.failure
 
 
 def test_attention_params_reach_a_users_variant():

@@ -42,7 +42,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(engine_config, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+def serve(engine_config, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | list[str] | None = None,
           log_level: str = "warning", options=None, sock: socket.socket | None = None) -> None:
     """Serve `engine_config`'s model until interrupted. The model loads in the engine process once
     the server listens; /health answers 503 until it is ready. `sock`: a socket listen() bound
@@ -55,9 +55,10 @@ def serve(engine_config, host: str = "127.0.0.1", port: int = 8000, served_model
     from flexsgl.serve.metrics import Metrics
 
     sock = sock or listen(host, port)
-    name = served_model_name or engine_config.model or DEFAULT_MODEL
-    engine = EngineClient(engine_config, Metrics(name))
-    app = build_app(engine, name, options)
+    names = ([served_model_name] if isinstance(served_model_name, str) else served_model_name) or \
+        [engine_config.model or DEFAULT_MODEL]
+    engine = EngineClient(engine_config, Metrics(names[0]))
+    app = build_app(engine, names, options)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -69,7 +70,7 @@ def serve(engine_config, host: str = "127.0.0.1", port: int = 8000, served_model
 
     server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
     where = sock.getsockname()
-    engine.on_ready = lambda: logger.info(f"serving {name} on http://{where[0]}:{where[1]}")
+    engine.on_ready = lambda: logger.info(f"serving {names[0]} on http://{where[0]}:{where[1]}")
     engine.on_start_failed = lambda: setattr(server, "should_exit", True)  # not a signal: uvicorn would end
     try:                                                                    # the process with it (status 143)
         server.run(sockets=[sock])

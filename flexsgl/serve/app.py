@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -65,7 +66,11 @@ class ServerOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
-def build_app(engine: EngineClient, model_name: str, options: ServerOptions | None = None) -> FastAPI:
+def build_app(engine: EngineClient, model_name: str | Sequence[str], options: ServerOptions | None = None) -> FastAPI:
+    """The server's routes over `engine`. `model_name`: the name clients pass, or several (vLLM's
+    --served-model-name A B): requests may name any, responses carry the first."""
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    model_name = names[0]
     options = options or ServerOptions()
     intake = Intake()
     big_bodies = asyncio.Semaphore(1)
@@ -104,24 +109,24 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
 
     started = int(time.time())
 
-    def card() -> dict:
-        return {"id": model_name, "object": "model", "created": started, "owned_by": "flexsgl",
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "flexsgl",
                 "max_model_len": engine.info.config.max_position if engine.serving else None}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(n) for n in names]}
 
     @app.get("/v1/models/{model_id:path}")  # ids may hold slashes (a hub id)
     async def model(model_id: str):
-        if model_id != model_name:
-            raise _no_such_model(model_id, model_name)
-        return card()
+        if model_id not in names:
+            raise _no_such_model(model_id, names)
+        return card(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse(request, CompletionRequest)
-        info = _check(engine, body.model, model_name)
+        info = _check(engine, body.model, names)
         prompts = body.prompts()
         for i, p in enumerate(prompts):
             if isinstance(p, str) and body.truncate_prompt_tokens is None:  # truncated, a prompt may be longer
@@ -147,7 +152,7 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse(request, ChatRequest)
-        info = _check(engine, body.model, model_name)
+        info = _check(engine, body.model, names)
         if info.tokenizer is None:
             raise APIError(400, f"Model {model_name!r} has no tokenizer, so it cannot chat.")
         plan = tools.plan(body.tools, body.tool_choice, options.tool_call_parser, body.parallel_tool_calls is not False)
@@ -183,7 +188,7 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await parse(request, TokenizeRequest)
-        info = _check(engine, body.model, model_name)
+        info = _check(engine, body.model, names)
         if info.tokenizer is None:
             raise APIError(400, f"Model {model_name!r} has no tokenizer.")
         if (body.prompt is None) == (body.messages is None):
@@ -214,7 +219,7 @@ def build_app(engine: EngineClient, model_name: str, options: ServerOptions | No
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await parse(request, DetokenizeRequest)
-        info = _check(engine, body.model, model_name)
+        info = _check(engine, body.model, names)
         vocab = info.config.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -249,17 +254,17 @@ def _token_strs(tokenizer, ids: list[int]) -> list[str]:
     return [tokenizer.decode([t]) for t in ids]
 
 
-def _check(engine: EngineClient, model: str | None, model_name: str):
+def _check(engine: EngineClient, model: str | None, names: tuple[str, ...]):
     if not engine.serving:
         raise APIError(503, engine.unavailable, kind="service_unavailable")
-    if model is not None and model != model_name:
-        raise _no_such_model(model, model_name)
+    if model is not None and model not in names:
+        raise _no_such_model(model, names)
     return engine.info
 
 
-def _no_such_model(model: str, model_name: str) -> APIError:
-    return APIError(404, f"The model {model!r} does not exist; this server serves {model_name!r}.",
-                    code="model_not_found")
+def _no_such_model(model: str, names: tuple[str, ...]) -> APIError:
+    return APIError(404, f"The model {model!r} does not exist; this server serves "
+                         f"{' or '.join(repr(n) for n in names)}.", code="model_not_found")
 
 
 def _prompt_tokens(reqs) -> int:

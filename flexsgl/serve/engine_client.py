@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from flexsgl.errors import describe
 from flexsgl.log import logger
 from flexsgl.request import Request
 from flexsgl.serve import engine_process
@@ -218,6 +219,9 @@ class EngineClient:
             if not self.stopping:
                 self.process.join(1)
                 self._failed(f"The engine process ended unexpectedly (exit code {self.process.exitcode}).")
+        except Exception as e:  # a fault of this thread: the server must say so, not wait on it forever
+            logger.exception("the engine's reader failed")
+            self._failed(f"The server stopped reading the engine ({describe(e)}).")
 
     def _failed(self, reason: str) -> None:
         if self.failure is None:
