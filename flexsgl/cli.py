@@ -9,7 +9,7 @@ import time
 
 import typer
 
-from flexsgl.cli_options import engine_options, fail
+from flexsgl.cli_options import Command, engine_options, fail
 from flexsgl.config import EngineConfig
 from flexsgl.log import logger
 from flexsgl.startup import process_seconds, ready_line, restore_interrupts
@@ -76,7 +76,7 @@ class TokenPrinter:
         sys.stdout.write("\n")
 
 
-@app.command()
+@app.command(cls=Command)
 @engine_options
 def generate(
     prompts: list[str] = typer.Argument(None, help="One or more prompts."),
@@ -152,7 +152,7 @@ def generate(
         fail(failed[0] if len(failed) == 1 else f"{len(failed)} requests failed; the first: {failed[0]}", code=1)
 
 
-@app.command()
+@app.command(cls=Command)
 @engine_options(exclude=("override", "random_seed"))
 def bench(
     workload: str = typer.Option("throughput", help="throughput (offline), latency (TTFT, TPOT, % of the "
@@ -209,7 +209,7 @@ def bench(
         typer.echo(f"[flexsgl bench] wrote {json_path}", err=True)
 
 
-@app.command()
+@app.command(cls=Command)
 @engine_options(exclude=("model",))
 def serve(
     model: str = typer.Argument(None, help="Preset, local HF model directory or hub id (default: the embedded model)."),
@@ -276,7 +276,7 @@ def serve(
     run_server(config, host=host, port=port, served_model_name=served_model_name, options=options, sock=sock)
 
 
-@app.command()
+@app.command(cls=Command)
 def backends(device: str = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when there is one).")) -> None:
     """List every attention backend: its phases, whether it runs on this machine, and if not, why."""
     import torch
@@ -299,7 +299,7 @@ def backends(device: str = typer.Option(None, help="cpu, cuda or cuda:N (default
                "its Python mods included")
 
 
-@app.command()
+@app.command(cls=Command)
 def cache(clear: bool = typer.Option(False, "--clear", help="Delete the cached compiled code.")) -> None:
     """Show where torch.compile's caches live (compiled code reused across processes), or clear them."""
     from flexsgl import compile_cache

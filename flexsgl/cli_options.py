@@ -17,7 +17,9 @@ import warnings
 from dataclasses import fields
 from typing import Optional
 
+import click
 import typer
+from typer.core import TyperCommand
 
 from flexsgl.config import DEPRECATED, EngineConfig
 from flexsgl.log import LEVELS, set_level
@@ -26,6 +28,25 @@ from flexsgl.log import LEVELS, set_level
 CLI_TYPES = {"str": str, "str | None": Optional[str], "int": int, "int | None": Optional[int], "float": float,
              "bool": bool, "bool | None": Optional[bool], "tuple[int, ...] | None": Optional[str],
              "object": Optional[str]}
+
+
+try:  # newer typers parse with a click of their own
+    from typer._click.exceptions import NoSuchOption as _TyperNoSuchOption
+except ImportError:
+    _TyperNoSuchOption = click.NoSuchOption
+NO_SUCH_OPTION = (click.NoSuchOption, _TyperNoSuchOption)
+
+
+class Command(TyperCommand):
+    """A command whose suggestions for a mistyped flag leave out the hidden (deprecated) flags."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except NO_SUCH_OPTION as e:
+            hidden = {o for p in self.params if getattr(p, "hidden", False) for o in (*p.opts, *p.secondary_opts)}
+            e.possibilities = [o for o in e.possibilities or () if o not in hidden]
+            raise
 
 
 def fail(message: str, code: int = 2) -> None:

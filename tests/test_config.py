@@ -3,6 +3,7 @@ a command-line flag for every field, and its resolution for a model and a device
 concrete, rules between options refused before anything loads)."""
 
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -119,6 +120,14 @@ def test_every_option_has_a_flag_and_old_flags_stay_hidden():
         if old != "seed":  # generate's own --seed is the sampling seed
             assert f"--{old.replace('_', '-')} " not in r.output, old
     assert "--log-level" in r.output
+
+
+@pytest.mark.parametrize("typo, suggested, hidden", [("--max-runing", "--max-running-requests", "--max-running"),
+                                                     ("--graph-batch", "--cuda-graph-bs", "--graph-batch-sizes")])
+def test_a_mistyped_flag_is_not_pointed_at_a_deprecated_one(typo, suggested, hidden):
+    r = CliRunner().invoke(app, ["generate", "hi", typo, "4"], env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and suggested in r.output, r.output
+    assert not re.search(re.escape(hidden) + r"[,)]", r.output), r.output
 
 
 # ---- EngineConfig.resolve: every default made concrete, every rule between options checked
