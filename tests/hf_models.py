@@ -81,6 +81,19 @@ def assert_matches_hf(hf, prompt, tokens: list[int], logits=None, what: str = ""
         assert rel < tol, f"{what}: logits relative error {rel:.2e}"
 
 
+def same_greedy_tokens(got: list[int], ref: list[int], ref_logits, tol: float = 1e-4) -> bool:
+    """Whether `got`, a greedy continuation run in one arrangement (batched, chunked, preempted), is
+    `ref`, the same request's run in another, whose logits per step are `ref_logits`: equal, or
+    equal up to a step where `got`'s token is short of ref's argmax by at most `tol` of the step's
+    largest logit (a near-tie that the arrangements' float rounding settles either way, after which
+    both continuations are right)."""
+    for step, (a, b) in enumerate(zip(got, ref)):
+        if a != b:
+            row = ref_logits[step].float().view(-1)
+            return bool(row.max() - row[a] <= tol * row.abs().max())
+    return len(got) == len(ref)
+
+
 def deepseek_routing_near_tie(hf, ids: list[int], tol: float = 1e-5) -> bool:
     """Whether HF's DeepSeek-V2 routes some token of `ids` by a margin under `tol` (between the last
     chosen and the first left-out group, or expert): float rounding may settle it either way, and a

@@ -323,11 +323,16 @@ def test_special_tokens_text_is_left_out_or_kept_as_asked(tiny_docs, skip):
     special = [i for i in range(len(tok)) if tok.decode([i], skip_special_tokens=True) == ""
                and tok.decode([i], skip_special_tokens=False) != ""]
     assert special == [0], special
+    whole = [i for i in range(1, len(tok)) if "\ufffd" not in tok.decode([i])]  # whole characters
     for _ in range(50):
         seed = random.randrange(2**31)
         rng = random.Random(seed)
         prompt = [rng.choice([0, rng.randrange(1, len(tok))]) for _ in range(rng.randrange(1, 8))]
         ids = [0 if rng.random() < 0.3 else rng.randrange(1, len(tok)) for _ in range(rng.randrange(1, 40))]
+        if tok.decode(prompt, skip_special_tokens=skip).endswith("\ufffd"):
+            # A byte the prompt leaves open: an output byte after it decodes with it, in the prompt's
+            # text, where the output's decode alone shows it; so the output starts whole.
+            ids[0] = rng.choice(whole)
         want = tok.decode(ids, skip_special_tokens=skip)
         for d in (make_detokenizer(tok, prompt, skip), IncrementalDetokenizer(tok, prompt, skip)):
             assert "".join([d.step(t) for t in ids] + [d.flush()]) == want, f"seed={seed} {type(d).__name__}"

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from flexsgl import LLM, SamplingParams
-from tests.hf_models import make_checkpoint
+from tests.hf_models import capture_logits, make_checkpoint, same_greedy_tokens
 from tests.test_engine import assert_no_page_leak
 
 
@@ -32,7 +32,7 @@ def workload(rng: random.Random, n: int):
     return prompts, params
 
 
-def test_500_requests_under_memory_pressure_match_each_run_alone(model_dir):
+def test_500_requests_under_memory_pressure_match_each_run_alone(model_dir, monkeypatch):
     path, seed = model_dir
     rng = random.Random(seed)
     prompts, params = workload(rng, 500)
@@ -48,24 +48,32 @@ def test_500_requests_under_memory_pressure_match_each_run_alone(model_dir):
     alone = LLM(path, device="cpu", page_size=4, max_total_tokens=4096, max_running_requests=1)
     for i, (p, sp, out) in enumerate(zip(prompts, params, outs)):
         ref = alone.generate([p], sp)[0]
-        assert out.token_ids == ref.token_ids, f"request {i} (seed={seed}, stats={stats})"
+        if out.token_ids != ref.token_ids:  # a near-tie? its logits, recorded (slowly) for this one
+            with monkeypatch.context() as patch:
+                seen = capture_logits(alone, patch)
+                ref = alone.generate([p], sp)[0]
+            assert same_greedy_tokens(out.token_ids, ref.token_ids, seen[ref.request_id]), \
+                f"request {i} (seed={seed}, stats={stats})"
         assert out.finish_reason == ref.finish_reason and len(out.token_ids) == sp.max_new_tokens
 
 
-def test_chunked_prefill_gives_the_same_tokens(model_dir):
+def test_chunked_prefill_gives_the_same_tokens(model_dir, monkeypatch):
     path, seed = model_dir
     rng = random.Random(seed + 1)
     prompts = [[rng.randrange(300) for _ in range(rng.randrange(20, 200))] for _ in range(8)]
     sp = SamplingParams(max_new_tokens=6, temperature=0.0)
-    whole = LLM(path, device="cpu", page_size=16).generate(prompts, sp)
     chunked_llm = LLM(path, device="cpu", page_size=16, max_num_batched_tokens=24)
     chunked = chunked_llm.generate(prompts, sp)
-    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole], f"seed={seed}"
+    whole_llm = LLM(path, device="cpu", page_size=16)
+    seen = capture_logits(whole_llm, monkeypatch)  # (it records every engine's sampling from here)
+    whole = whole_llm.generate(prompts, sp)
+    assert all(same_greedy_tokens(c.token_ids, w.token_ids, seen[w.request_id]) for c, w in zip(chunked, whole)), \
+        f"seed={seed}"
     assert chunked_llm.stats()["prefill_steps"] >= sum(len(p) for p in prompts) // 24
 
 
 @pytest.mark.parametrize("prefill_first", [False, True])
-def test_prefill_first_decodes_the_whole_batch_once_every_prompt_is_in(model_dir, prefill_first):
+def test_prefill_first_decodes_the_whole_batch_once_every_prompt_is_in(model_dir, prefill_first, monkeypatch):
     """By default a decode step follows each prefill step while requests decode; with prefill_first
     every prompt is prefilled (in chunks) before the first decode step, which runs them all. The
     tokens are those of one unchunked prefill either way."""
@@ -90,8 +98,11 @@ def test_prefill_first_decodes_the_whole_batch_once_every_prompt_is_in(model_dir
         assert last_prefill < first_decode and steps[first_decode][1] == len(prompts), steps
     else:
         assert first_decode < last_prefill, steps
-    whole = LLM(path, device="cpu", page_size=16).generate(prompts, sp)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in whole], f"seed={seed}"
+    whole_llm = LLM(path, device="cpu", page_size=16)
+    seen = capture_logits(whole_llm, monkeypatch)
+    whole = whole_llm.generate(prompts, sp)
+    assert all(same_greedy_tokens(o.token_ids, w.token_ids, seen[w.request_id]) for o, w in zip(outs, whole)), \
+        f"seed={seed}"
 
 
 def test_prefix_cache_reuses_pages_and_reports_cached_tokens(model_dir):
