@@ -71,10 +71,12 @@ def serve(engine_config, host: str = "127.0.0.1", port: int = 8000, served_model
     server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
     where = sock.getsockname()
     engine.on_ready = lambda: logger.info(f"serving {names[0]} on http://{where[0]}:{where[1]}")
-    engine.on_start_failed = lambda: setattr(server, "should_exit", True)  # not a signal: uvicorn would end
-    try:                                                                    # the process with it (status 143)
+    # Not a signal, which uvicorn would end the process with (status 143): the requests in flight end
+    # with the engine's error, then the server exits 1, as vLLM's does, for a supervisor to restart.
+    engine.on_start_failed = engine.on_engine_died = lambda: setattr(server, "should_exit", True)
+    try:
         server.run(sockets=[sock])
     finally:
         engine.stop()  # also where a second Ctrl-C made uvicorn skip the app's shutdown
-    if engine.start_failed.is_set():
+    if engine.failure is not None:
         raise SystemExit(1)  # the engine said why

@@ -73,6 +73,7 @@ class EngineClient:
         self.start_failed = threading.Event()  # the engine could not start (`failure` says why)
         self.on_start_failed = lambda: os.kill(os.getpid(), signal.SIGTERM)  # what stops the server then
         self.on_ready = lambda: None  # once the engine is ready (the server says where it serves)
+        self.on_engine_died = lambda: None  # the engine failed or its process ended: what stops the server
         self.draining = False  # the server is stopping: requests in flight are being ended (drain)
 
     # ---- lifetime
@@ -215,13 +216,17 @@ class EngineClient:
                     return
                 elif isinstance(msg, Failed):
                     self._failed(msg.reason)
+                    self.on_engine_died()
+                    return
         except (EOFError, OSError):
             if not self.stopping:
                 self.process.join(1)
                 self._failed(f"The engine process ended unexpectedly (exit code {self.process.exitcode}).")
+                self.on_engine_died()
         except Exception as e:  # a fault of this thread: the server must say so, not wait on it forever
             logger.exception("the engine's reader failed")
             self._failed(f"The server stopped reading the engine ({describe(e)}).")
+            self.on_engine_died()
 
     def _failed(self, reason: str) -> None:
         if self.failure is None:
