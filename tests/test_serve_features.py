@@ -620,6 +620,24 @@ def test_the_request_log_names_each_request_and_its_end(server, client):
     assert f"request {out.id}: prompts 'Return the value'" in open(log).read()
 
 
+def test_a_client_gone_before_its_body_arrived_logs_no_traceback(server, client):
+    """A request whose client closes before the Content-Length it announced has arrived: nothing
+    for anyone to read, so no error in the log (it logged two tracebacks), and the server serves on."""
+    import socket
+
+    base, log = server
+    before = len(open(log).read())
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Authorization: Bearer {KEY}\r\nContent-Length: 500\r\n\r\n{{\"prompt\": \"a").encode())
+        time.sleep(0.3)
+    assert complete(client, prompt="Return the", max_tokens=2).choices[0].finish_reason in ("stop", "length")
+    time.sleep(0.3)
+    tail = open(log).read()[before:]
+    assert "Traceback" not in tail and "ClientDisconnect" not in tail, tail[-3000:]
+
+
 def test_schema_keywords_xgrammar_cannot_enforce_get_400_naming_the_field_and_place(client):
     loose = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"},
                                                        "uniqueItems": True}}}

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from flexsgl.errors import InputError, PromptError
 from flexsgl.log import logger
@@ -144,6 +145,10 @@ def install(app: FastAPI) -> None:
             message = str(e.detail).rstrip(".") + "."
         kind = "invalid_request_error" if e.status_code < 500 else "internal_error"
         return error_response(message, e.status_code, kind, headers=e.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request, e: ClientDisconnect):  # nobody reads this: no traceback in the log
+        return error_response("The client disconnected before the request's body arrived.", 400)
 
     @app.exception_handler(Exception)
     async def unexpected(request, e: Exception):
