@@ -78,5 +78,5 @@ def serve(engine_config, host: str = "127.0.0.1", port: int = 8000, served_model
         server.run(sockets=[sock])
     finally:
         engine.stop()  # also where a second Ctrl-C made uvicorn skip the app's shutdown
-    if engine.failure is not None:
+    if engine.failure is not None and not engine.draining:  # (not after a Ctrl-C or SIGTERM's stop)
         raise SystemExit(1)  # the engine said why
