@@ -353,6 +353,35 @@ def test_an_aborted_requests_queued_compile_is_dropped_and_a_later_one_runs(monk
     queue.shutdown()
 
 
+def test_a_special_tokens_text_ends_the_reasoning_only_where_the_output_keeps_it():
+    """reasoning_end watches the output's text: with skip_special_tokens (the default) the text of
+    <|endoftext|> (id 0) is not in it, so its "e" does not end the reasoning, a later token's "e"
+    does; with skip_special_tokens=False it is, and ends it. (It ended it either way: a constrained
+    request's free part then differed from the same request unconstrained.)"""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(EMBEDDED["tiny-docs"]))
+    rng = random.Random(seed := random.randrange(1 << 30))
+    plain = [i for i in range(1, len(tok)) if "e" not in tok.decode([i]) and "\ufffd" not in tok.decode([i])]
+    with_e = [i for i in range(1, len(tok)) if "e" in tok.decode([i])]
+    queue = grammar.GrammarQueue(tok, len(tok))
+    for skip in (True, False):
+        req = SimpleNamespace(sampling=SamplingParams(structured_outputs={"regex": "[0-9]+"}, reasoning_end="e",
+                                                      skip_special_tokens=skip), stop_ids=(0,))
+        queue.add(req)
+        while not (ready := queue.ready()[0]):
+            queue.wait(5.0)
+        matcher = ready[0].grammar
+        grammar.accept_tokens([matcher], [rng.choice(plain)])
+        grammar.accept_tokens([matcher], [0])
+        assert matcher.constraining == (not skip), (skip, seed)
+        grammar.accept_tokens([matcher], [rng.choice(with_e)])
+        assert matcher.constraining, (skip, seed)
+    queue.shutdown()
+
+
 INT = {"type": "integer", "minimum": 0, "maximum": 9}
 
 

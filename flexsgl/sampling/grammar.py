@@ -15,8 +15,9 @@ token mask of each step's rows, filled on the host for sampler.apply_token_mask.
 - Matcher: one request's place in its grammar: it accepts each sampled token, and ends the request
   once the grammar is complete (with a stop token, or without one when the request has none). With
   `SamplingParams.reasoning_end` (a chat request in thinking mode, `</think>`), the grammar applies
-  only after the output holds that text: until then the row is unconstrained and the tokens' bytes
-  are only watched for it (a request that never writes it ends by its other limits).
+  only after the output's text holds it (special tokens' text counted only where the request keeps
+  it, skip_special_tokens=False): until then the row is unconstrained and the tokens' bytes are only
+  watched for it (a request that never writes it ends by its other limits).
 - GrammarCompiler.fill_mask(): the TokenMask (sampler.py) of a step's sampled rows; a row without
   a grammar (or whose grammar has ended) allows every token. The live rows are filled in one call
   to xgrammar's batch matcher, on the calling thread: for 256 rows of a JSON schema over the byte
@@ -126,6 +127,13 @@ def tokenizer_info(tokenizer, vocab_size: int):
     return xgr.TokenizerInfo.from_huggingface(hf_tokenizer(tokenizer), vocab_size=min(vocab_size, len(tokenizer)))
 
 
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of `tokenizer`'s special tokens (none for the presets' byte tokenizer)."""
+    from flexsgl.tokenizer import ByteTokenizer, hf_tokenizer
+
+    return frozenset() if isinstance(tokenizer, ByteTokenizer) else frozenset(hf_tokenizer(tokenizer).all_special_ids)
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer on COMPILE_THREADS worker threads, one Future per
     distinct constraint (xgrammar caches the compiled grammars too)."""
@@ -134,6 +142,7 @@ class GrammarCompiler:
         xgr = _xgr()
         self.vocab_size = vocab_size  # the model's (its logits' width)
         self.info = tokenizer_info(tokenizer, vocab_size)
+        self.special_ids = special_token_ids(tokenizer)
         self.grammar_vocab = self.info.vocab_size  # the tokens a grammar sees
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS)
         self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="flexsgl-grammar")
@@ -144,6 +153,12 @@ class GrammarCompiler:
     def token_bytes(self) -> list[bytes]:
         """Each token's bytes, by id (a Matcher waiting for its reasoning's end reads them)."""
         return self.info.decoded_vocab
+
+    @functools.cached_property
+    def shown_token_bytes(self) -> list[bytes]:
+        """token_bytes with the special tokens' empty, as skip_special_tokens leaves them out of the
+        output's text (`<|endoftext|>` would end a reasoning that waits for an "e")."""
+        return [b"" if i in self.special_ids else b for i, b in enumerate(self.token_bytes)]
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """A Future of `spec` compiled (its exception: SamplingParamsError, saying why)."""
@@ -216,8 +231,10 @@ class GrammarQueue:
             elif fut.exception() is not None:
                 failed.append((req, str(fut.exception())))
             else:
-                after = req.sampling.reasoning_end
-                req.grammar = Matcher(fut.result(), req.stop_ids, after, self.compiler.token_bytes if after else None)
+                after, shown = req.sampling.reasoning_end, req.sampling.skip_special_tokens
+                req.grammar = Matcher(fut.result(), req.stop_ids, after,
+                                      None if not after else self.compiler.shown_token_bytes if shown
+                                      else self.compiler.token_bytes)
                 compiled.append(req)
         self.waiting = still
         return compiled, failed
