@@ -231,10 +231,11 @@ class GrammarQueue:
             elif fut.exception() is not None:
                 failed.append((req, str(fut.exception())))
             else:
-                after, shown = req.sampling.reasoning_end, req.sampling.skip_special_tokens
-                req.grammar = Matcher(fut.result(), req.stop_ids, after,
-                                      None if not after else self.compiler.shown_token_bytes if shown
-                                      else self.compiler.token_bytes)
+                after, watched = req.sampling.reasoning_end, None
+                if after:  # the bytes the output's text shows
+                    watched = (self.compiler.shown_token_bytes if req.sampling.skip_special_tokens
+                               else self.compiler.token_bytes)
+                req.grammar = Matcher(fut.result(), req.stop_ids, after, watched)
                 compiled.append(req)
         self.waiting = still
         return compiled, failed

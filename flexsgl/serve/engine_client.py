@@ -174,7 +174,7 @@ class EngineClient:
         c.reasons.append(reason)
         if queue_s is not None:
             c.queue_s = max(c.queue_s or 0.0, queue_s)
-            c.first_admitted_s = min(c.first_admitted_s if c.first_admitted_s is not None else queue_s, queue_s)
+            c.first_admitted_s = queue_s if c.first_admitted_s is None else min(c.first_admitted_s, queue_s)
         if len(c.reasons) < c.choices:
             return
         if c.first_token is not None:
@@ -215,18 +215,20 @@ class EngineClient:
                     self.on_start_failed()  # the server stops
                     return
                 elif isinstance(msg, Failed):
-                    self._failed(msg.reason)
-                    self.on_engine_died()
+                    self._died(msg.reason)
                     return
         except (EOFError, OSError):
             if not self.stopping:
                 self.process.join(1)
-                self._failed(f"The engine process ended unexpectedly (exit code {self.process.exitcode}).")
-                self.on_engine_died()
+                self._died(f"The engine process ended unexpectedly (exit code {self.process.exitcode}).")
         except Exception as e:  # a fault of this thread: the server must say so, not wait on it forever
             logger.exception("the engine's reader failed")
-            self._failed(f"The server stopped reading the engine ({describe(e)}).")
-            self.on_engine_died()
+            self._died(f"The server stopped reading the engine ({describe(e)}).")
+
+    def _died(self, reason: str) -> None:
+        """The engine cannot serve any more: the requests in flight end with `reason`, then the server stops."""
+        self._failed(reason)
+        self.on_engine_died()
 
     def _failed(self, reason: str) -> None:
         if self.failure is None:
